@@ -1,0 +1,29 @@
+# Everything a fresh machine needs: `make train` and `make test` install first.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+LOGDIR ?= /tmp/lingvo_gpipe/demo
+MODEL ?= demo.TinyConvNet
+
+.PHONY: install train test lint clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: setup.py pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --upgrade pip
+	$(PY) -m pip install -e '.[test]'
+	touch $@
+
+# Trains the default model offline, writes TensorBoard logs to $(LOGDIR), then evaluates.
+train: install
+	$(PY) tools/trainer.py --model=$(MODEL) --logdir=$(LOGDIR) --mode=train_and_eval
+
+test: install
+	$(PY) -m pytest -q tests
+
+lint: install
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache

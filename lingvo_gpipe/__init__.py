@@ -1,0 +1,1 @@
+"""lingvo_gpipe: GPipe pipeline parallelism for TensorFlow 2."""

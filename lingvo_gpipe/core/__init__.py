@@ -1,0 +1,1 @@
+"""Core library: params, layers, optimizers, schedules, devices."""

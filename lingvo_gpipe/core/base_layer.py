@@ -1,0 +1,303 @@
+"""`BaseLayer`: the Params-built, checkpointable building block of every model.
+
+A layer is a `tf.Module` built from frozen `Params`. It creates its children with
+`create_child` and its variables with `create_variable`; both are tracked, so a
+`tf.train.Checkpoint` of the root saves and restores the whole tree. `fprop` is the
+forward computation; call a layer (`layer(x)`) rather than `layer.fprop(x)` so that
+name scopes and model inspection (`model_stats`) see the call.
+
+Per-step information that is not an input tensor (training or eval, the global step,
+the micro-batch index, batch-norm statistics to collect) travels in a `StepContext`
+set by the trainer or the pipeline, so that layers can draw stateless dropout masks
+that a re-materialized forward pass reproduces exactly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import re
+import threading
+import zlib
+from typing import Any, Callable, Iterator, Sequence
+
+import tensorflow as tf
+
+from lingvo_gpipe.core import hyperparams
+
+Params = hyperparams.Params
+InstantiableParams = hyperparams.InstantiableParams
+
+# ---------------------------------------------------------------------------
+# Weight initialization.
+# ---------------------------------------------------------------------------
+
+INIT_METHODS = ("xavier", "uniform", "gaussian", "gaussian_sqrt_fanin", "constant")
+
+
+def weight_init(method: str = "xavier", scale: float = 1.0) -> Params:
+  """Params of a weight initializer.
+
+  Methods:
+    xavier: uniform in ±scale·sqrt(6 / (fan_in + fan_out)) (Glorot & Bengio).
+    uniform: uniform in ±scale.
+    gaussian: normal with standard deviation `scale`.
+    gaussian_sqrt_fanin: normal with standard deviation scale / sqrt(fan_in).
+    constant: every element equals `scale`.
+  """
+  p = Params()
+  p.define("method", method, f"One of {INIT_METHODS}.")
+  p.define("scale", float(scale), "Scale; its meaning depends on the method.")
+  return p
+
+
+def _fans(shape: Sequence[int]) -> tuple[int, int]:
+  """(fan_in, fan_out) of a weight: the last two dims, times a conv's window."""
+  if len(shape) == 0:
+    return 1, 1
+  if len(shape) == 1:
+    return shape[0], shape[0]
+  receptive = math.prod(shape[:-2])
+  return shape[-2] * receptive, shape[-1] * receptive
+
+
+def initial_value(init: Params, shape: Sequence[int], dtype: tf.DType,
+                  seed: tuple[int, int]) -> tf.Tensor:
+  """A tensor of `shape` drawn by `init` from a stateless `seed` (reproducible)."""
+  shape = list(shape)
+  method, scale = init.method, init.scale
+  if method == "constant":
+    return tf.fill(shape, tf.cast(scale, dtype))
+  if method == "xavier":
+    fan_in, fan_out = _fans(shape)
+    limit = scale * math.sqrt(6.0 / (fan_in + fan_out))
+    return tf.random.stateless_uniform(shape, seed, -limit, limit, dtype=dtype)
+  if method == "uniform":
+    return tf.random.stateless_uniform(shape, seed, -scale, scale, dtype=dtype)
+  if method == "gaussian":
+    return tf.random.stateless_normal(shape, seed, stddev=scale, dtype=dtype)
+  if method == "gaussian_sqrt_fanin":
+    fan_in, _ = _fans(shape)
+    return tf.random.stateless_normal(shape, seed, stddev=scale / math.sqrt(fan_in),
+                                      dtype=dtype)
+  raise ValueError(f"unknown init method {method!r}; valid: {INIT_METHODS}")
+
+
+# ---------------------------------------------------------------------------
+# The step context.
+# ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class StepContext:
+  """What a forward pass needs to know besides its inputs.
+
+  Attributes:
+    training: True in a training step (dropout on, batch norm uses batch statistics).
+    step: the global step as an int64 scalar tensor (or int); seeds dropout.
+    micro_batch: index of the micro-batch being computed; seeds dropout too, so
+      micro-batches draw different masks.
+    layer_stats: where layers (batch norm) report statistics of this forward pass:
+      a list of (layer, stats) pairs, or None to not collect (e.g. in a recompute).
+  """
+  training: bool = False
+  step: Any = 0
+  micro_batch: Any = 0
+  layer_stats: list | None = None
+
+
+_STATE = threading.local()
+
+
+def current_context() -> StepContext:
+  stack = getattr(_STATE, "contexts", None)
+  return stack[-1] if stack else StepContext()
+
+
+@contextlib.contextmanager
+def step_context(**changes: Any) -> Iterator[StepContext]:
+  """Enters a StepContext that is the current one with `changes` applied."""
+  ctx = dataclasses.replace(current_context(), **changes)
+  stack = _STATE.__dict__.setdefault("contexts", [])
+  stack.append(ctx)
+  try:
+    yield ctx
+  finally:
+    stack.pop()
+
+
+def _layer_stack() -> list:
+  return _STATE.__dict__.setdefault("building", [])
+
+
+# Observers notified around every layer call; `model_stats` uses this to attribute
+# graph ops to layers. Each is (on_enter(layer), on_exit(layer, outputs)).
+_CALL_OBSERVERS: list[tuple[Callable, Callable]] = []
+
+
+def _module_name(name: str) -> str:
+  """A valid tf.Module name (a Python identifier) for `name`."""
+  cleaned = re.sub(r"\W", "_", name) or "layer"
+  return cleaned if not cleaned[0].isdigit() else f"_{cleaned}"
+
+
+class BaseLayer(tf.Module):
+  """Base class of all layers."""
+
+  @classmethod
+  def Params(cls) -> InstantiableParams:  # noqa: N802 (Lingvo's spelling, reads as a constructor)
+    p = InstantiableParams(cls)
+    p.define("name", cls.__name__.lower(), "Name of this layer; its variables' scope.")
+    p.define("dtype", tf.float32, "Dtype of the variables and the computation.")
+    p.define("params_init", weight_init(), "Default initializer of the weights.")
+    p.define("random_seed", None,
+             "Seed of this layer's initializers and dropout; None inherits the parent's.")
+    return p
+
+  def __init__(self, params: InstantiableParams):
+    if not params.is_frozen:
+      raise hyperparams.ParamsError(
+          f"{type(self).__name__} must be built from frozen params; use params.instantiate()")
+    stack = _layer_stack()
+    parent = stack[-1] if stack else None
+    super().__init__(name=_module_name(params.name))
+    self._params = params
+    self._parent_path = parent.path if parent is not None else ""
+    if params.random_seed is not None:
+      self._seed = int(params.random_seed)
+    else:
+      self._seed = parent._seed if parent is not None else 0
+    self._child_order: tuple[str, ...] = ()
+    self._var_names: tuple[str, ...] = ()
+
+  @property
+  def params(self) -> InstantiableParams:
+    return self._params
+
+  @property
+  def path(self) -> str:
+    """Slash-separated names from the root layer, e.g. 'task/body/conv1'."""
+    return f"{self._parent_path}/{self.name}" if self._parent_path else self.name
+
+  def seed_for(self, purpose: str) -> int:
+    """A stable 31-bit seed for this layer and `purpose`, independent of build order."""
+    return zlib.crc32(f"{self._seed}:{self.path}:{purpose}".encode()) & 0x7FFFFFFF
+
+  # -- children ----------------------------------------------------------------
+
+  def create_child(self, name: str, params: InstantiableParams) -> BaseLayer:
+    """Builds a child layer from `params` (renamed `name`) and tracks it as self.<name>."""
+    if name in self._child_order or hasattr(self, name):
+      raise ValueError(f"{self.path}: child name {name!r} is already used")
+    p = params.copy().set(name=name)
+    stack = _layer_stack()
+    stack.append(self)
+    try:
+      child = p.instantiate()
+    finally:
+      stack.pop()
+    setattr(self, name, child)
+    self._child_order = self._child_order + (name,)
+    return child
+
+  def create_children(self, name: str, params_list: Sequence[InstantiableParams]
+                      ) -> list[BaseLayer]:
+    """Builds one child per params and tracks the list as self.<name>.
+
+    Children keep their params' names when those are unique; otherwise each gets
+    its index appended (`conv_0`, `conv_1`, ...).
+    """
+    names = [_module_name(p.name or name) for p in params_list]
+    if len(set(names)) != len(names):
+      names = [f"{n}_{i}" for i, n in enumerate(names)]
+    children = []
+    stack = _layer_stack()
+    stack.append(self)
+    try:
+      for child_name, p in zip(names, params_list):
+        children.append(p.copy().set(name=child_name).instantiate())
+    finally:
+      stack.pop()
+    setattr(self, name, children)
+    self._child_order = self._child_order + (name,)
+    return getattr(self, name)
+
+  def children(self) -> list[BaseLayer]:
+    """Direct child layers in creation order (lists flattened)."""
+    result = []
+    for name in self._child_order:
+      value = getattr(self, name)
+      result.extend(value if isinstance(value, (list, tuple)) else [value])
+    return result
+
+  def walk(self) -> Iterator[BaseLayer]:
+    """This layer and all layers below it, depth first, in creation order."""
+    yield self
+    for child in self.children():
+      yield from child.walk()
+
+  # -- variables ------------------------------------------------------------------
+
+  def create_variable(self, name: str, shape: Sequence[int], init: Params | None = None,
+                      dtype: tf.DType | None = None, trainable: bool = True) -> tf.Variable:
+    """Creates variable self.<name> of `shape`, drawn by `init` (default params_init).
+
+    The initial value is a function of (layer seed, layer path, name) only, so two
+    builds of the same params give the same weights whatever else is built. Under a
+    `tf.Graph` (see model_stats) nothing is allocated: only the graph is built.
+    """
+    if name in self._var_names or hasattr(self, name):
+      raise ValueError(f"{self.path}: variable name {name!r} is already used")
+    init = init if init is not None else self.params.params_init
+    dtype = dtype or self.params.dtype
+    shape = [int(d) for d in shape]
+    seed = (self.seed_for(name), 0)
+    var = tf.Variable(lambda: initial_value(init, shape, dtype, seed), trainable=trainable,
+                      name=f"{self.path}/{name}", dtype=dtype)
+    setattr(self, name, var)
+    self._var_names = self._var_names + (name,)
+    return var
+
+  def own_variables(self) -> list[tf.Variable]:
+    """Variables created by this layer itself (not its children)."""
+    return [getattr(self, n) for n in self._var_names]
+
+  def num_params(self) -> int:
+    """Number of trainable weights in this layer and its children."""
+    return sum(math.prod(v.shape.as_list()) for v in self.trainable_variables)
+
+  # -- forward ------------------------------------------------------------------------
+
+  def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    for on_enter, _ in _CALL_OBSERVERS:
+      on_enter(self)
+    with tf.name_scope(self.name):
+      outputs = self.fprop(*args, **kwargs)
+    for _, on_exit in _CALL_OBSERVERS:
+      on_exit(self, outputs)
+    return outputs
+
+  def fprop(self, *args: Any, **kwargs: Any) -> Any:
+    raise NotImplementedError(f"{type(self).__name__} does not implement fprop")
+
+  # -- statistics updated once per step (batch norm) ----------------------------------
+
+  def report_stats(self, stats: Any) -> None:
+    """Reports per-forward statistics (e.g. batch moments) for `update_from_stats`."""
+    collected = current_context().layer_stats
+    if collected is not None:
+      collected.append((self, stats))
+
+  def update_from_stats(self, stats_list: list[Any]) -> list[Any]:
+    """Applies the statistics of one step (one entry per forward pass); returns ops."""
+    return []
+
+
+def apply_layer_stats(layer_stats: list[tuple[BaseLayer, Any]]) -> None:
+  """Calls `update_from_stats` once per layer with everything it reported."""
+  by_layer: dict[int, tuple[BaseLayer, list]] = {}
+  for layer, stats in layer_stats:
+    by_layer.setdefault(id(layer), (layer, []))[1].append(stats)
+  for layer, stats_list in by_layer.values():
+    layer.update_from_stats(stats_list)

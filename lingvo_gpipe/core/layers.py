@@ -1,0 +1,416 @@
+"""Basic layers: projection, convolutions, pooling, normalization, dropout, embedding,
+softmax with cross-entropy, and a sequential container.
+
+Shape notation in docstrings: B batch, H/W spatial, C channels, D features, T time.
+Images are NHWC.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import tensorflow as tf
+
+from lingvo_gpipe.core import base_layer
+from lingvo_gpipe.core.base_layer import BaseLayer, weight_init
+
+ACTIVATIONS: dict[str, Callable[[tf.Tensor], tf.Tensor]] = {
+    "NONE": tf.identity,
+    "RELU": tf.nn.relu,
+    "RELU6": tf.nn.relu6,
+    "GELU": tf.nn.gelu,
+    "TANH": tf.tanh,
+    "SIGMOID": tf.sigmoid,
+    "SWISH": tf.nn.silu,
+}
+
+
+def activation_fn(name: str) -> Callable[[tf.Tensor], tf.Tensor]:
+  if name not in ACTIVATIONS:
+    raise ValueError(f"unknown activation {name!r}; valid: {sorted(ACTIVATIONS)}")
+  return ACTIVATIONS[name]
+
+
+def _check_positive(layer: BaseLayer, **values: Any) -> None:
+  for key, value in values.items():
+    if value is None or value <= 0:
+      raise ValueError(f"{layer.path}: {key} must be positive, got {value!r}")
+
+
+class Linear(BaseLayer):
+  """y = activation(x · W + b). Input [..., input_dim] → output [..., output_dim]."""
+
+  @classmethod
+  def Params(cls):  # noqa: N802
+    p = super().Params()
+    p.define("input_dim", 0, "Size of the last input dimension.")
+    p.define("output_dim", 0, "Size of the last output dimension.")
+    p.define("activation", "NONE", f"One of {sorted(ACTIVATIONS)}.")
+    p.define("has_bias", True, "Whether to add a bias.")
+    return p
+
+  def __init__(self, params):
+    super().__init__(params)
+    p = self.params
+    _check_positive(self, input_dim=p.input_dim, output_dim=p.output_dim)
+    self._act = activation_fn(p.activation)
+    self.create_variable("w", [p.input_dim, p.output_dim])
+    if p.has_bias:
+      self.create_variable("b", [p.output_dim], init=weight_init("constant", 0.0))
+
+  def fprop(self, inputs: tf.Tensor) -> tf.Tensor:
+    if inputs.shape.rank == 2:
+      out = tf.matmul(inputs, self.w)
+    else:
+      out = tf.einsum("...i,io->...o", inputs, self.w)
+    if self.params.has_bias:
+      out = out + self.b
+    return self._act(out)
+
+
+class Conv2D(BaseLayer):
+  """2-D convolution. [B, H, W, C_in] → [B, H', W', C_out]."""
+
+  @classmethod
+  def Params(cls):  # noqa: N802
+    p = super().Params()
+    p.define("filter_shape", (3, 3, 0, 0), "(height, width, in_channels, out_channels).")
+    p.define("filter_stride", (1, 1), "(height, width) strides.")
+    p.define("padding", "SAME", "SAME or VALID.")
+    p.define("activation", "NONE", f"One of {sorted(ACTIVATIONS)}.")
+    p.define("has_bias", False, "Whether to add a bias (off when batch norm follows).")
+    return p
+
+  def __init__(self, params):
+    super().__init__(params)
+    p = self.params
+    if len(p.filter_shape) != 4 or min(p.filter_shape) <= 0:
+      raise ValueError(f"{self.path}: filter_shape must be 4 positive ints, got {p.filter_shape}")
+    if p.padding not in ("SAME", "VALID"):
+      raise ValueError(f"{self.path}: padding must be SAME or VALID, got {p.padding!r}")
+    self._act = activation_fn(p.activation)
+    self.create_variable("w", p.filter_shape)
+    if p.has_bias:
+      self.create_variable("b", [p.filter_shape[3]], init=weight_init("constant", 0.0))
+
+  def fprop(self, inputs: tf.Tensor) -> tf.Tensor:
+    p = self.params
+    out = tf.nn.conv2d(inputs, self.w, strides=[1, *p.filter_stride, 1], padding=p.padding)
+    if p.has_bias:
+      out = out + self.b
+    return self._act(out)
+
+
+class DepthwiseSeparableConv2D(BaseLayer):
+  """Depthwise k×k conv then pointwise 1×1 conv. [B, H, W, C_in] → [B, H', W', C_out]."""
+
+  @classmethod
+  def Params(cls):  # noqa: N802
+    p = super().Params()
+    p.define("kernel_size", 3, "Height and width of the depthwise window.")
+    p.define("input_dim", 0, "Input channels.")
+    p.define("output_dim", 0, "Output channels.")
+    p.define("depth_multiplier", 1, "Depthwise output channels per input channel.")
+    p.define("stride", 1, "Stride of the depthwise conv.")
+    p.define("padding", "SAME", "SAME or VALID.")
+    p.define("activation", "NONE", f"One of {sorted(ACTIVATIONS)}.")
+    p.define("has_bias", False, "Whether to add a bias after the pointwise conv.")
+    return p
+
+  def __init__(self, params):
+    super().__init__(params)
+    p = self.params
+    _check_positive(self, kernel_size=p.kernel_size, input_dim=p.input_dim,
+                    output_dim=p.output_dim, depth_multiplier=p.depth_multiplier,
+                    stride=p.stride)
+    self._act = activation_fn(p.activation)
+    k = p.kernel_size
+    self.create_variable("depthwise_w", [k, k, p.input_dim, p.depth_multiplier])
+    self.create_variable("pointwise_w", [1, 1, p.input_dim * p.depth_multiplier, p.output_dim])
+    if p.has_bias:
+      self.create_variable("b", [p.output_dim], init=weight_init("constant", 0.0))
+
+  def fprop(self, inputs: tf.Tensor) -> tf.Tensor:
+    p = self.params
+    out = tf.nn.separable_conv2d(inputs, self.depthwise_w, self.pointwise_w,
+                                 strides=[1, p.stride, p.stride, 1], padding=p.padding)
+    if p.has_bias:
+      out = out + self.b
+    return self._act(out)
+
+
+class Pooling(BaseLayer):
+  """Max or average pooling. [B, H, W, C] → [B, H', W', C]."""
+
+  @classmethod
+  def Params(cls):  # noqa: N802
+    p = super().Params()
+    p.define("window_shape", (2, 2), "(height, width) of the window.")
+    p.define("window_stride", (2, 2), "(height, width) strides.")
+    p.define("pooling_type", "MAX", "MAX or AVG.")
+    p.define("padding", "SAME", "SAME or VALID.")
+    return p
+
+  def __init__(self, params):
+    super().__init__(params)
+    if self.params.pooling_type not in ("MAX", "AVG"):
+      raise ValueError(f"{self.path}: pooling_type must be MAX or AVG, "
+                       f"got {self.params.pooling_type!r}")
+
+  def fprop(self, inputs: tf.Tensor) -> tf.Tensor:
+    p = self.params
+    return tf.nn.pool(inputs, window_shape=p.window_shape, pooling_type=p.pooling_type,
+                      strides=p.window_stride, padding=p.padding)
+
+
+class GlobalPooling(BaseLayer):
+  """Mean or max over the spatial axes. [B, H, W, C] → [B, C]."""
+
+  @classmethod
+  def Params(cls):  # noqa: N802
+    p = super().Params()
+    p.define("pooling_type", "AVG", "MAX or AVG.")
+    return p
+
+  def __init__(self, params):
+    super().__init__(params)
+    if self.params.pooling_type not in ("MAX", "AVG"):
+      raise ValueError(f"{self.path}: pooling_type must be MAX or AVG, "
+                       f"got {self.params.pooling_type!r}")
+
+  def fprop(self, inputs: tf.Tensor) -> tf.Tensor:
+    reduce = tf.reduce_max if self.params.pooling_type == "MAX" else tf.reduce_mean
+    return reduce(inputs, axis=[1, 2])
+
+
+class Activation(BaseLayer):
+  """An element-wise nonlinearity; shape unchanged."""
+
+  @classmethod
+  def Params(cls):  # noqa: N802
+    p = super().Params()
+    p.define("activation", "RELU", f"One of {sorted(ACTIVATIONS)}.")
+    return p
+
+  def __init__(self, params):
+    super().__init__(params)
+    self._act = activation_fn(self.params.activation)
+
+  def fprop(self, inputs: tf.Tensor) -> tf.Tensor:
+    return self._act(inputs)
+
+
+class BatchNorm(BaseLayer):
+  """Batch normalization over all axes but the last. [..., dim] → [..., dim].
+
+  Training normalizes with the statistics of the batch this forward pass sees (one
+  micro-batch under pipelining) and reports (count, mean, M2) per channel. The
+  moving averages are updated once per step by `update_from_stats`, from the
+  statistics of all forward passes of the step combined (Chan et al.'s parallel
+  variance), i.e. from the whole mini-batch. Variance is the biased (1/n) one.
+  """
+
+  @classmethod
+  def Params(cls):  # noqa: N802
+    p = super().Params()
+    p.define("dim", 0, "Number of channels (last dimension).")
+    p.define("decay", 0.99, "Moving average decay.")
+    p.define("epsilon", 1e-3, "Added to the variance.")
+    return p
+
+  def __init__(self, params):
+    super().__init__(params)
+    p = self.params
+    _check_positive(self, dim=p.dim)
+    if not 0.0 <= p.decay < 1.0:
+      raise ValueError(f"{self.path}: decay must be in [0, 1), got {p.decay}")
+    self.create_variable("gamma", [p.dim], init=weight_init("constant", 1.0))
+    self.create_variable("beta", [p.dim], init=weight_init("constant", 0.0))
+    self.create_variable("moving_mean", [p.dim], init=weight_init("constant", 0.0),
+                         trainable=False)
+    self.create_variable("moving_variance", [p.dim], init=weight_init("constant", 1.0),
+                         trainable=False)
+
+  def fprop(self, inputs: tf.Tensor) -> tf.Tensor:
+    p = self.params
+    if base_layer.current_context().training:
+      axes = list(range(inputs.shape.rank - 1))
+      mean, variance = tf.nn.moments(inputs, axes=axes)
+      count = tf.cast(tf.reduce_prod(tf.shape(inputs)[:-1]), inputs.dtype)
+      self.report_stats({"count": tf.stop_gradient(count), "mean": tf.stop_gradient(mean),
+                         "m2": tf.stop_gradient(variance * count)})
+    else:
+      mean, variance = self.moving_mean, self.moving_variance
+    return tf.nn.batch_normalization(inputs, mean, variance, self.beta, self.gamma,
+                                     p.epsilon)
+
+  def update_from_stats(self, stats_list: list[dict]) -> list[Any]:
+    counts = tf.stack([s["count"] for s in stats_list])  # [S]
+    means = tf.stack([s["mean"] for s in stats_list])  # [S, dim]
+    m2s = tf.stack([s["m2"] for s in stats_list])  # [S, dim]
+    total = tf.reduce_sum(counts)
+    mean = tf.reduce_sum(counts[:, None] * means, axis=0) / total
+    m2 = tf.reduce_sum(m2s + counts[:, None] * tf.square(means - mean), axis=0)
+    variance = m2 / total
+    decay = self.params.decay
+    return [
+        self.moving_mean.assign(decay * self.moving_mean + (1.0 - decay) * mean),
+        self.moving_variance.assign(decay * self.moving_variance + (1.0 - decay) * variance),
+    ]
+
+
+class LayerNorm(BaseLayer):
+  """Layer normalization over the last axis. [..., dim] → [..., dim]."""
+
+  @classmethod
+  def Params(cls):  # noqa: N802
+    p = super().Params()
+    p.define("dim", 0, "Size of the last dimension.")
+    p.define("epsilon", 1e-6, "Added to the variance.")
+    return p
+
+  def __init__(self, params):
+    super().__init__(params)
+    _check_positive(self, dim=self.params.dim)
+    self.create_variable("scale", [self.params.dim], init=weight_init("constant", 1.0))
+    self.create_variable("bias", [self.params.dim], init=weight_init("constant", 0.0))
+
+  def fprop(self, inputs: tf.Tensor) -> tf.Tensor:
+    mean, variance = tf.nn.moments(inputs, axes=[-1], keepdims=True)
+    normed = (inputs - mean) * tf.math.rsqrt(variance + self.params.epsilon)
+    return normed * self.scale + self.bias
+
+
+def dropout_seed(layer: BaseLayer) -> tf.Tensor:
+  """Stateless seed [2] from (layer, step, micro-batch) of the current StepContext.
+
+  A recomputed forward pass of the same step and micro-batch gets the same seed, so
+  it draws the same mask; other steps and micro-batches draw other masks.
+  """
+  ctx = base_layer.current_context()
+  seed = tf.stack([tf.constant(layer.seed_for("dropout"), tf.int64),
+                   tf.cast(ctx.step, tf.int64)])
+  return tf.random.experimental.stateless_fold_in(seed, tf.cast(ctx.micro_batch, tf.int64))
+
+
+class Dropout(BaseLayer):
+  """Inverted dropout with stateless, reproducible masks; identity outside training."""
+
+  @classmethod
+  def Params(cls):  # noqa: N802
+    p = super().Params()
+    p.define("keep_prob", 1.0, "Probability of keeping an element, in (0, 1].")
+    p.define("noise_shape_broadcast_dims", None,
+             "Axes along which the mask is shared (e.g. [1] for all time steps).")
+    return p
+
+  def __init__(self, params):
+    super().__init__(params)
+    if not 0.0 < self.params.keep_prob <= 1.0:
+      raise ValueError(f"{self.path}: keep_prob must be in (0, 1], got {self.params.keep_prob}")
+
+  def fprop(self, inputs: tf.Tensor) -> tf.Tensor:
+    p = self.params
+    if not base_layer.current_context().training or p.keep_prob == 1.0:
+      return inputs
+    shape = tf.unstack(tf.shape(inputs))
+    for axis in p.noise_shape_broadcast_dims or []:
+      shape[axis] = 1
+    uniform = tf.random.stateless_uniform(tf.stack(shape), dropout_seed(self),
+                                          dtype=inputs.dtype)
+    keep = tf.cast(uniform < p.keep_prob, inputs.dtype)
+    return inputs * keep / p.keep_prob
+
+
+class Embedding(BaseLayer):
+  """Looks up ids. int ids [...] → [..., embedding_dim]."""
+
+  @classmethod
+  def Params(cls):  # noqa: N802
+    p = super().Params()
+    p.define("vocab_size", 0, "Number of ids.")
+    p.define("embedding_dim", 0, "Size of each embedding vector.")
+    p.define("scale_sqrt_depth", False, "Multiply outputs by sqrt(embedding_dim).")
+    p.params_init = weight_init("gaussian", 1.0)
+    return p
+
+  def __init__(self, params):
+    super().__init__(params)
+    p = self.params
+    _check_positive(self, vocab_size=p.vocab_size, embedding_dim=p.embedding_dim)
+    self.create_variable("emb", [p.vocab_size, p.embedding_dim])
+
+  def fprop(self, ids: tf.Tensor) -> tf.Tensor:
+    out = tf.gather(self.emb, ids)
+    if self.params.scale_sqrt_depth:
+      out = out * (self.params.embedding_dim ** 0.5)
+    return out
+
+
+def softmax_cross_entropy(logits: tf.Tensor, class_ids: tf.Tensor,
+                          label_smoothing: float = 0.0) -> tf.Tensor:
+  """Per-example cross-entropy. logits [..., C], int class_ids [...] → [...].
+
+  With label smoothing ε the target puts 1-ε on the label and ε/C on every class.
+  """
+  num_classes = logits.shape[-1]
+  targets = tf.one_hot(class_ids, num_classes, dtype=logits.dtype)
+  if label_smoothing:
+    targets = targets * (1.0 - label_smoothing) + label_smoothing / num_classes
+  return tf.nn.softmax_cross_entropy_with_logits(labels=targets, logits=logits)
+
+
+class Softmax(BaseLayer):
+  """Projection to class logits plus cross-entropy. [..., input_dim] → [..., num_classes]."""
+
+  @classmethod
+  def Params(cls):  # noqa: N802
+    p = super().Params()
+    p.define("input_dim", 0, "Size of the last input dimension.")
+    p.define("num_classes", 0, "Number of classes.")
+    p.define("label_smoothing", 0.0, "Label smoothing ε in [0, 1).")
+    p.define("logits_abs_max", None, "If set, logits are clipped to ±this value.")
+    return p
+
+  def __init__(self, params):
+    super().__init__(params)
+    p = self.params
+    _check_positive(self, input_dim=p.input_dim, num_classes=p.num_classes)
+    if not 0.0 <= p.label_smoothing < 1.0:
+      raise ValueError(f"{self.path}: label_smoothing must be in [0, 1), "
+                       f"got {p.label_smoothing}")
+    self.create_variable("w", [p.input_dim, p.num_classes])
+    self.create_variable("b", [p.num_classes], init=weight_init("constant", 0.0))
+
+  def fprop(self, inputs: tf.Tensor) -> tf.Tensor:
+    logits = tf.einsum("...i,ic->...c", inputs, self.w) + self.b
+    if self.params.logits_abs_max is not None:
+      limit = self.params.logits_abs_max
+      logits = tf.clip_by_value(logits, -limit, limit)
+    return logits
+
+  def xent_loss(self, logits: tf.Tensor, class_ids: tf.Tensor) -> tf.Tensor:
+    """Per-example cross-entropy [...] with this layer's label smoothing."""
+    return softmax_cross_entropy(logits, class_ids, self.params.label_smoothing)
+
+
+class Sequential(BaseLayer):
+  """Runs `layers` in order; a tuple output is passed on as positional arguments."""
+
+  @classmethod
+  def Params(cls):  # noqa: N802
+    p = super().Params()
+    p.define("layers", [], "Params of the layers, in order.")
+    return p
+
+  def __init__(self, params):
+    super().__init__(params)
+    if not self.params.layers:
+      raise ValueError(f"{self.path}: Sequential needs at least one layer")
+    self.create_children("layers", self.params.layers)
+
+  def fprop(self, *inputs: Any) -> Any:
+    outputs: Any = inputs
+    for layer in self.layers:
+      outputs = layer(*outputs) if isinstance(outputs, tuple) else layer(outputs)
+    return outputs

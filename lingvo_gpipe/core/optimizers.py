@@ -1,0 +1,253 @@
+"""Optimizers whose state lives beside each variable.
+
+GPipe's memory argument needs each device to hold only its own cells' weights *and*
+their optimizer state. Keras 3 optimizers create slot variables on the default
+device (DESIGN.md), so these optimizers create every slot inside
+`tf.device(variable.device)` and compute every update there too.
+
+An optimizer is built from Params, tracks its slots (so a `tf.train.Checkpoint`
+holding it saves them), and applies one synchronous update:
+
+  opt = p.instantiate()
+  opt.create_slots(variables)            # eagerly, before tracing a train step
+  lr, grad_norm = opt.apply_gradients(grads, variables, step)
+
+`step` is the 0-based index of the update being applied.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Sequence
+
+import tensorflow as tf
+
+from lingvo_gpipe.core import schedules
+from lingvo_gpipe.core.hyperparams import InstantiableParams
+
+
+def _slot_key(var: tf.Variable) -> str:
+  """Checkpoint-safe key for a variable: its name without the ':0' suffix."""
+  return re.sub(r":\d+$", "", var.name)
+
+
+class Optimizer(tf.Module):
+  """Base class: learning rate × schedule, global-norm clipping, per-variable slots."""
+
+  @classmethod
+  def Params(cls) -> InstantiableParams:  # noqa: N802
+    p = InstantiableParams(cls)
+    p.define("learning_rate", 0.1, "Base learning rate; the schedule multiplies it.")
+    p.define("lr_schedule", schedules.Constant.Params(), "Learning-rate schedule params.")
+    p.define("clip_gradient_norm", 0.0,
+             "If > 0, gradients are scaled so their global norm is at most this.")
+    return p
+
+  def __init__(self, params: InstantiableParams):
+    super().__init__(name=type(self).__name__.lower())
+    if params.learning_rate < 0:
+      raise ValueError(f"learning_rate must be >= 0, got {params.learning_rate}")
+    if params.clip_gradient_norm < 0:
+      raise ValueError(f"clip_gradient_norm must be >= 0, got {params.clip_gradient_norm}")
+    self.params = params
+    self.schedule = params.lr_schedule.instantiate()
+    self.slots: dict[str, dict[str, tf.Variable]] = {}
+
+  def _slot_shapes(self, var: tf.Variable) -> dict[str, tuple[list[int], float]]:
+    """{slot name: (shape, initial value)} for `var`."""
+    return {}
+
+  def create_slots(self, variables: Sequence[tf.Variable]) -> None:
+    """Creates the slots of each variable on that variable's device (idempotent)."""
+    for var in variables:
+      key = _slot_key(var)
+      if key in self.slots:
+        continue
+      with tf.device(var.device):
+        self.slots[key] = {
+            name: tf.Variable(tf.fill(shape, tf.cast(init, var.dtype)), trainable=False,
+                              name=f"{key}/{name}")
+            for name, (shape, init) in self._slot_shapes(var).items()
+        }
+
+  def slots_of(self, var: tf.Variable) -> dict[str, tf.Variable]:
+    return self.slots[_slot_key(var)]
+
+  def learning_rate(self, step: tf.Tensor) -> tf.Tensor:
+    return self.params.learning_rate * self.schedule.value(step)
+
+  def apply_gradients(self, grads: Sequence[tf.Tensor], variables: Sequence[tf.Variable],
+                      step: tf.Tensor, grad_norm: tf.Tensor | None = None
+                      ) -> tuple[tf.Tensor, tf.Tensor]:
+    """Clips, then updates each variable on its own device.
+
+    Args:
+      grads: one gradient per variable.
+      variables: the variables, each with slots from `create_slots`.
+      step: 0-based index of this update (drives the schedule and bias corrections).
+      grad_norm: the global norm of `grads`, if the caller has it already.
+
+    Returns:
+      (learning rate used, global gradient norm before clipping).
+    """
+    if len(grads) != len(variables):
+      raise ValueError(f"{len(grads)} gradients for {len(variables)} variables")
+    grads = [tf.convert_to_tensor(g) for g in grads]
+    if grad_norm is None:
+      grad_norm = tf.linalg.global_norm(grads)
+    if self.params.clip_gradient_norm > 0:
+      grads, _ = tf.clip_by_global_norm(grads, self.params.clip_gradient_norm,
+                                        use_norm=grad_norm)
+    lr = self.learning_rate(step)
+    for grad, var in zip(grads, variables):
+      with tf.device(var.device):
+        self._update(var, tf.cast(grad, var.dtype), self.slots_of(var),
+                     tf.cast(lr, var.dtype), step)
+    return lr, grad_norm
+
+  def _update(self, var, grad, slots, lr, step) -> None:
+    raise NotImplementedError
+
+
+class SGD(Optimizer):
+  """Plain or momentum SGD (TF1 form): a = μ·a + g; w -= lr·a (Nesterov: lr·(g + μ·a))."""
+
+  @classmethod
+  def Params(cls):  # noqa: N802
+    p = super().Params()
+    p.define("momentum", 0.9, "Momentum μ; 0 for plain SGD.")
+    p.define("nesterov", False, "Use Nesterov momentum.")
+    return p
+
+  def _slot_shapes(self, var):
+    return {"momentum": (var.shape.as_list(), 0.0)} if self.params.momentum else {}
+
+  def _update(self, var, grad, slots, lr, step):
+    mu = self.params.momentum
+    if not mu:
+      var.assign_sub(lr * grad)
+      return
+    accum = slots["momentum"].assign(mu * slots["momentum"] + grad)
+    var.assign_sub(lr * (grad + mu * accum if self.params.nesterov else accum))
+
+
+class RMSProp(Optimizer):
+  """RMSProp with momentum as in TF1's RMSPropOptimizer (the AmoebaNet paper's).
+
+  ms = ρ·ms + (1-ρ)·g²;  mom = μ·mom + lr·g / sqrt(ms + ε);  w -= mom.
+  ms starts at 1, as in TF1, so the first steps are not huge.
+  """
+
+  @classmethod
+  def Params(cls):  # noqa: N802
+    p = super().Params()
+    p.define("decay", 0.9, "Decay ρ of the mean square.")
+    p.define("momentum", 0.9, "Momentum μ.")
+    p.define("epsilon", 1.0, "ε inside the square root (AmoebaNet used 1.0).")
+    return p
+
+  def _slot_shapes(self, var):
+    shape = var.shape.as_list()
+    return {"ms": (shape, 1.0), "mom": (shape, 0.0)}
+
+  def _update(self, var, grad, slots, lr, step):
+    p = self.params
+    ms = slots["ms"].assign(p.decay * slots["ms"] + (1.0 - p.decay) * tf.square(grad))
+    mom = slots["mom"].assign(p.momentum * slots["mom"] + lr * grad * tf.math.rsqrt(ms + p.epsilon))
+    var.assign_sub(mom)
+
+
+class Adam(Optimizer):
+  """Adam with bias correction: w -= lr · m̂ / (sqrt(v̂) + ε), t = step + 1."""
+
+  @classmethod
+  def Params(cls):  # noqa: N802
+    p = super().Params()
+    p.define("beta1", 0.9, "Decay of the first moment.")
+    p.define("beta2", 0.98, "Decay of the second moment.")
+    p.define("epsilon", 1e-9, "ε added to sqrt(v̂).")
+    return p
+
+  def _slot_shapes(self, var):
+    shape = var.shape.as_list()
+    return {"m": (shape, 0.0), "v": (shape, 0.0)}
+
+  def _update(self, var, grad, slots, lr, step):
+    p = self.params
+    t = tf.cast(step, var.dtype) + 1.0
+    m = slots["m"].assign(p.beta1 * slots["m"] + (1.0 - p.beta1) * grad)
+    v = slots["v"].assign(p.beta2 * slots["v"] + (1.0 - p.beta2) * tf.square(grad))
+    m_hat = m / (1.0 - tf.pow(p.beta1, t))
+    v_hat = v / (1.0 - tf.pow(p.beta2, t))
+    var.assign_sub(lr * m_hat / (tf.sqrt(v_hat) + p.epsilon))
+
+
+class Adafactor(Optimizer):
+  """Adafactor (Shazeer & Stern, 2018), the optimizer of large Transformers.
+
+  For a weight of rank ≥ 2 whose last two dims are both ≥ min_dim_size_to_factor,
+  the second moment is kept factored: a row mean vr [..., R] and a column mean
+  vc [..., C] instead of v [..., R, C], which is what makes the optimizer state of a
+  multi-billion-parameter model small. With t = step + 1:
+
+    β2_t = 1 - t^(-decay_exponent);  g2 = g² + ε1
+    v ≈ vr ⊗ vc / mean(vr);  u = g / sqrt(v);  u /= max(1, rms(u) / clipping_threshold)
+    m = β1·m + (1-β1)·u  (only if β1 > 0)
+    w -= lr · max(ε2, rms(w)) · u   (the scale factor only if multiply_by_parameter_scale)
+  """
+
+  @classmethod
+  def Params(cls):  # noqa: N802
+    p = super().Params()
+    p.define("beta1", 0.0, "Momentum; 0 keeps no first moment.")
+    p.define("decay_exponent", 0.8, "β2_t = 1 - t^(-decay_exponent).")
+    p.define("clipping_threshold", 1.0, "Update clipping threshold d (0 disables).")
+    p.define("epsilon1", 1e-30, "Added to g².")
+    p.define("epsilon2", 1e-3, "Lower bound of the parameter scale.")
+    p.define("multiply_by_parameter_scale", True, "Scale the step by rms(w).")
+    p.define("factored", True, "Factor second moments of rank >= 2 weights.")
+    p.define("min_dim_size_to_factor", 128, "Factor only if both last dims are this big.")
+    return p
+
+  def _is_factored(self, shape: list[int]) -> bool:
+    p = self.params
+    return (p.factored and len(shape) >= 2
+            and min(shape[-2:]) >= p.min_dim_size_to_factor)
+
+  def _slot_shapes(self, var):
+    shape = var.shape.as_list()
+    slots = {}
+    if self._is_factored(shape):
+      slots["vr"] = (shape[:-1], 0.0)
+      slots["vc"] = (shape[:-2] + shape[-1:], 0.0)
+    else:
+      slots["v"] = (shape, 0.0)
+    if self.params.beta1 > 0:
+      slots["m"] = (shape, 0.0)
+    return slots
+
+  def _update(self, var, grad, slots, lr, step):
+    p = self.params
+    t = tf.cast(step, var.dtype) + 1.0
+    beta2 = 1.0 - tf.pow(t, -p.decay_exponent)
+    grad_sq = tf.square(grad) + p.epsilon1
+    if "vr" in slots:
+      vr = slots["vr"].assign(beta2 * slots["vr"]
+                              + (1.0 - beta2) * tf.reduce_mean(grad_sq, axis=-1))
+      vc = slots["vc"].assign(beta2 * slots["vc"]
+                              + (1.0 - beta2) * tf.reduce_mean(grad_sq, axis=-2))
+      row_factor = tf.math.rsqrt(vr / tf.reduce_mean(vr, axis=-1, keepdims=True))
+      col_factor = tf.math.rsqrt(vc)
+      update = grad * row_factor[..., :, None] * col_factor[..., None, :]
+    else:
+      v = slots["v"].assign(beta2 * slots["v"] + (1.0 - beta2) * grad_sq)
+      update = grad * tf.math.rsqrt(v)
+    if p.clipping_threshold > 0:
+      rms = tf.sqrt(tf.reduce_mean(tf.square(update)))
+      update = update / tf.maximum(1.0, rms / p.clipping_threshold)
+    if p.beta1 > 0:
+      update = slots["m"].assign(p.beta1 * slots["m"] + (1.0 - p.beta1) * update)
+    step_size = lr
+    if p.multiply_by_parameter_scale:
+      step_size = lr * tf.maximum(p.epsilon2, tf.sqrt(tf.reduce_mean(tf.square(var))))
+    var.assign_sub(step_size * update)

@@ -1,0 +1,99 @@
+"""Registry of model param classes, keyed `<file>.<ClassName>`.
+
+A param file is a Python module whose classes are decorated with `@register`; the
+key of `class TinyConvNet` in `params/demo.py` is `demo.TinyConvNet`.
+
+The repository's `params/` directory (installed as the package `lingvo_gpipe_params`)
+is always loaded. Param files elsewhere are loaded from the paths given to
+`load_param_files` (the trainer's `--params_path`) and from the environment variable
+`LINGVO_GPIPE_PARAMS_PATH`; each entry, separated by ':', is a .py file or a
+directory whose .py files are all loaded.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import importlib.util
+import os
+import pkgutil
+import sys
+from pathlib import Path
+from typing import Iterable
+
+from lingvo_gpipe.base_model_params import SingleTaskModelParams
+
+BUILTIN_PACKAGE = "lingvo_gpipe_params"
+USER_PACKAGE = "lingvo_gpipe_user_params"
+PATH_ENV = "LINGVO_GPIPE_PARAMS_PATH"
+
+_REGISTRY: dict[str, type] = {}
+
+
+class ModelNotFoundError(KeyError):
+  def __str__(self) -> str:
+    return str(self.args[0])
+
+
+def register(cls: type) -> type:
+  """Class decorator: registers `cls` as `<file>.<ClassName>`."""
+  if not (isinstance(cls, type) and issubclass(cls, SingleTaskModelParams)):
+    raise TypeError(f"{cls!r} must subclass SingleTaskModelParams to be registered")
+  key = f"{cls.__module__.rsplit('.', 1)[-1]}.{cls.__name__}"
+  existing = _REGISTRY.get(key)
+  if existing is not None and existing.__qualname__ != cls.__qualname__:
+    raise ValueError(f"model key {key!r} is registered twice")
+  _REGISTRY[key] = cls
+  return cls
+
+
+def _load_file(path: Path) -> None:
+  name = f"{USER_PACKAGE}.{path.stem}"
+  if name in sys.modules:
+    return
+  spec = importlib.util.spec_from_file_location(name, path)
+  if spec is None or spec.loader is None:
+    raise ImportError(f"cannot load param file {path}")
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[name] = module
+  try:
+    spec.loader.exec_module(module)
+  except BaseException:
+    del sys.modules[name]
+    raise
+
+
+def load_param_files(paths: Iterable[str] = ()) -> None:
+  """Imports the built-in param files, then `paths` and $LINGVO_GPIPE_PARAMS_PATH."""
+  package = importlib.import_module(BUILTIN_PACKAGE)
+  for info in pkgutil.iter_modules(package.__path__):
+    importlib.import_module(f"{BUILTIN_PACKAGE}.{info.name}")
+  extra = [p for p in os.environ.get(PATH_ENV, "").split(":") if p]
+  for entry in [*paths, *extra]:
+    path = Path(entry).expanduser()
+    if path.is_dir():
+      for file in sorted(path.glob("*.py")):
+        if file.name != "__init__.py":
+          _load_file(file)
+    elif path.is_file() and path.suffix == ".py":
+      _load_file(path)
+    else:
+      raise FileNotFoundError(f"param path {entry!r} is neither a .py file nor a directory")
+
+
+def keys() -> list[str]:
+  return sorted(_REGISTRY)
+
+
+def get_class(key: str) -> type:
+  """The registered class for `key`; an unknown key names the closest ones."""
+  if key not in _REGISTRY:
+    close = difflib.get_close_matches(key, list(_REGISTRY), n=3, cutoff=0.4)
+    hint = f"; closest: {', '.join(close)}" if close else ""
+    raise ModelNotFoundError(f"unknown model {key!r}{hint} (list them with --mode=list_models)")
+  return _REGISTRY[key]
+
+
+def get_params(key: str):
+  """The full model Params tree (task, train_input, eval_input) for `key`."""
+  return get_class(key)().model_params()

@@ -1,0 +1,1 @@
+"""Model bodies built from core layers."""

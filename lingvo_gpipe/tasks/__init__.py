@@ -1,0 +1,1 @@
+"""Tasks: a model with its loss, metrics and training settings."""

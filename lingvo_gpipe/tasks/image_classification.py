@@ -1,0 +1,46 @@
+"""Image classification: body network → softmax; cross-entropy, top-1 and top-5 accuracy."""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from lingvo_gpipe.core import layers
+from lingvo_gpipe.tasks.base_task import BaseTask, Metrics
+
+
+class ImageClassificationTask(BaseTask):
+  """batch {'image': [B, H, W, C] float, 'label': [B] int} → metrics.
+
+  `body` maps images to features [B, D]; `softmax` maps features to logits [B, K].
+  """
+
+  @classmethod
+  def Params(cls):  # noqa: N802
+    p = super().Params()
+    p.define("body", None, "Params of the network: images [B, H, W, C] → features [B, D].")
+    p.define("softmax", layers.Softmax.Params(), "Params of the classifier.")
+    return p
+
+  def __init__(self, params):
+    super().__init__(params)
+    if self.params.body is None:
+      raise ValueError(f"{self.path}: params.body is not set")
+    self.create_child("body", self.params.body)
+    self.create_child("softmax", self.params.softmax)
+
+  def fprop(self, batch: dict[str, tf.Tensor]) -> Metrics:
+    logits = self.softmax(self.body(batch["image"]))
+    labels = tf.cast(batch["label"], tf.int32)
+    weight = tf.cast(tf.shape(labels)[0], tf.float32)
+    metrics = {
+        "loss": (tf.reduce_mean(self.softmax.xent_loss(logits, labels)), weight),
+        "accuracy": (_top_k_accuracy(logits, labels, 1), weight),
+    }
+    if self.params.softmax.num_classes > 5:
+      metrics["top5_accuracy"] = (_top_k_accuracy(logits, labels, 5), weight)
+    return metrics
+
+
+def _top_k_accuracy(logits: tf.Tensor, labels: tf.Tensor, k: int) -> tf.Tensor:
+  hits = tf.math.in_top_k(labels, tf.cast(logits, tf.float32), k)
+  return tf.reduce_mean(tf.cast(hits, tf.float32))

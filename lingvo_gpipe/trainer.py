@@ -1,0 +1,229 @@
+"""Train and eval loops: steps, TensorBoard summaries, checkpoints, resumption.
+
+Layout of a logdir:
+  <logdir>/params.txt           the full params text of the run
+  <logdir>/train/ckpt-<step>.*  checkpoints (tf.train.latest_checkpoint(<logdir>/train))
+  <logdir>/train/events.*       loss, metrics, learning rate, gradient norm, examples/sec
+  <logdir>/eval/events.*        eval metrics at the step they were computed
+
+One training step (`_train_step`, traced once):
+  forward under StepContext(training, step) → loss → tf.gradients → optimizer update
+  on each variable's device → batch-norm moving statistics from the whole batch →
+  global step + 1. If the loss or the gradient norm is not finite, nothing is
+  updated and the Python loop stops with NonFiniteLossError, so the last checkpoint
+  on disk is the last good state.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import re
+import time
+from typing import Callable
+
+import tensorflow as tf
+
+from lingvo_gpipe.core import base_layer
+from lingvo_gpipe.core.hyperparams import Params
+
+
+class TrainerError(RuntimeError):
+  """A run that cannot go on; the message says why."""
+
+
+class NonFiniteLossError(TrainerError):
+  pass
+
+
+class CheckpointMismatchError(TrainerError):
+  pass
+
+
+class LogdirError(TrainerError):
+  pass
+
+
+def check_logdir_writable(logdir: str) -> None:
+  """Creates <logdir>/train and proves it writable, or raises LogdirError."""
+  try:
+    os.makedirs(os.path.join(logdir, "train"), exist_ok=True)
+    probe = os.path.join(logdir, "train", f".write_probe_{os.getpid()}")
+    with open(probe, "w") as f:
+      f.write("ok")
+    os.remove(probe)
+  except OSError as e:
+    raise LogdirError(f"logdir {logdir!r} is not writable: {e.strerror or e}") from None
+
+
+def _format_eta(seconds: float) -> str:
+  return str(datetime.timedelta(seconds=int(max(seconds, 0))))
+
+
+def _variable_names(text: str) -> list[str]:
+  return re.findall(r"tf\.Variable '([^']+)'", text)
+
+
+class Trainer:
+  """Builds a task from frozen model params and trains / evaluates it in `logdir`."""
+
+  def __init__(self, params: Params, logdir: str, log: Callable[[str], None] = print):
+    self.params = params
+    self.logdir = logdir
+    self.train_dir = os.path.join(logdir, "train")
+    self.eval_dir = os.path.join(logdir, "eval")
+    self.log = log
+    train_p = params.task.train
+    self.task = params.task.instantiate()
+    self.variables = list(self.task.trainable_variables)
+    self.optimizer = train_p.optimizer.instantiate()
+    self.optimizer.create_slots(self.variables)
+    self.global_step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step")
+    self.checkpoint = tf.train.Checkpoint(task=self.task, optimizer=self.optimizer,
+                                          global_step=self.global_step)
+    self.manager = tf.train.CheckpointManager(
+        self.checkpoint, self.train_dir, max_to_keep=train_p.max_checkpoints_to_keep,
+        checkpoint_name="ckpt")
+
+  # -- checkpoints -----------------------------------------------------------------
+
+  def restore_latest(self) -> int | None:
+    """Restores the newest checkpoint in <logdir>/train, if any; returns its step."""
+    path = self.manager.latest_checkpoint
+    if path is None:
+      return None
+    self.restore(path)
+    return int(self.global_step.numpy())
+
+  def restore(self, path: str) -> None:
+    """Restores `path`, raising CheckpointMismatchError if it is not this model's."""
+    try:
+      status = self.checkpoint.restore(path)
+      status.assert_consumed()
+    except (ValueError, AssertionError) as e:
+      message = str(e)
+      names = _variable_names(message)
+      detail = (f"variables without a match: {', '.join(names)}" if names
+                else message.split("\n")[0])
+      raise CheckpointMismatchError(
+          f"checkpoint {path} does not match model: {detail}. Use a new --logdir, or "
+          "restore the params the checkpoint was written with.") from None
+
+  def save(self) -> str:
+    return self.manager.save(checkpoint_number=int(self.global_step.numpy()))
+
+  # -- steps -------------------------------------------------------------------------
+
+  def _train_step(self, batch: dict[str, tf.Tensor]) -> dict[str, tf.Tensor]:
+    step = self.global_step.read_value()
+    with base_layer.step_context(training=True, step=step, micro_batch=0,
+                                 layer_stats=[]) as ctx:
+      metrics = self.task(batch)
+    loss = metrics["loss"][0]
+    grads = tf.gradients(loss, self.variables,
+                         unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    grad_norm = tf.linalg.global_norm(grads)
+    finite = tf.logical_and(tf.math.is_finite(loss), tf.math.is_finite(grad_norm))
+
+    def apply() -> tf.Tensor:
+      lr, _ = self.optimizer.apply_gradients(grads, self.variables, step, grad_norm)
+      base_layer.apply_layer_stats(ctx.layer_stats)
+      self.global_step.assign_add(1)
+      return lr
+
+    lr = tf.cond(finite, apply, lambda: tf.constant(float("nan")))
+    out = {name: value for name, (value, _) in metrics.items()}
+    out.update(learning_rate=lr, grad_norm=grad_norm, finite=finite)
+    return out
+
+  def _eval_step(self, batch: dict[str, tf.Tensor]) -> dict[str, tuple[tf.Tensor, tf.Tensor]]:
+    with base_layer.step_context(training=False, step=self.global_step.read_value()):
+      return self.task(batch)
+
+  # -- loops ---------------------------------------------------------------------------
+
+  def train(self, max_steps: int, eval_fn: Callable[[], dict] | None = None) -> dict:
+    """Trains until the global step reaches `max_steps`; returns the last step's values."""
+    train_p = self.params.task.train
+    start = self.restore_latest()
+    if start is not None:
+      self.log(f"Resuming from checkpoint {self.manager.latest_checkpoint} at step {start}")
+    else:
+      start = 0
+      self.log("No checkpoint found; starting from step 0")
+    with open(os.path.join(self.logdir, "params.txt"), "w") as f:
+      f.write(self.params.to_text())
+    if start >= max_steps:
+      self.log(f"Global step {start} >= max_steps {max_steps}; nothing to train")
+      return {}
+
+    input_gen = self.params.train_input.instantiate()
+    batch_size = input_gen.params.batch_size
+    step_fn = tf.function(self._train_step, input_signature=[input_gen.batch_spec()])
+    writer = tf.summary.create_file_writer(self.train_dir)
+    with writer.as_default():
+      tf.summary.text("params", "```\n" + self.params.to_text() + "```", step=start)
+
+    values: dict = {}
+    step = start
+    window_start, window_steps = time.perf_counter(), 0
+    run_start = time.perf_counter()
+    for batch in input_gen.dataset():
+      values = {k: v.numpy() for k, v in step_fn(batch).items()}
+      if not values["finite"]:
+        last = self.manager.latest_checkpoint or "none"
+        raise NonFiniteLossError(
+            f"non-finite loss ({values['loss']}) or gradient norm ({values['grad_norm']}) "
+            f"at step {step}; stopped without applying it. Last good checkpoint: {last}")
+      step += 1
+      window_steps += 1
+      elapsed = time.perf_counter() - window_start
+      examples_per_sec = window_steps * batch_size / max(elapsed, 1e-9)
+      if step % train_p.summary_interval_steps == 0 or step == max_steps:
+        with writer.as_default():
+          for name, value in values.items():
+            if name != "finite":
+              tf.summary.scalar(name, value, step=step)
+          tf.summary.scalar("examples_per_sec", examples_per_sec, step=step)
+      if step % train_p.log_interval_steps == 0 or step == max_steps:
+        steps_per_sec = (step - start) / max(time.perf_counter() - run_start, 1e-9)
+        self.log(f"step {step}/{max_steps}  loss {values['loss']:.4f}  "
+                 f"examples/sec {examples_per_sec:.1f}  "
+                 f"eta {_format_eta((max_steps - step) / steps_per_sec)}")
+        window_start, window_steps = time.perf_counter(), 0
+      if step % train_p.save_interval_steps == 0 or step == max_steps:
+        self.save()
+      if (eval_fn is not None and train_p.eval_interval_steps
+          and step % train_p.eval_interval_steps == 0 and step != max_steps):
+        eval_fn()
+      if step >= max_steps:
+        break
+    writer.flush()
+    self.log(f"Saved {self.manager.latest_checkpoint}")
+    return values
+
+  def evaluate(self) -> dict[str, float]:
+    """Runs the eval input once; writes and returns the example-weighted mean metrics."""
+    if self.params.eval_input is None:
+      raise TrainerError("this model has no eval_input")
+    input_gen = self.params.eval_input.copy().set(repeat=False).instantiate()
+    step_fn = tf.function(self._eval_step, input_signature=[input_gen.batch_spec()])
+    totals: dict[str, float] = {}
+    weights: dict[str, float] = {}
+    for batch in input_gen.dataset():
+      for name, (value, weight) in step_fn(batch).items():
+        totals[name] = totals.get(name, 0.0) + float(value) * float(weight)
+        weights[name] = weights.get(name, 0.0) + float(weight)
+    if not weights:
+      raise TrainerError("the eval input produced no full batch; lower its batch_size")
+    results = {name: totals[name] / weights[name] for name in totals}
+    step = int(self.global_step.numpy())
+    writer = tf.summary.create_file_writer(self.eval_dir)
+    with writer.as_default():
+      for name, value in results.items():
+        tf.summary.scalar(name, value, step=step)
+    writer.flush()
+    shown = "  ".join(f"{k} {v:.4f}" for k, v in sorted(results.items()))
+    self.log(f"eval at step {step}: {shown}")
+    return results
+

@@ -1,0 +1,1 @@
+"""Model param files; each registers named model configurations."""

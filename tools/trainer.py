@@ -1,0 +1,151 @@
+"""The lingvo_gpipe trainer binary.
+
+  python tools/trainer.py --model=demo.TinyConvNet --logdir=/tmp/run --max_steps=200
+
+Modes: train, eval, train_and_eval, inspect_params, inspect_model, list_models.
+Exit codes: 0 success; 2 bad input (unknown model, bad override, unwritable logdir,
+bad device spec, a checkpoint of another model), reported before anything is
+written; 1 a run that failed (e.g. a non-finite loss; the last checkpoint is kept).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from absl import app, flags  # noqa: E402
+
+MODES = ("train", "eval", "train_and_eval", "inspect_params", "inspect_model", "list_models")
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("model", None, "Registered model key, e.g. demo.TinyConvNet.")
+flags.DEFINE_string("logdir", None, "Directory for checkpoints, summaries and params.txt.")
+flags.DEFINE_integer("max_steps", None, "Train until this global step (default: the "
+                     "model's task.train.max_steps).")
+flags.DEFINE_string("params_override", "", "Semicolon-separated key=value overrides, "
+                    "e.g. 'task.train.max_steps=10;train_input.batch_size=16'.")
+flags.DEFINE_enum("mode", "train", MODES, "What to do.")
+flags.DEFINE_string("devices", "cpu", "Devices: cpu, cpu:N (N logical CPUs), gpu, gpu:N or "
+                    "gpu:N:MEMORY_MB (GPU 0 split into N logical GPUs).")
+flags.DEFINE_list("params_path", [], "Extra param files or directories to register models "
+                  "from (also $LINGVO_GPIPE_PARAMS_PATH, ':'-separated).")
+flags.DEFINE_integer("inspect_depth", 3, "Layer depth shown by --mode=inspect_model.")
+
+
+class UsageFailure(Exception):
+  """Bad input: reported on stderr with exit code 2."""
+
+
+def _model_params():
+  from lingvo_gpipe import model_registry
+  from lingvo_gpipe.core import hyperparams
+
+  if not FLAGS.model:
+    raise UsageFailure("--model is required (see --mode=list_models)")
+  try:
+    params = model_registry.get_params(FLAGS.model)
+  except model_registry.ModelNotFoundError as e:
+    raise UsageFailure(str(e)) from None
+  try:
+    for key, value in hyperparams.parse_overrides(FLAGS.params_override):
+      params.set_from_text(key, value)
+  except hyperparams.ParamsError as e:
+    raise UsageFailure(f"--params_override: {e}") from None
+  if FLAGS.max_steps is not None:
+    if FLAGS.max_steps < 0:
+      raise UsageFailure(f"--max_steps must be >= 0, got {FLAGS.max_steps}")
+    params.task.train.max_steps = FLAGS.max_steps
+  return params.freeze()
+
+
+def _inspect_model(params) -> None:
+  from lingvo_gpipe.core import model_stats
+
+  batch_spec = params.train_input.instantiate().batch_spec()
+  stats = model_stats.analyze(params.task, batch_spec, max_depth=FLAGS.inspect_depth)
+  print(model_stats.format_table(stats))
+  root = stats[0]
+  print(json.dumps({"model": FLAGS.model, "total_params": root.num_params,
+                    "total_flops_per_batch": root.flops,
+                    "batch_size": params.train_input.batch_size}))
+
+
+def _run() -> int:
+  from lingvo_gpipe import model_registry
+  from lingvo_gpipe.core import cluster
+
+  try:
+    model_registry.load_param_files(FLAGS.params_path)
+  except FileNotFoundError as e:
+    raise UsageFailure(f"--params_path: {e}") from None
+  if FLAGS.mode == "list_models":
+    print("\n".join(model_registry.keys()))
+    return 0
+  params = _model_params()
+  if FLAGS.mode == "inspect_params":
+    print(params.to_text(), end="")
+    return 0
+  try:
+    cluster.configure_devices(FLAGS.devices)
+  except cluster.DeviceSpecError as e:
+    raise UsageFailure(f"--devices: {e}") from None
+  if FLAGS.mode == "inspect_model":
+    _inspect_model(params)
+    return 0
+
+  from lingvo_gpipe import trainer as trainer_lib
+
+  if not FLAGS.logdir:
+    raise UsageFailure(f"--logdir is required for --mode={FLAGS.mode}")
+  if FLAGS.mode != "train" and params.eval_input is None:
+    raise UsageFailure(f"model {FLAGS.model} has no eval_input; use --mode=train")
+  try:
+    trainer_lib.check_logdir_writable(FLAGS.logdir)
+  except trainer_lib.LogdirError as e:
+    raise UsageFailure(str(e)) from None
+  trainer = trainer_lib.Trainer(params, FLAGS.logdir)
+  try:
+    if FLAGS.mode == "eval":
+      if trainer.restore_latest() is None:
+        raise UsageFailure(f"no checkpoint in {trainer.train_dir} to evaluate")
+      trainer.evaluate()
+      return 0
+    eval_fn = trainer.evaluate if FLAGS.mode == "train_and_eval" else None
+    trainer.train(params.task.train.max_steps, eval_fn=eval_fn)
+    if eval_fn is not None:
+      trainer.evaluate()
+  except trainer_lib.CheckpointMismatchError as e:
+    raise UsageFailure(str(e)) from None
+  return 0
+
+
+def main(argv: list[str]) -> None:
+  if len(argv) > 1:
+    print(f"error: unexpected arguments {argv[1:]}", file=sys.stderr)
+    sys.exit(2)
+  import tensorflow as tf
+
+  from lingvo_gpipe import trainer as trainer_lib
+
+  tf.get_logger().setLevel("WARNING")
+  try:
+    code = _run()
+  except UsageFailure as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
+  except trainer_lib.TrainerError as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(1)
+  sys.exit(code)
+
+
+def run() -> None:
+  """Console-script entry point (lingvo_gpipe_trainer)."""
+  app.run(main)
+
+
+if __name__ == "__main__":
+  run()
