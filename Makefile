@@ -11,7 +11,6 @@ install: $(VENV)/.installed
 
 $(VENV)/.installed: setup.py pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --upgrade pip
 	$(PY) -m pip install -e '.[test]'
 	touch $@
 

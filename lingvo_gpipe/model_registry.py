@@ -18,8 +18,8 @@ import importlib.util
 import os
 import pkgutil
 import sys
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 from lingvo_gpipe.base_model_params import SingleTaskModelParams
 

@@ -20,7 +20,7 @@ import datetime
 import os
 import re
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import tensorflow as tf
 
@@ -79,8 +79,13 @@ class Trainer:
     self.optimizer = train_p.optimizer.instantiate()
     self.optimizer.create_slots(self.variables)
     self.global_step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step")
+    # The input position is checkpointed too, so a resumed run sees the batches the
+    # uninterrupted run would have seen (no repeats, no skips).
+    self.train_input = params.train_input.instantiate()
+    self.train_iterator = iter(self.train_input.dataset())
     self.checkpoint = tf.train.Checkpoint(task=self.task, optimizer=self.optimizer,
-                                          global_step=self.global_step)
+                                          global_step=self.global_step,
+                                          train_input_position=self.train_iterator)
     self.manager = tf.train.CheckpointManager(
         self.checkpoint, self.train_dir, max_to_keep=train_p.max_checkpoints_to_keep,
         checkpoint_name="ckpt")
@@ -157,9 +162,8 @@ class Trainer:
       self.log(f"Global step {start} >= max_steps {max_steps}; nothing to train")
       return {}
 
-    input_gen = self.params.train_input.instantiate()
-    batch_size = input_gen.params.batch_size
-    step_fn = tf.function(self._train_step, input_signature=[input_gen.batch_spec()])
+    batch_size = self.train_input.params.batch_size
+    step_fn = tf.function(self._train_step, input_signature=[self.train_input.batch_spec()])
     writer = tf.summary.create_file_writer(self.train_dir)
     with writer.as_default():
       tf.summary.text("params", "```\n" + self.params.to_text() + "```", step=start)
@@ -168,7 +172,7 @@ class Trainer:
     step = start
     window_start, window_steps = time.perf_counter(), 0
     run_start = time.perf_counter()
-    for batch in input_gen.dataset():
+    for batch in self.train_iterator:
       values = {k: v.numpy() for k, v in step_fn(batch).items()}
       if not values["finite"]:
         last = self.manager.latest_checkpoint or "none"

@@ -16,7 +16,7 @@ import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from absl import app, flags  # noqa: E402
+from absl import app, flags, logging  # noqa: E402
 
 MODES = ("train", "eval", "train_and_eval", "inspect_params", "inspect_model", "list_models")
 
@@ -131,6 +131,7 @@ def main(argv: list[str]) -> None:
   from lingvo_gpipe import trainer as trainer_lib
 
   tf.get_logger().setLevel("WARNING")
+  logging.set_verbosity(logging.WARNING)
   try:
     code = _run()
   except UsageFailure as e:

@@ -20,8 +20,10 @@ import math
 import re
 import threading
 import zlib
-from typing import Any, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
+import numpy as np
 import tensorflow as tf
 
 from lingvo_gpipe.core import hyperparams
@@ -270,6 +272,9 @@ class BaseLayer(tf.Module):
   # -- forward ------------------------------------------------------------------------
 
   def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    """Runs fprop in this layer's name scope; numpy array inputs become tensors."""
+    args = tf.nest.map_structure(
+        lambda x: tf.convert_to_tensor(x) if isinstance(x, np.ndarray) else x, args)
     for on_enter, _ in _CALL_OBSERVERS:
       on_enter(self)
     with tf.name_scope(self.name):

@@ -18,7 +18,8 @@ import copy as copy_lib
 import difflib
 import importlib
 import re
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import tensorflow as tf
 
@@ -202,10 +203,12 @@ class Params:
   def __repr__(self) -> str:
     return self.to_text()
 
-  def _unknown_key_message(self, name: str) -> str:
+  def _closest_hint(self, name: str) -> str:
     close = difflib.get_close_matches(name, list(self._params), n=3, cutoff=0.5)
-    hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
-    return f"unknown param {name!r}{hint}"
+    return f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+
+  def _unknown_key_message(self, name: str) -> str:
+    return f"unknown param {name!r}{self._closest_hint(name)}"
 
   def _check_not_frozen(self, name: str) -> None:
     if self._frozen:
@@ -215,30 +218,23 @@ class Params:
     """Returns (the Params that holds the leaf, the leaf name) for `a.b[1].c`."""
     parts = dotted.split(".")
     node: Params = self
-    path = []
-    for part in parts[:-1]:
-      path.append(part)
-      match = _INDEXED_KEY.match(part)
+    for depth, part in enumerate(parts):
+      match = _INDEXED_KEY.match(part) if depth < len(parts) - 1 else None
       key, index = (match.group(1), int(match.group(2))) if match else (part, None)
       if key not in node._params:
-        raise ParamsError(
-            f"unknown param {'.'.join(path)!r}: "
-            + node._unknown_key_message(key).removeprefix("unknown param ")
-        )
+        where = f" (no {key!r} at that level)" if key != dotted else ""
+        raise ParamsError(f"unknown param {dotted!r}{where}{node._closest_hint(key)}")
+      if depth == len(parts) - 1:
+        return node, key
       child = node._params[key].value
       if index is not None:
         if not isinstance(child, (list, tuple)) or index >= len(child):
-          raise ParamsError(f"{'.'.join(path)!r}: no element {index} in {key!r}")
+          raise ParamsError(f"{dotted!r}: {key!r} has no element {index}")
         child = child[index]
       if not isinstance(child, Params):
-        raise ParamsError(f"{'.'.join(path)!r} is not nested Params")
+        raise ParamsError(f"{dotted!r}: {part!r} is not nested Params")
       node = child
-    if parts[-1] not in node._params:
-      raise ParamsError(
-          f"unknown param {dotted!r}: "
-          + node._unknown_key_message(parts[-1]).removeprefix("unknown param ")
-      )
-    return node, parts[-1]
+    raise AssertionError("unreachable")
 
   def get(self, name: str) -> Any:
     """Returns the value of `name`, which may be dotted (`a.b.c`) or indexed."""

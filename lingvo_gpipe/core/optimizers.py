@@ -18,7 +18,7 @@ holding it saves them), and applies one synchronous update:
 from __future__ import annotations
 
 import re
-from typing import Sequence
+from collections.abc import Sequence
 
 import tensorflow as tf
 
@@ -177,8 +177,8 @@ class Adam(Optimizer):
     t = tf.cast(step, var.dtype) + 1.0
     m = slots["m"].assign(p.beta1 * slots["m"] + (1.0 - p.beta1) * grad)
     v = slots["v"].assign(p.beta2 * slots["v"] + (1.0 - p.beta2) * tf.square(grad))
-    m_hat = m / (1.0 - tf.pow(p.beta1, t))
-    v_hat = v / (1.0 - tf.pow(p.beta2, t))
+    m_hat = m / (1.0 - tf.pow(tf.cast(p.beta1, var.dtype), t))
+    v_hat = v / (1.0 - tf.pow(tf.cast(p.beta2, var.dtype), t))
     var.assign_sub(lr * m_hat / (tf.sqrt(v_hat) + p.epsilon))
 
 
@@ -244,10 +244,10 @@ class Adafactor(Optimizer):
       update = grad * tf.math.rsqrt(v)
     if p.clipping_threshold > 0:
       rms = tf.sqrt(tf.reduce_mean(tf.square(update)))
-      update = update / tf.maximum(1.0, rms / p.clipping_threshold)
+      update = update / tf.maximum(rms / p.clipping_threshold, 1.0)
     if p.beta1 > 0:
       update = slots["m"].assign(p.beta1 * slots["m"] + (1.0 - p.beta1) * update)
     step_size = lr
     if p.multiply_by_parameter_scale:
-      step_size = lr * tf.maximum(p.epsilon2, tf.sqrt(tf.reduce_mean(tf.square(var))))
+      step_size = lr * tf.maximum(tf.sqrt(tf.reduce_mean(tf.square(var))), p.epsilon2)
     var.assign_sub(step_size * update)

@@ -1,0 +1,35 @@
+"""Test set-up: four logical CPU devices, configured before TensorFlow initializes."""
+
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from lingvo_gpipe.core import cluster  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+NUM_LOGICAL_CPUS = 4
+
+cluster.configure_devices(f"cpu:{NUM_LOGICAL_CPUS}")
+tf.get_logger().setLevel("ERROR")
+
+
+@pytest.fixture
+def cpu_devices() -> list[str]:
+  devices = [d.name for d in tf.config.list_logical_devices("CPU")]
+  assert len(devices) == NUM_LOGICAL_CPUS
+  return devices
+
+
+def run_trainer(*args: str, env: dict | None = None, timeout: int = 300):
+  """Runs tools/trainer.py in a subprocess; returns the CompletedProcess."""
+  import subprocess
+
+  full_env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", **(env or {}))
+  return subprocess.run([sys.executable, str(REPO / "tools" / "trainer.py"), *args],
+                        capture_output=True, text=True, timeout=timeout, env=full_env,
+                        cwd=REPO)

@@ -1,0 +1,58 @@
+"""The registry: built-in keys, external param files, unknown keys."""
+
+import re
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from lingvo_gpipe import model_registry
+
+
+def test_builtin_keys_and_params():
+  model_registry.load_param_files()
+  assert "demo.TinyConvNet" in model_registry.keys()
+  p = model_registry.get_params("demo.TinyConvNet")
+  assert {name for name, _ in p.iter_params()} == {"task", "train_input", "eval_input"}
+
+
+def test_unknown_key_lists_closest():
+  model_registry.load_param_files()
+  with pytest.raises(model_registry.ModelNotFoundError, match="closest: demo.TinyConvNet"):
+    model_registry.get_class("demo.TinyConvnet")
+
+
+def test_external_param_file_registers_under_its_file_name(tmp_path, monkeypatch):
+  (tmp_path / "my_models.py").write_text(textwrap.dedent("""
+      from lingvo_gpipe import model_registry
+      from lingvo_gpipe_params import demo
+
+      @model_registry.register
+      class Wider(demo.TinyConvNet):
+        pass
+      """))
+  model_registry.load_param_files([str(tmp_path / "my_models.py")])
+  assert "my_models.Wider" in model_registry.keys()
+  other = tmp_path / "envdir"
+  other.mkdir()
+  (other / "env_models.py").write_text(
+      "from lingvo_gpipe import model_registry\n"
+      "from lingvo_gpipe_params import demo\n"
+      "@model_registry.register\nclass FromEnv(demo.TinyConvNet):\n  pass\n")
+  monkeypatch.setenv(model_registry.PATH_ENV, str(other))
+  model_registry.load_param_files()
+  assert "env_models.FromEnv" in model_registry.keys()
+  with pytest.raises(FileNotFoundError, match="nope.py"):
+    model_registry.load_param_files([str(tmp_path / "nope.py")])
+
+
+def test_readme_param_file_example_registers_and_runs(tmp_path):
+  readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+  code = re.search(r"```python\n# my_models.py\n(.*?)```", readme, re.S).group(1)
+  (tmp_path / "my_models.py").write_text(code)
+  model_registry.load_param_files([str(tmp_path)])
+  params = model_registry.get_params("my_models.SmallMlp")
+  task = params.task.instantiate()
+  batch = next(iter(params.train_input.instantiate().dataset()))
+  loss, weight = task(batch)["loss"]
+  assert loss.shape == [] and float(weight) == 64

@@ -1,0 +1,173 @@
+"""The trainer binary end to end: checkpoints, resumption, summaries, inspection, bad input."""
+
+import hashlib
+import json
+import re
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from conftest import run_trainer
+
+from lingvo_gpipe import model_registry
+
+MODEL = "--model=demo.TinyConvNet"
+FAST = ("train_input.batch_size=8;eval_input.batch_size=32;eval_input.num_examples=64;"
+        "task.train.save_interval_steps=20;task.train.log_interval_steps=10")
+
+
+def scalar_tags(event_dir: Path) -> dict[str, list[int]]:
+  """{tag: [steps]} of the scalar and text summaries written under `event_dir`."""
+  tags: dict[str, list[int]] = {}
+  for path in event_dir.glob("events.out.tfevents.*"):
+    for event in tf.compat.v1.train.summary_iterator(str(path)):
+      for value in event.summary.value:
+        tags.setdefault(value.tag, []).append(event.step)
+  return tags
+
+
+def digest(directory: Path) -> dict[str, str]:
+  return {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+          for p in sorted(directory.glob("ckpt-*"))}
+
+
+def test_train_resume_eval_and_summaries(tmp_path):
+  logdir = tmp_path / "run"
+  first = run_trainer(MODEL, f"--logdir={logdir}", "--max_steps=40",
+                      f"--params_override={FAST}")
+  assert first.returncode == 0, first.stderr
+  assert "step 40/40" in first.stdout and "examples/sec" in first.stdout
+  assert "eta" in first.stdout
+  train_dir = logdir / "train"
+  assert tf.train.latest_checkpoint(str(train_dir)).endswith("ckpt-40")
+  assert (train_dir / "ckpt-20.index").exists()
+  assert "task.train.max_steps : 40" in (logdir / "params.txt").read_text()
+  tags = scalar_tags(train_dir)
+  for tag in ("loss", "accuracy", "top5_accuracy", "learning_rate", "grad_norm",
+              "examples_per_sec", "params"):
+    assert tag in tags, tag
+  assert max(tags["loss"]) == 40
+
+  second = run_trainer(MODEL, f"--logdir={logdir}", "--max_steps=60", "--mode=train_and_eval",
+                       f"--params_override={FAST}")
+  assert second.returncode == 0, second.stderr
+  assert f"Resuming from checkpoint {train_dir / 'ckpt-40'} at step 40" in second.stdout
+  assert "step 50/60" in second.stdout and "step 10/" not in second.stdout
+  assert tf.train.latest_checkpoint(str(train_dir)).endswith("ckpt-60")
+  eval_tags = scalar_tags(logdir / "eval")
+  assert eval_tags["accuracy"] == [60]
+
+  third = run_trainer(MODEL, f"--logdir={logdir}", "--mode=eval", f"--params_override={FAST}")
+  assert third.returncode == 0, third.stderr
+  assert "eval at step 60: accuracy" in third.stdout
+
+
+def test_resumed_run_equals_uninterrupted_run(tmp_path):
+  straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+  assert run_trainer(MODEL, f"--logdir={straight}", "--max_steps=30",
+                     f"--params_override={FAST}").returncode == 0
+  for steps in (10, 30):
+    assert run_trainer(MODEL, f"--logdir={resumed}", f"--max_steps={steps}",
+                       f"--params_override={FAST}").returncode == 0
+  a = tf.train.load_checkpoint(str(straight / "train" / "ckpt-30"))
+  b = tf.train.load_checkpoint(str(resumed / "train" / "ckpt-30"))
+  names = [n for n in a.get_variable_to_shape_map() if n.startswith(("task/", "optimizer/"))]
+  assert len(names) >= 20  # 12 task variables and 8 momentum slots
+  for name in names:
+    np.testing.assert_allclose(a.get_tensor(name), b.get_tensor(name), rtol=1e-5, atol=1e-6,
+                               err_msg=name)
+
+
+def test_inspect_model_json_counts_the_real_variables():
+  result = run_trainer(MODEL, "--mode=inspect_model")
+  assert result.returncode == 0, result.stderr
+  lines = result.stdout.strip().split("\n")
+  summary = json.loads(lines[-1])
+  model_registry.load_param_files()
+  task = model_registry.get_params("demo.TinyConvNet").task.instantiate()
+  real = sum(int(tf.size(v)) for v in task.trainable_variables)
+  assert summary["model"] == "demo.TinyConvNet" and summary["total_params"] == real
+  assert any("conv2" in line and "Conv2D" in line for line in lines)
+
+
+def test_list_models_and_inspect_params():
+  listed = run_trainer("--mode=list_models")
+  assert listed.returncode == 0 and "demo.TinyConvNet" in listed.stdout.split()
+  shown = run_trainer(MODEL, "--mode=inspect_params", "--params_override=task.train.max_steps=7")
+  assert shown.returncode == 0 and "task.train.max_steps : 7" in shown.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model=demo.TinyConvnet", "--mode=inspect_params"], "closest: demo.TinyConvNet"),
+    ([MODEL, "--mode=inspect_params", "--params_override=task.trian.max_steps=3"],
+     "'task.trian.max_steps' \\(no 'trian' at that level\\); did you mean 'train'"),
+    ([MODEL, "--mode=inspect_params", "--params_override=task.train.max_steps=lots"],
+     "'task.train.max_steps' \\(expected int\\)"),
+    ([MODEL, "--mode=inspect_model", "--devices=tpu:3"], "bad device spec 'tpu:3'"),
+])
+def test_bad_input_exits_2_with_a_named_error(args, message):
+  result = run_trainer(*args)
+  assert result.returncode == 2, result.stderr
+  assert re.search(message, result.stderr), result.stderr
+
+
+def test_unwritable_logdir_exits_2_before_training(tmp_path):
+  blocker = tmp_path / "a_file"
+  blocker.write_text("not a directory")
+  result = run_trainer(MODEL, f"--logdir={blocker / 'run'}", "--max_steps=5")
+  assert result.returncode == 2
+  assert "is not writable" in result.stderr and "step" not in result.stdout
+
+
+NAN_PARAM_FILE = textwrap.dedent("""
+    import tensorflow as tf
+    from lingvo_gpipe import model_registry
+    from lingvo_gpipe.inputs.synthetic_images import SyntheticImages
+    from lingvo_gpipe_params import demo
+
+    class PoisonedImages(SyntheticImages):
+      '''Images turn to NaN from example 8 * 25 on: batch 26 (batch size 8) is poisoned.'''
+
+      def _example(self, index):
+        example = super()._example(index)
+        poison = tf.where(index >= 8 * 25, float("nan"), 0.0)
+        return dict(example, image=example["image"] + poison)
+
+    @model_registry.register
+    class Poisoned(demo.TinyConvNet):
+      def train_input(self):
+        p = super().train_input()
+        p.cls = PoisonedImages
+        return p
+    """)
+
+
+def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
+  param_file = tmp_path / "nan_models.py"
+  param_file.write_text(NAN_PARAM_FILE)
+  logdir = tmp_path / "run"
+  args = ["--model=nan_models.Poisoned", f"--params_path={param_file}", f"--logdir={logdir}",
+          f"--params_override={FAST}"]
+  assert run_trainer(*args, "--max_steps=20").returncode == 0
+  before = digest(logdir / "train")
+  result = run_trainer(*args, "--max_steps=60")
+  assert result.returncode == 1
+  assert "non-finite loss" in result.stderr and "at step 25" in result.stderr
+  assert f"Last good checkpoint: {logdir / 'train' / 'ckpt-20'}" in result.stderr
+  assert digest(logdir / "train") == before
+  assert tf.train.latest_checkpoint(str(logdir / "train")).endswith("ckpt-20")
+
+
+def test_checkpoint_of_another_model_is_refused_and_kept(tmp_path):
+  logdir = tmp_path / "run"
+  assert run_trainer(MODEL, f"--logdir={logdir}", "--max_steps=20",
+                     f"--params_override={FAST}").returncode == 0
+  before = digest(logdir / "train")
+  wider = (FAST + ";task.body.layers[4].filter_shape=(3, 3, 16, 48);task.body.layers[5].dim=48"
+           ";task.softmax.input_dim=48")
+  result = run_trainer(MODEL, f"--logdir={logdir}", "--max_steps=40", f"--params_override={wider}")
+  assert result.returncode == 2
+  assert "does not match model" in result.stderr and "conv2" in result.stderr, result.stderr
+  assert digest(logdir / "train") == before
