@@ -18,6 +18,7 @@ import importlib.util
 import os
 import pkgutil
 import sys
+import zlib
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -48,7 +49,10 @@ def register(cls: type) -> type:
 
 
 def _load_file(path: Path) -> None:
-  name = f"{USER_PACKAGE}.{path.stem}"
+  # One module per file path; its last name component is the file stem, so the keys
+  # of its classes are `<stem>.<ClassName>` wherever the file lives.
+  path = path.resolve()
+  name = f"{USER_PACKAGE}.p{zlib.crc32(str(path).encode()):08x}.{path.stem}"
   if name in sys.modules:
     return
   spec = importlib.util.spec_from_file_location(name, path)
