@@ -125,25 +125,38 @@ def test_layer_norm_matches_numpy():
   np.testing.assert_allclose(layer(x).numpy(), want, rtol=1e-4, atol=1e-5)
 
 
-def test_dropout_is_reproducible_per_step_and_micro_batch():
+def test_dropout_is_reproducible_and_keyed_by_step_and_position():
   layer = build(layers.Dropout.Params().set(keep_prob=0.7))
   x = tf.ones([64, 128])
   assert layer(x) is x  # not training: identity
 
-  def mask(step, micro_batch):
+  def mask(step, offset=0, rows=64):
     with base_layer.step_context(training=True, step=tf.constant(step, tf.int64),
-                                 micro_batch=micro_batch):
-      return layer(x).numpy()
+                                 example_offset=offset):
+      return layer(x[:rows]).numpy()
 
-  first = mask(5, 0)
-  np.testing.assert_array_equal(first, mask(5, 0))  # a recompute draws the same mask
-  assert not np.array_equal(first, mask(6, 0))
-  assert not np.array_equal(first, mask(5, 1))
+  first = mask(5)
+  np.testing.assert_array_equal(first, mask(5))  # a recompute draws the same mask
+  assert not np.array_equal(first, mask(6))
+  # A part of the batch at offset o draws rows o.. of the whole batch's mask, so
+  # micro-batches draw different masks and any split reproduces the unsplit batch.
+  for offset, rows in [(8, 16), (3, 5), (63, 1)]:
+    np.testing.assert_array_equal(mask(5, offset, rows), first[offset:offset + rows])
+  assert not np.array_equal(first[:16], first[16:32])
   assert set(np.unique(first)) <= {0.0, np.float32(1 / 0.7)}
   assert abs((first > 0).mean() - 0.7) < 0.02
   other = build(layers.Dropout.Params().set(name="other", keep_prob=0.7))
   with base_layer.step_context(training=True, step=5):
     assert not np.array_equal(first, other(x).numpy())  # layers draw their own masks
+
+
+def test_position_keyed_uniform_matches_one_long_draw():
+  seed = tf.constant([3, 4], tf.int64)
+  whole = layers.position_keyed_uniform([10, 3, 5], seed, 0).numpy()
+  for offset, rows in [(0, 10), (1, 2), (7, 3), (9, 1)]:
+    part = layers.position_keyed_uniform([rows, 3, 5], seed, offset).numpy()
+    np.testing.assert_array_equal(part, whole[offset:offset + rows])
+  assert 0.4 < whole.mean() < 0.6 and whole.min() >= 0 and whole.max() < 1
 
 
 def test_embedding_and_softmax_xent_with_label_smoothing():

@@ -67,10 +67,22 @@ def _inspect_model(params) -> None:
   batch_spec = params.train_input.instantiate().batch_spec()
   stats = model_stats.analyze(params.task, batch_spec, max_depth=FLAGS.inspect_depth)
   print(model_stats.format_table(stats))
+  cells = []
+  for s in stats:
+    if hasattr(s.layer, "describe_cells"):
+      print(f"\nPipeline {s.path}: {len(s.layer.cells)} cells, "
+            f"{s.layer.params.num_micro_batches} micro-batches, "
+            f"recompute={s.layer.params.recompute}")
+      print(model_stats.format_cells(s.layer.describe_cells()))
+      cells.extend({k: c[k] for k in ("device", "params", "cost_share")}
+                   for c in s.layer.describe_cells())
   root = stats[0]
-  print(json.dumps({"model": FLAGS.model, "total_params": root.num_params,
-                    "total_flops_per_batch": root.flops,
-                    "batch_size": params.train_input.batch_size}))
+  summary = {"model": FLAGS.model, "total_params": root.num_params,
+             "total_flops_per_batch": root.flops,
+             "batch_size": params.train_input.batch_size}
+  if cells:
+    summary["cells"] = cells
+  print(json.dumps(summary))
 
 
 def _run() -> int:

@@ -98,14 +98,18 @@ class StepContext:
   Attributes:
     training: True in a training step (dropout on, batch norm uses batch statistics).
     step: the global step as an int64 scalar tensor (or int); seeds dropout.
-    micro_batch: index of the micro-batch being computed; seeds dropout too, so
-      micro-batches draw different masks.
+    micro_batch: index of the micro-batch being computed (0 when not pipelined).
+    example_offset: position in the mini-batch of the first example of the batch this
+      forward pass sees. Dropout draws the mask of each example from its position, so
+      micro-batches draw different masks, and any split of the mini-batch into
+      micro-batches draws exactly the masks of the unsplit batch.
     layer_stats: where layers (batch norm) report statistics of this forward pass:
       a list of (layer, stats) pairs, or None to not collect (e.g. in a recompute).
   """
   training: bool = False
   step: Any = 0
   micro_batch: Any = 0
+  example_offset: Any = 0
   layer_stats: list | None = None
 
 
@@ -203,22 +207,25 @@ class BaseLayer(tf.Module):
     self._child_order = self._child_order + (name,)
     return child
 
-  def create_children(self, name: str, params_list: Sequence[InstantiableParams]
-                      ) -> list[BaseLayer]:
+  def create_children(self, name: str, params_list: Sequence[InstantiableParams],
+                      devices: Sequence[str | None] | None = None) -> list[BaseLayer]:
     """Builds one child per params and tracks the list as self.<name>.
 
     Children keep their params' names when those are unique; otherwise each gets
-    its index appended (`conv_0`, `conv_1`, ...).
+    its index appended (`conv_0`, `conv_1`, ...). `devices`, if given, is where each
+    child's variables are created.
     """
     names = [_module_name(p.name or name) for p in params_list]
     if len(set(names)) != len(names):
       names = [f"{n}_{i}" for i, n in enumerate(names)]
+    devices = list(devices) if devices is not None else [None] * len(params_list)
     children = []
     stack = _layer_stack()
     stack.append(self)
     try:
-      for child_name, p in zip(names, params_list):
-        children.append(p.copy().set(name=child_name).instantiate())
+      for child_name, p, device in zip(names, params_list, devices):
+        with tf.device(device):
+          children.append(p.copy().set(name=child_name).instantiate())
     finally:
       stack.pop()
     setattr(self, name, children)

@@ -40,8 +40,27 @@ def parse_device_spec(spec: str) -> tuple[str, int | None, int | None]:
   return kind, count, memory_mb
 
 
+_configured: list[str] = []
+
+
+def default_devices() -> list[str]:
+  """The devices of the last `configure_devices`, else all logical GPUs, else CPUs."""
+  if _configured:
+    return list(_configured)
+  gpus = tf.config.list_logical_devices("GPU")
+  return [d.name for d in (gpus or tf.config.list_logical_devices("CPU"))]
+
+
 def configure_devices(spec: str) -> list[str]:
-  """Sets up the devices `spec` asks for and returns their names, in order."""
+  """Sets up the devices `spec` asks for and returns their names, in order.
+
+  They become `default_devices()`, where pipelines without explicit devices go.
+  """
+  _configured[:] = _configure(spec)
+  return list(_configured)
+
+
+def _configure(spec: str) -> list[str]:
   kind, count, memory_mb = parse_device_spec(spec)
   physical = tf.config.list_physical_devices(kind.upper())
   if not physical:

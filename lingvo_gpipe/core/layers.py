@@ -282,20 +282,50 @@ class LayerNorm(BaseLayer):
     return normed * self.scale + self.bias
 
 
-def dropout_seed(layer: BaseLayer) -> tf.Tensor:
-  """Stateless seed [2] from (layer, step, micro-batch) of the current StepContext.
+_PHILOX = 1  # tf.random.Algorithm.PHILOX
+_PHILOX_WORDS_PER_COUNTER = 4  # one counter step yields four 32-bit words
 
-  A recomputed forward pass of the same step and micro-batch gets the same seed, so
-  it draws the same mask; other steps and micro-batches draw other masks.
+
+def position_keyed_uniform(shape: tf.Tensor, seed: tf.Tensor, row_offset: tf.Tensor,
+                           dtype: tf.DType = tf.float32) -> tf.Tensor:
+  """Uniform [0, 1) of `shape` [R, ...]: rows row_offset .. row_offset+R-1 of one stream.
+
+  The stream for `seed` is what StatelessRandomUniformV2 (Philox) would draw for a
+  tensor of unbounded rows; this returns the slice at `row_offset` without drawing
+  the rows before it, by starting Philox's counter at the right block (each counter
+  step yields four 32-bit words, one per float32 element). So a batch split into
+  parts at any offsets draws exactly the values of the unsplit batch.
   """
-  ctx = base_layer.current_context()
-  seed = tf.stack([tf.constant(layer.seed_for("dropout"), tf.int64),
-                   tf.cast(ctx.step, tf.int64)])
-  return tf.random.experimental.stateless_fold_in(seed, tf.cast(ctx.micro_batch, tf.int64))
+  shape = tf.cast(shape, tf.int64)
+  num = tf.reduce_prod(shape)
+  start = tf.cast(row_offset, tf.int64) * tf.reduce_prod(shape[1:])
+  skip = start % _PHILOX_WORDS_PER_COUNTER
+  block = start // _PHILOX_WORDS_PER_COUNTER
+  key, _ = tf.raw_ops.StatelessRandomGetKeyCounter(seed=seed)
+  counter = tf.stack([tf.cast(block, tf.uint64), tf.constant(0, tf.uint64)])
+  flat = tf.raw_ops.StatelessRandomUniformV2(shape=tf.reshape(num + skip, [1]), key=key,
+                                             counter=counter, alg=_PHILOX, dtype=dtype)
+  return tf.reshape(flat[skip:], shape)
+
+
+def dropout_seed(layer: BaseLayer) -> tf.Tensor:
+  """Stateless seed [2] from (layer, global step) of the current StepContext.
+
+  A recomputed forward pass of the same step gets the same seed; another step or
+  another layer gets another one.
+  """
+  step = tf.cast(base_layer.current_context().step, tf.int64)
+  return tf.stack([tf.constant(layer.seed_for("dropout"), tf.int64), step])
 
 
 class Dropout(BaseLayer):
-  """Inverted dropout with stateless, reproducible masks; identity outside training."""
+  """Inverted dropout with stateless, position-keyed masks; identity outside training.
+
+  The mask of an example depends on (layer, step, the example's position in the
+  mini-batch) only. Hence a re-materialized forward pass draws the mask of the first
+  one, micro-batches draw different masks, and pipelining with any number of
+  micro-batches draws the masks of unpartitioned training. Inputs are batch-major.
+  """
 
   @classmethod
   def Params(cls):  # noqa: N802
@@ -312,13 +342,16 @@ class Dropout(BaseLayer):
 
   def fprop(self, inputs: tf.Tensor) -> tf.Tensor:
     p = self.params
-    if not base_layer.current_context().training or p.keep_prob == 1.0:
+    ctx = base_layer.current_context()
+    if not ctx.training or p.keep_prob == 1.0:
       return inputs
     shape = tf.unstack(tf.shape(inputs))
-    for axis in p.noise_shape_broadcast_dims or []:
+    broadcast = p.noise_shape_broadcast_dims or []
+    for axis in broadcast:
       shape[axis] = 1
-    uniform = tf.random.stateless_uniform(tf.stack(shape), dropout_seed(self),
-                                          dtype=inputs.dtype)
+    row_offset = 0 if 0 in broadcast else ctx.example_offset
+    uniform = position_keyed_uniform(tf.stack(shape), dropout_seed(self), row_offset,
+                                     dtype=inputs.dtype)
     keep = tf.cast(uniform < p.keep_prob, inputs.dtype)
     return inputs * keep / p.keep_prob
 

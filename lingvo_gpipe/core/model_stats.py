@@ -92,6 +92,15 @@ def op_flops(op: tf.Operation) -> int:
   return out_elements
 
 
+def param_counts(params_list: Sequence[InstantiableParams]) -> list[int]:
+  """Trainable parameters of each layer, built in a scratch graph (nothing allocated)."""
+  counts = []
+  for params in params_list:
+    with tf.Graph().as_default():
+      counts.append(params.instantiate().num_params())
+  return counts
+
+
 @dataclasses.dataclass
 class LayerStats:
   """What `analyze` found for one layer (inclusive of its children)."""
@@ -101,6 +110,7 @@ class LayerStats:
   num_params: int
   flops: int
   output_shapes: Any = None  # nested lists of ints, as the layer's outputs are nested
+  layer: Any = None  # the layer object, built in the scratch graph (no real variables)
 
 
 def analyze(params: InstantiableParams, *input_specs: Any,
@@ -166,6 +176,7 @@ def analyze(params: InstantiableParams, *input_specs: Any,
         flops=sum(span_flops(s, e) for s, e in spans.get(id(layer), [])),
         output_shapes=None if outputs is None else tf.nest.map_structure(
             lambda t: t.shape.as_list(), outputs),
+        layer=layer,
     ))
   return stats
 
@@ -193,4 +204,18 @@ def format_table(stats: Sequence[LayerStats]) -> str:
     lines.append("  ".join(cells).rstrip())
     if n == 0:
       lines.append("  ".join("-" * w for w in widths))
+  return "\n".join(lines)
+
+
+def format_cells(cells: Sequence[dict]) -> str:
+  """A table of pipeline cells: index, device, parameters, cost share, layers."""
+  rows = [("cell", "device", "params", "cost share", "layers")]
+  for c in cells:
+    names = c["layers"]
+    shown = names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]} ({len(names)})"
+    rows.append((str(c["cell"]), c["device"], f"{c['params']:,}",
+                 f"{100 * c['cost_share']:.1f}%", shown))
+  widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+  lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+  lines.insert(1, "  ".join("-" * w for w in widths))
   return "\n".join(lines)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from lingvo_gpipe.core import base_layer, optimizers
-from lingvo_gpipe.core.hyperparams import Params
+from lingvo_gpipe.core import base_layer, gpipe, layers, optimizers
+from lingvo_gpipe.core.hyperparams import InstantiableParams, Params
 
 Metrics = dict[str, tuple[tf.Tensor, tf.Tensor]]
 
@@ -30,6 +30,17 @@ def train_params() -> Params:
   return p
 
 
+def pipeline_params() -> Params:
+  """GPipe settings of a task; pipelining is on when num_cells > 0 or splits is set."""
+  defaults = gpipe.PipeliningLayer.Params()
+  p = Params()
+  for name in ("num_cells", "num_micro_batches", "splits", "devices", "round_robin_devices",
+               "recompute", "partition_cost", "input_specs", "layer_costs",
+               "memory_cap_bytes", "bytes_per_param"):
+    p.define(name, defaults.get(name), defaults.description(name))
+  return p
+
+
 class BaseTask(base_layer.BaseLayer):
   """Base class of tasks."""
 
@@ -37,8 +48,32 @@ class BaseTask(base_layer.BaseLayer):
   def Params(cls):  # noqa: N802
     p = super().Params()
     p.define("train", train_params(), "Training settings.")
+    p.define("pipeline", pipeline_params(),
+             "GPipe: cut the task's main layer stack into cells (off by default).")
     p.random_seed = 1234
     return p
+
+  @property
+  def pipelined(self) -> bool:
+    return bool(self.params.pipeline.num_cells or self.params.pipeline.splits)
+
+  def create_stack(self, name: str, params: InstantiableParams) -> base_layer.BaseLayer:
+    """Creates the task's main layer stack: as given, or pipelined per params.pipeline.
+
+    A pipelined stack must be a `Sequential`; it becomes a `PipeliningLayer` over the
+    same layers with the same names, so checkpoints move between the two.
+    """
+    if not self.pipelined:
+      return self.create_child(name, params)
+    if not issubclass(params.cls, layers.Sequential):
+      raise ValueError(f"{self.path}: task.pipeline is set but {name} is a "
+                       f"{params.cls.__name__}, not a Sequential stack of layers")
+    pipelined = gpipe.PipeliningLayer.Params().set(
+        name=params.name, layers=params.layers, random_seed=params.random_seed,
+        dtype=params.dtype, params_init=params.params_init)
+    for key, value in self.params.pipeline.iter_params():
+      pipelined.set(**{key: value})
+    return self.create_child(name, pipelined)
 
   def fprop(self, batch: dict[str, tf.Tensor]) -> Metrics:
     raise NotImplementedError

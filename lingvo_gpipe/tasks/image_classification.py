@@ -25,11 +25,17 @@ class ImageClassificationTask(BaseTask):
     super().__init__(params)
     if self.params.body is None:
       raise ValueError(f"{self.path}: params.body is not set")
-    self.create_child("body", self.params.body)
-    self.create_child("softmax", self.params.softmax)
+    self.create_stack("body", self.params.body)
+    # Under pipelining the classifier sits with the last cell.
+    with tf.device(getattr(self.body, "output_device", None)):
+      self.create_child("softmax", self.params.softmax)
 
   def fprop(self, batch: dict[str, tf.Tensor]) -> Metrics:
-    logits = self.softmax(self.body(batch["image"]))
+    features = self.body(batch["image"])
+    with tf.device(getattr(self.body, "output_device", None)):
+      return self._metrics(self.softmax(features), batch)
+
+  def _metrics(self, logits: tf.Tensor, batch: dict[str, tf.Tensor]) -> Metrics:
     labels = tf.cast(batch["label"], tf.int32)
     weight = tf.cast(tf.shape(labels)[0], tf.float32)
     metrics = {

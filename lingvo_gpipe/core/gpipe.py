@@ -1,0 +1,270 @@
+"""`PipeliningLayer`: GPipe's cells on devices, micro-batches and re-materialization.
+
+The layers are cut into K cells (explicit `splits`, or `partition.balance` on their
+costs); the variables of cell k are created on device k. A training forward pass
+splits the mini-batch [B, ...] into M micro-batches of near-equal size along axis 0
+and unrolls the loop: micro-batch m goes through cell 0 on device 0, then cell 1 on
+device 1, and so on. Nothing orders cell k on micro-batch m+1 after cell k+1 on
+micro-batch m, so TensorFlow's dataflow executor runs them at the same time: that is
+the pipeline. The outputs are concatenated back to [B, ...] on the last device, so
+the loss and metrics are those of the whole mini-batch, and the gradient of each
+variable is the sum over micro-batches (one synchronous update, as unpartitioned).
+
+Each cell call is a `tf.custom_gradient` entered under `tf.device(cell device)`:
+
+  forward   runs the cell and keeps only its inputs (with recompute on);
+  backward  re-enters tf.device(cell device) and the forward's StepContext (same
+            step and example offset, so dropout draws the same masks; batch-norm
+            statistics not reported again), recomputes the cell and differentiates it.
+
+So the forward, the recomputed forward and the backward ops of cell k all carry
+device k, whichever gradient API the caller uses (DESIGN.md: with
+tf.recompute_grad + GradientTape they would all land on the default device). Cells
+without recompute keep the tape of their forward pass and differentiate it in the
+backward pass, on their device too.
+
+Peak activation memory with recompute: O(B + (L/K)·(B/M)) per device instead of O(B·L).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import tensorflow as tf
+
+from lingvo_gpipe.core import base_layer, cluster, model_stats, partition
+from lingvo_gpipe.core.base_layer import BaseLayer
+
+RECOMPUTE_POLICIES = ("always", "except_last", "never")
+PARTITION_COSTS = ("params", "flops", "given")
+
+
+class PipelineError(ValueError):
+  """Bad pipelining params or inputs; the message names the value."""
+
+
+def micro_batch_sizes(batch_size: int, num_micro_batches: int) -> list[int]:
+  """Near-equal sizes summing to batch_size; the first (batch_size % M) get one more."""
+  if num_micro_batches < 1:
+    raise PipelineError(f"num_micro_batches must be >= 1, got {num_micro_batches}")
+  if num_micro_batches > batch_size:
+    raise PipelineError(f"num_micro_batches={num_micro_batches} is larger than the batch "
+                        f"size {batch_size}; use at most {batch_size} micro-batches")
+  base, extra = divmod(batch_size, num_micro_batches)
+  return [base + (1 if m < extra else 0) for m in range(num_micro_batches)]
+
+
+def _call_layers(layers: Sequence[BaseLayer], x: Any) -> Any:
+  for layer in layers:
+    x = layer(*x) if isinstance(x, tuple) else layer(x)
+  return x
+
+
+def _zeros_if_none(grads: Sequence[Any], like: Sequence[tf.Tensor]) -> list[Any]:
+  return [tf.zeros_like(t) if g is None else g for g, t in zip(grads, like)]
+
+
+def cell_call(layers: Sequence[BaseLayer], inputs: Any, device: str | None,
+              recompute: bool) -> Any:
+  """Runs `layers` on `inputs` on `device` with a device-pinned custom gradient.
+
+  inputs and outputs may be nested structures of tensors; integer tensors get no
+  gradient.
+  """
+  ctx = base_layer.current_context()
+  output_structure = []
+
+  def run(flat_inputs):
+    return _call_layers(layers, tf.nest.pack_sequence_as(inputs, flat_inputs))
+
+  @tf.custom_gradient
+  def cell(*flat_inputs):
+    tape = None
+    if recompute:
+      outputs = run(flat_inputs)
+    else:
+      with tf.GradientTape() as tape:
+        tape.watch([t for t in flat_inputs if t.dtype.is_floating])
+        outputs = run(flat_inputs)
+    output_structure.append(outputs)
+    flat_outputs = tf.nest.flatten(outputs)
+
+    def grad(*output_grads, variables=None):
+      variables = list(variables or [])
+      sources = list(flat_inputs) + variables
+      output_grads = _zeros_if_none(output_grads, flat_outputs)
+      with tf.device(device):
+        if recompute:
+          with base_layer.step_context(training=ctx.training, step=ctx.step,
+                                       micro_batch=ctx.micro_batch,
+                                       example_offset=ctx.example_offset, layer_stats=None):
+            with tf.GradientTape() as recompute_tape:
+              recompute_tape.watch([t for t in flat_inputs if t.dtype.is_floating])
+              recomputed = tf.nest.flatten(run(flat_inputs))
+            grads = recompute_tape.gradient(recomputed, sources,
+                                            output_gradients=output_grads)
+        else:
+          grads = tape.gradient(flat_outputs, sources, output_gradients=output_grads)
+      grads = [g if t.dtype.is_floating else None for g, t in zip(grads, sources)]
+      num_inputs = len(flat_inputs)
+      return grads[:num_inputs], _zeros_if_none(grads[num_inputs:], variables)
+
+    return flat_outputs, grad
+
+  with tf.device(device):
+    flat = cell(*tf.nest.flatten(inputs))
+  flat = list(flat) if isinstance(flat, (list, tuple)) else [flat]
+  return tf.nest.pack_sequence_as(output_structure[0], flat)
+
+
+class PipeliningLayer(BaseLayer):
+  """GPipe over `layers`: K cells on K devices, M micro-batches, re-materialization.
+
+  The children are named and tracked exactly as `Sequential`'s (self.layers), so a
+  checkpoint of the unpipelined model restores into the pipelined one and back.
+  """
+
+  @classmethod
+  def Params(cls):  # noqa: N802
+    p = super().Params()
+    p.define("layers", [], "Params of the layers, in order; a tuple output is passed on "
+             "as positional arguments (e.g. AmoebaNet's (previous, previous-previous)).")
+    p.define("num_micro_batches", 1, "M: micro-batches per mini-batch (GPipe uses M >= 4K).")
+    p.define("num_cells", 0, "K: cells made by the partitioner (0: len(splits) or 1).")
+    p.define("splits", [], "Explicit partition: the end index of each cell, increasing, "
+             "the last equal to the number of layers. Overrides num_cells.")
+    p.define("devices", [], "Device of each cell (empty: the devices set up by --devices).")
+    p.define("round_robin_devices", False, "Allow more cells than devices, placed round-robin.")
+    p.define("recompute", "always", f"Re-materialization policy: {RECOMPUTE_POLICIES}.")
+    p.define("partition_cost", "params", f"Cost the partitioner balances: {PARTITION_COSTS}.")
+    p.define("input_specs", None, "Nested tf.TensorSpec of the pipeline input with the batch "
+             "size (needed by partition_cost='flops').")
+    p.define("layer_costs", [], "Per-layer costs for partition_cost='given' (e.g. measured by "
+             "partition.profile_layer_costs).")
+    p.define("memory_cap_bytes", None, "If set, the most bytes of weights and optimizer state "
+             "one cell may hold; see bytes_per_param.")
+    p.define("bytes_per_param", 12, "Bytes per parameter for the memory cap (float32 weight "
+             "plus two optimizer slots).")
+    return p
+
+  def __init__(self, params):
+    super().__init__(params)
+    p = self.params
+    if not p.layers:
+      raise PipelineError(f"{self.path}: PipeliningLayer needs at least one layer")
+    if p.num_micro_batches < 1:
+      raise PipelineError(f"{self.path}: num_micro_batches must be >= 1, "
+                          f"got {p.num_micro_batches}")
+    if p.recompute not in RECOMPUTE_POLICIES:
+      raise PipelineError(f"{self.path}: recompute must be one of {RECOMPUTE_POLICIES}, "
+                          f"got {p.recompute!r}")
+    if p.partition_cost not in PARTITION_COSTS:
+      raise PipelineError(f"{self.path}: partition_cost must be one of {PARTITION_COSTS}, "
+                          f"got {p.partition_cost!r}")
+    self.cells = self._partition()
+    self.cell_devices = self._assign_devices(len(self.cells))
+    layer_devices = [self.cell_devices[k] for k, cell in enumerate(self.cells)
+                     for _ in range(cell.start, cell.end)]
+    self.create_children("layers", p.layers, devices=layer_devices)
+
+  # -- partition and placement ----------------------------------------------------
+
+  def layer_costs(self) -> list[float]:
+    """The cost of each layer the partitioner balances (no variables are allocated)."""
+    p = self.params
+    if p.partition_cost == "given":
+      if len(p.layer_costs) != len(p.layers):
+        raise PipelineError(f"{self.path}: layer_costs has {len(p.layer_costs)} entries for "
+                            f"{len(p.layers)} layers")
+      return [float(c) for c in p.layer_costs]
+    if p.partition_cost == "params":
+      return [float(n) for n in model_stats.param_counts(p.layers)]
+    if p.input_specs is None:
+      raise PipelineError(f"{self.path}: partition_cost='flops' needs input_specs (the "
+                          "pipeline input's nested tf.TensorSpec, batch size included)")
+    from lingvo_gpipe.core import layers as layers_lib
+
+    seq = layers_lib.Sequential.Params().set(name="cost_probe", layers=p.layers)
+    specs = p.input_specs if isinstance(p.input_specs, tuple) else (p.input_specs,)
+    stats = model_stats.analyze(seq, *specs, max_depth=1)
+    return [float(s.flops) for s in stats[1:]]
+
+  def _partition(self) -> list[partition.Cell]:
+    p = self.params
+    num_layers = len(p.layers)
+    if p.splits:
+      return partition.cells_from_splits(p.splits, self.layer_costs())
+    num_cells = p.num_cells or 1
+    if num_cells > num_layers:
+      raise PipelineError(f"{self.path}: num_cells={num_cells} is more than the {num_layers} "
+                          "layers; each cell needs at least one layer")
+    costs = self.layer_costs()
+    memory = None
+    if p.memory_cap_bytes is not None:
+      memory = [n * p.bytes_per_param for n in model_stats.param_counts(p.layers)]
+    names = [lp.name for lp in p.layers]
+    return partition.balance(costs, num_cells, memory=memory, memory_cap=p.memory_cap_bytes,
+                             layer_names=names)
+
+  def _assign_devices(self, num_cells: int) -> list[str]:
+    p = self.params
+    devices = list(p.devices) or cluster.default_devices()
+    if num_cells > len(devices) and not p.round_robin_devices:
+      raise PipelineError(
+          f"{self.path}: {num_cells} cells but only {len(devices)} device(s) {devices}; "
+          "give more devices (e.g. --devices=cpu:N) or set round_robin_devices=True")
+    return [devices[k % len(devices)] for k in range(num_cells)]
+
+  @property
+  def output_device(self) -> str:
+    return self.cell_devices[-1]
+
+  def cell_layers(self, k: int) -> list[BaseLayer]:
+    return list(self.layers[self.cells[k].start:self.cells[k].end])
+
+  def _recompute_cell(self, k: int) -> bool:
+    policy = self.params.recompute
+    return policy == "always" or (policy == "except_last" and k < len(self.cells) - 1)
+
+  # -- forward ----------------------------------------------------------------------
+
+  def fprop(self, *inputs: Any) -> Any:
+    """inputs: tensors (or nested structures) of batch-major [B, ...] → outputs [B, ...]."""
+    structure = inputs[0] if len(inputs) == 1 else tuple(inputs)
+    flat = tf.nest.flatten(structure)
+    batch = flat[0].shape[0]
+    if batch is None:
+      raise PipelineError(f"{self.path}: the batch dimension must be static to split it into "
+                          "micro-batches")
+    sizes = micro_batch_sizes(batch, self.params.num_micro_batches)
+    ctx = base_layer.current_context()
+    with tf.device(self.cell_devices[0]):
+      parts = [tf.split(t, sizes, axis=0) for t in flat]
+    outputs = []
+    offset = 0
+    for m, size in enumerate(sizes):
+      x = tf.nest.pack_sequence_as(structure, [part[m] for part in parts])
+      with base_layer.step_context(micro_batch=m,
+                                   example_offset=ctx.example_offset + offset):
+        for k in range(len(self.cells)):
+          if ctx.training:
+            x = cell_call(self.cell_layers(k), x, self.cell_devices[k], self._recompute_cell(k))
+          else:
+            with tf.device(self.cell_devices[k]):
+              x = _call_layers(self.cell_layers(k), x)
+      outputs.append(x)
+      offset += size
+    if len(outputs) == 1:
+      return outputs[0]
+    with tf.device(self.output_device):
+      return tf.nest.map_structure(lambda *ts: tf.concat(ts, axis=0), *outputs)
+
+  def describe_cells(self) -> list[dict]:
+    """Per cell: its layers, device, parameter count and cost share."""
+    counts = model_stats.param_counts(self.params.layers)
+    return [{"cell": k, "layers": [lp.name for lp in self.params.layers[c.start:c.end]],
+             "device": self.cell_devices[k], "params": int(sum(counts[c.start:c.end])),
+             "cost_share": round(c.cost_share, 6)}
+            for k, c in enumerate(self.cells)]
+
