@@ -171,3 +171,33 @@ def test_checkpoint_of_another_model_is_refused_and_kept(tmp_path):
   assert result.returncode == 2
   assert "does not match model" in result.stderr and "conv2" in result.stderr, result.stderr
   assert digest(logdir / "train") == before
+
+
+PIPELINE = "task.pipeline.num_cells=2;task.pipeline.num_micro_batches=4"
+
+
+def test_pipelined_model_trains_and_inspects_as_two_cells(tmp_path):
+  shown = run_trainer(MODEL, "--mode=inspect_model", "--devices=cpu:2",
+                      f"--params_override={PIPELINE}")
+  assert shown.returncode == 0, shown.stderr
+  summary = json.loads(shown.stdout.strip().split("\n")[-1])
+  cells = summary["cells"]
+  assert [tf.DeviceSpec.from_string(c["device"]).device_index for c in cells] == [0, 1]
+  assert sum(c["cost_share"] for c in cells) == pytest.approx(1.0, abs=1e-5)
+  model_registry.load_param_files()
+  body = model_registry.get_params("demo.TinyConvNet").task.body.instantiate()
+  assert sum(c["params"] for c in cells) == body.num_params()
+  assert "Pipeline tiny_conv_net/body: 2 cells, 4 micro-batches" in shown.stdout
+
+  logdir = tmp_path / "run"
+  trained = run_trainer(MODEL, "--devices=cpu:2", f"--logdir={logdir}", "--max_steps=10",
+                        f"--params_override={FAST};{PIPELINE}")
+  assert trained.returncode == 0, trained.stderr
+  assert tf.train.latest_checkpoint(str(logdir / "train")).endswith("ckpt-10")
+
+
+def test_more_cells_than_devices_exits_2():
+  result = run_trainer(MODEL, "--mode=inspect_model", "--devices=cpu:2",
+                       "--params_override=task.pipeline.num_cells=3")
+  assert result.returncode == 2
+  assert "3 cells but only 2 device(s)" in result.stderr

@@ -10,6 +10,7 @@ written; 1 a run that failed (e.g. a non-finite loss; the last checkpoint is kep
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -37,6 +38,15 @@ flags.DEFINE_integer("inspect_depth", 3, "Layer depth shown by --mode=inspect_mo
 
 class UsageFailure(Exception):
   """Bad input: reported on stderr with exit code 2."""
+
+
+@contextlib.contextmanager
+def _bad_params_are_usage_errors():
+  """Building layers from params raises ValueError for a bad value: exit code 2."""
+  try:
+    yield
+  except ValueError as e:
+    raise UsageFailure(f"bad model params: {e}") from None
 
 
 def _model_params():
@@ -105,7 +115,8 @@ def _run() -> int:
   except cluster.DeviceSpecError as e:
     raise UsageFailure(f"--devices: {e}") from None
   if FLAGS.mode == "inspect_model":
-    _inspect_model(params)
+    with _bad_params_are_usage_errors():
+      _inspect_model(params)
     return 0
 
   from lingvo_gpipe import trainer as trainer_lib
@@ -118,7 +129,8 @@ def _run() -> int:
     trainer_lib.check_logdir_writable(FLAGS.logdir)
   except trainer_lib.LogdirError as e:
     raise UsageFailure(str(e)) from None
-  trainer = trainer_lib.Trainer(params, FLAGS.logdir)
+  with _bad_params_are_usage_errors():
+    trainer = trainer_lib.Trainer(params, FLAGS.logdir)
   try:
     if FLAGS.mode == "eval":
       if trainer.restore_latest() is None:

@@ -1,0 +1,97 @@
+"""The partitioner against brute force over every contiguous partition."""
+
+import itertools
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from lingvo_gpipe.core import layers, partition
+
+
+def brute_force(costs, num_cells, memory=None, cap=np.inf):
+  """Smallest bottleneck over all contiguous partitions into num_cells cells (or None)."""
+  memory = memory if memory is not None else [0.0] * len(costs)
+  best = None
+  for cuts in itertools.combinations(range(1, len(costs)), num_cells - 1):
+    bounds = list(zip((0, *cuts), (*cuts, len(costs))))
+    if any(sum(memory[s:e]) > cap for s, e in bounds):
+      continue
+    bottleneck = max(sum(costs[s:e]) for s, e in bounds)
+    best = bottleneck if best is None else min(best, bottleneck)
+  return best
+
+
+def check_cells(cells, num_layers, num_cells):
+  assert len(cells) == num_cells
+  assert cells[0].start == 0 and cells[-1].end == num_layers
+  assert all(a.end == b.start and a.start < a.end for a, b in zip(cells, cells[1:]))
+  assert abs(sum(c.cost_share for c in cells) - 1.0) < 1e-9
+
+
+@pytest.mark.parametrize("trial", range(60))
+def test_bottleneck_equals_brute_force(trial):
+  rng = np.random.RandomState(trial)
+  num_layers = rng.randint(1, 10)
+  num_cells = rng.randint(1, num_layers + 1)
+  costs = (rng.randint(0, 20, num_layers) if trial % 2 else rng.exponential(size=num_layers))
+  cells = partition.balance(costs, num_cells)
+  check_cells(cells, num_layers, num_cells)
+  assert max(c.cost for c in cells) == pytest.approx(brute_force(list(costs), num_cells))
+
+
+@pytest.mark.parametrize("trial", range(30))
+def test_memory_cap_is_respected_and_bottleneck_still_optimal(trial):
+  rng = np.random.RandomState(100 + trial)
+  num_layers = rng.randint(2, 10)
+  num_cells = rng.randint(1, num_layers + 1)
+  costs = list(rng.exponential(size=num_layers))
+  memory = list(rng.uniform(1, 10, num_layers))
+  cap = rng.uniform(max(memory), sum(memory))
+  want = brute_force(costs, num_cells, memory, cap)
+  if want is None:
+    with pytest.raises(partition.PartitionError, match="at least .* cells under the memory cap"):
+      partition.balance(costs, num_cells, memory=memory, memory_cap=cap)
+    return
+  cells = partition.balance(costs, num_cells, memory=memory, memory_cap=cap)
+  check_cells(cells, num_layers, num_cells)
+  assert all(c.memory <= cap + 1e-9 for c in cells)
+  assert max(c.cost for c in cells) == pytest.approx(want)
+
+
+def test_a_layer_larger_than_the_cap_is_named():
+  with pytest.raises(partition.PartitionError, match="layer big needs 50 .* cap 20"):
+    partition.balance([1, 1, 1], 2, memory=[5, 50, 5], memory_cap=20,
+                      layer_names=["a", "big", "c"])
+
+
+def test_bad_requests_are_named():
+  with pytest.raises(partition.PartitionError, match="cannot cut 3 layers into 4 cells"):
+    partition.balance([1, 2, 3], 4)
+  with pytest.raises(partition.PartitionError, match="must be >= 1, got 0"):
+    partition.balance([1, 2, 3], 0)
+  with pytest.raises(partition.PartitionError, match="finite and >= 0"):
+    partition.balance([1, -2, 3], 2)
+
+
+def test_large_partition_is_fast_and_exact_against_a_dp():
+  rng = np.random.RandomState(7)
+  costs = rng.exponential(size=300)
+  cells = partition.balance(costs, 16)
+  # O(K·L²) dynamic program as the reference.
+  prefix = np.concatenate([[0], np.cumsum(costs)])
+  best = np.full((17, 301), np.inf)
+  best[0, 0] = 0
+  for k in range(1, 17):
+    for end in range(k, 301):
+      starts = np.arange(k - 1, end)
+      best[k, end] = np.min(np.maximum(best[k - 1, starts], prefix[end] - prefix[starts]))
+  assert max(c.cost for c in cells) == pytest.approx(best[16, 300])
+
+
+def test_profiled_costs_rank_layers_by_work():
+  # 537 MFLOPs forward against 17 MFLOPs: the measured times must say which is bigger.
+  params = [layers.Linear.Params().set(name="big", input_dim=256, output_dim=4096),
+            layers.Linear.Params().set(name="small", input_dim=4096, output_dim=8)]
+  costs = partition.profile_layer_costs(params, tf.TensorSpec([256, 256]), steps=5)
+  assert len(costs) == 2 and costs[0] > 3 * costs[1] > 0
