@@ -65,14 +65,58 @@ def _zeros_if_none(grads: Sequence[Any], like: Sequence[tf.Tensor]) -> list[Any]
   return [tf.zeros_like(t) if g is None else g for g, t in zip(grads, like)]
 
 
+class CellBackward:
+  """Orders and accumulates the backward passes of one cell over the micro-batches.
+
+  The M calls of a cell in one step share this object. Their backward passes run
+  one after the other, in the order their gradients are built: each waits for its
+  output gradient *and* for the previous one's results. Without that order the
+  executor may start every micro-batch's recompute at once (their inputs are all
+  ready), even during the forward pass, and the activations of the whole
+  mini-batch would be live again.
+
+  The variable gradients are summed as they come, on the cell's device, and handed
+  to TensorFlow once, by the M-th backward pass (the others report None for the
+  variables). Handing over M per-micro-batch gradients instead would keep all of
+  them alive until TensorFlow's final AddN: M copies of the cell's weights.
+  Every call's backward pass does run: the pipeline's outputs are the concatenation
+  of every micro-batch's, and cells pass zero gradients to unconnected inputs.
+  """
+
+  def __init__(self, num_calls: int):
+    self.num_calls = num_calls
+    self._reset()
+
+  def _reset(self) -> None:
+    self.done = 0
+    self.variable_grads: list | None = None
+    self.previous: list[tf.Tensor] = []
+
+  def add(self, input_grads: list, variable_grads: list) -> list:
+    """Records one backward pass; returns what to report for the variables."""
+    if self.variable_grads is None:
+      self.variable_grads = variable_grads
+    else:
+      self.variable_grads = [a + b for a, b in zip(self.variable_grads, variable_grads)]
+    self.done += 1
+    self.previous = [g for g in input_grads + self.variable_grads if g is not None]
+    if self.done < self.num_calls:
+      return [None] * len(variable_grads)
+    total = self.variable_grads
+    self._reset()  # a second gradient computation over the same forward starts afresh
+    return total
+
+
 def cell_call(layers: Sequence[BaseLayer], inputs: Any, device: str | None,
-              recompute: bool) -> Any:
+              recompute: bool, backward: CellBackward | None = None) -> Any:
   """Runs `layers` on `inputs` on `device` with a device-pinned custom gradient.
 
   inputs and outputs may be nested structures of tensors; integer tensors get no
-  gradient.
+  gradient. `backward` orders and accumulates the backward passes of the calls of
+  one cell (see CellBackward); None means this call stands alone.
   """
   ctx = base_layer.current_context()
+  backward = backward or CellBackward(num_calls=1)
   output_structure = []
 
   def run(flat_inputs):
@@ -81,34 +125,43 @@ def cell_call(layers: Sequence[BaseLayer], inputs: Any, device: str | None,
   @tf.custom_gradient
   def cell(*flat_inputs):
     tape = None
+    float_inputs = [t for t in flat_inputs if t.dtype.is_floating]
     if recompute:
       outputs = run(flat_inputs)
     else:
       with tf.GradientTape() as tape:
-        tape.watch([t for t in flat_inputs if t.dtype.is_floating])
+        tape.watch(float_inputs)
         outputs = run(flat_inputs)
     output_structure.append(outputs)
     flat_outputs = tf.nest.flatten(outputs)
 
     def grad(*output_grads, variables=None):
       variables = list(variables or [])
-      sources = list(flat_inputs) + variables
       output_grads = _zeros_if_none(output_grads, flat_outputs)
       with tf.device(device):
+        # One gate, so that each op of the backward pass carries one control input
+        # (not one per tensor waited for; that made tracing quadratic).
+        gate = tf.group(*output_grads, *backward.previous)
+        with tf.control_dependencies([gate]):
+          gated_inputs = [tf.identity(t) for t in flat_inputs]
+          output_grads = [tf.identity(g) for g in output_grads]
         if recompute:
           with base_layer.step_context(training=ctx.training, step=ctx.step,
                                        micro_batch=ctx.micro_batch,
                                        example_offset=ctx.example_offset, layer_stats=None):
             with tf.GradientTape() as recompute_tape:
-              recompute_tape.watch([t for t in flat_inputs if t.dtype.is_floating])
-              recomputed = tf.nest.flatten(run(flat_inputs))
-            grads = recompute_tape.gradient(recomputed, sources,
-                                            output_gradients=output_grads)
+              recompute_tape.watch([t for t in gated_inputs if t.dtype.is_floating])
+              differentiated = tf.nest.flatten(run(gated_inputs))
+          sources, active_tape = gated_inputs + variables, recompute_tape
         else:
-          grads = tape.gradient(flat_outputs, sources, output_gradients=output_grads)
-      grads = [g if t.dtype.is_floating else None for g, t in zip(grads, sources)]
-      num_inputs = len(flat_inputs)
-      return grads[:num_inputs], _zeros_if_none(grads[num_inputs:], variables)
+          differentiated = flat_outputs
+          sources, active_tape = list(flat_inputs) + variables, tape
+        grads = active_tape.gradient(differentiated, sources, output_gradients=output_grads,
+                                     unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        grads = [g if t.dtype.is_floating else None for g, t in zip(grads, sources)]
+        num_inputs = len(flat_inputs)
+        input_grads = grads[:num_inputs]
+        return input_grads, backward.add(input_grads, grads[num_inputs:])
 
     return flat_outputs, grad
 
@@ -243,13 +296,15 @@ class PipeliningLayer(BaseLayer):
       parts = [tf.split(t, sizes, axis=0) for t in flat]
     outputs = []
     offset = 0
+    backwards = [CellBackward(num_calls=len(sizes)) for _ in self.cells]
     for m, size in enumerate(sizes):
       x = tf.nest.pack_sequence_as(structure, [part[m] for part in parts])
       with base_layer.step_context(micro_batch=m,
                                    example_offset=ctx.example_offset + offset):
         for k in range(len(self.cells)):
           if ctx.training:
-            x = cell_call(self.cell_layers(k), x, self.cell_devices[k], self._recompute_cell(k))
+            x = cell_call(self.cell_layers(k), x, self.cell_devices[k], self._recompute_cell(k),
+                          backwards[k])
           else:
             with tf.device(self.cell_devices[k]):
               x = _call_layers(self.cell_layers(k), x)

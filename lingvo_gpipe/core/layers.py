@@ -32,6 +32,22 @@ def activation_fn(name: str) -> Callable[[tf.Tensor], tf.Tensor]:
   return ACTIVATIONS[name]
 
 
+def project(inputs: tf.Tensor, weight: tf.Tensor) -> tf.Tensor:
+  """[..., I] · [I, O] → [..., O] as one 2-D matmul.
+
+  Not tf.einsum('...i,io->...o'): TF 2.21's einsum gradient for the weight
+  materializes the broadcast product [..., I, O] before reducing it (measured: 1 GiB
+  per 256×1024 layer at 1024 tokens).
+  """
+  if inputs.shape.rank == 2:
+    return tf.matmul(inputs, weight)
+  flat = tf.reshape(inputs, [-1, tf.shape(inputs)[-1]])
+  out_shape = tf.concat([tf.shape(inputs)[:-1], tf.shape(weight)[-1:]], axis=0)
+  out = tf.reshape(tf.matmul(flat, weight), out_shape)
+  # Keep the static shape that reshape with a tensor shape loses.
+  return tf.ensure_shape(out, inputs.shape[:-1].concatenate(weight.shape[-1:]))
+
+
 def _check_positive(layer: BaseLayer, **values: Any) -> None:
   for key, value in values.items():
     if value is None or value <= 0:
@@ -60,10 +76,7 @@ class Linear(BaseLayer):
       self.create_variable("b", [p.output_dim], init=weight_init("constant", 0.0))
 
   def fprop(self, inputs: tf.Tensor) -> tf.Tensor:
-    if inputs.shape.rank == 2:
-      out = tf.matmul(inputs, self.w)
-    else:
-      out = tf.einsum("...i,io->...o", inputs, self.w)
+    out = project(inputs, self.w)
     if self.params.has_bias:
       out = out + self.b
     return self._act(out)
@@ -417,7 +430,7 @@ class Softmax(BaseLayer):
     self.create_variable("b", [p.num_classes], init=weight_init("constant", 0.0))
 
   def fprop(self, inputs: tf.Tensor) -> tf.Tensor:
-    logits = tf.einsum("...i,ic->...c", inputs, self.w) + self.b
+    logits = project(inputs, self.w) + self.b
     if self.params.logits_abs_max is not None:
       limit = self.params.logits_abs_max
       logits = tf.clip_by_value(logits, -limit, limit)
@@ -448,3 +461,33 @@ class Sequential(BaseLayer):
     for layer in self.layers:
       outputs = layer(*outputs) if isinstance(outputs, tuple) else layer(outputs)
     return outputs
+
+
+class FeedForwardBlock(BaseLayer):
+  """The Transformer's feed-forward sublayer with a residual connection (pre-norm).
+
+  x [..., input_dim] → x + dropout(W2 · act(W1 · layer_norm(x)))  [..., input_dim]
+  """
+
+  @classmethod
+  def Params(cls):  # noqa: N802
+    p = super().Params()
+    p.define("input_dim", 0, "Model dimension.")
+    p.define("hidden_dim", 0, "Hidden (filter) dimension.")
+    p.define("activation", "RELU", f"One of {sorted(ACTIVATIONS)}.")
+    p.define("residual_keep_prob", 1.0, "Keep probability of dropout on the sublayer output.")
+    return p
+
+  def __init__(self, params):
+    super().__init__(params)
+    p = self.params
+    _check_positive(self, input_dim=p.input_dim, hidden_dim=p.hidden_dim)
+    self.create_child("norm", LayerNorm.Params().set(dim=p.input_dim))
+    self.create_child("inner", Linear.Params().set(
+        input_dim=p.input_dim, output_dim=p.hidden_dim, activation=p.activation))
+    self.create_child("outer", Linear.Params().set(input_dim=p.hidden_dim,
+                                                   output_dim=p.input_dim))
+    self.create_child("dropout", Dropout.Params().set(keep_prob=p.residual_keep_prob))
+
+  def fprop(self, inputs: tf.Tensor) -> tf.Tensor:
+    return inputs + self.dropout(self.outer(self.inner(self.norm(inputs))))
