@@ -76,8 +76,6 @@ def measure(args, num_cells: int | None, devices: list[str]) -> dict:
   weight_bytes = sum(v.shape.num_elements() * v.dtype.size for v in variables)
   result = {"peak_bytes": peak, "baseline_bytes": before, "activation_bytes": peak - before,
             "weight_bytes": weight_bytes, "step_seconds": round(seconds, 3)}
-  del train_step, model, optimizer, variables
-  gc.collect()
   return result
 
 
@@ -100,20 +98,20 @@ def main() -> None:
     print(f"{name:12s} activations {r['activation_bytes'] / 2**20:9.1f} MiB   "
           f"peak {r['peak_bytes'] / 2**20:9.1f} MiB   step {r['step_seconds']:.2f} s", flush=True)
 
-  L, M = args.layers, args.micro_batches
+  num_layers, m = args.layers, args.micro_batches
   naive = results["naive"]["activation_bytes"]
   summary = {
       "bench": "remat_memory",
       "machine": f"{platform.machine()} {os.cpu_count()} cores, TF {tf.__version__}",
-      "layers": L, "dim": args.dim, "hidden": args.hidden,
-      "tokens_per_batch": args.batch * args.seq, "micro_batches": M,
+      "layers": num_layers, "dim": args.dim, "hidden": args.hidden,
+      "tokens_per_batch": args.batch * args.seq, "micro_batches": m,
       "weight_bytes": results["naive"]["weight_bytes"],
       "activation_bytes_naive": naive,
       "activation_bytes_gpipe_k1_m8": results["gpipe_k1_m8"]["activation_bytes"],
       "activation_bytes_gpipe_k2_m8_total": results["gpipe_k2_m8"]["activation_bytes"],
       "activation_bytes_gpipe_k4_m8_total": results["gpipe_k4_m8"]["activation_bytes"],
       "activation_memory_ratio": round(naive / results["gpipe_k1_m8"]["activation_bytes"], 3),
-      "theoretical_ratio_k1_m8": round(L / (1 + L / M), 3),
+      "theoretical_ratio_k1_m8": round(num_layers / (1 + num_layers / m), 3),
       "step_seconds": {k: v["step_seconds"] for k, v in results.items()},
   }
   print(json.dumps(summary))
