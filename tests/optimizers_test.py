@@ -33,7 +33,7 @@ def np_adam(w, grads, lr, b1, b2, eps):
   for t, g in enumerate(grads, start=1):
     m = b1 * m + (1 - b1) * g
     v = b2 * v + (1 - b2) * g * g
-    w = w - lr * (m / (1 - b1 ** t)) / (np.sqrt(v / (1 - b2 ** t)) + eps)
+    w = w - lr * np.sqrt(1 - b2 ** t) / (1 - b1 ** t) * m / (np.sqrt(v) + eps)
   return w
 
 
@@ -133,7 +133,8 @@ def test_slots_and_updates_live_on_the_variable_device(params, cpu_devices):
   graph = fn.get_concrete_function([tf.TensorSpec([8, 8])] * 2).graph
   external = {id(internal): ext for ext, internal in graph.captures}
   writes = [op for op in graph.get_operations()
-            if op.type in ("AssignVariableOp", "AssignSubVariableOp")]
+            if op.type in ("AssignVariableOp", "AssignSubVariableOp")
+            or op.type.startswith("ResourceApply")]
   assert writes
   for op in writes:
     handle = external[id(op.inputs[0])]

@@ -5,6 +5,12 @@ their optimizer state. Keras 3 optimizers create slot variables on the default
 device (DESIGN.md), so these optimizers create every slot inside
 `tf.device(variable.device)` and compute every update there too.
 
+SGD, momentum, RMSProp and Adam apply TensorFlow's fused training kernels
+(ResourceApply*): they update the variable and its slots in place, with no
+variable-sized temporaries. Written as separate assign ops, the updates of all
+variables may run at once and hold several weight-sized temporaries each, which for
+a re-materialized pipeline was the step's peak memory.
+
 An optimizer is built from Params, tracks its slots (so a `tf.train.Checkpoint`
 holding it saves them), and applies one synchronous update:
 
@@ -123,12 +129,13 @@ class SGD(Optimizer):
     return {"momentum": (var.shape.as_list(), 0.0)} if self.params.momentum else {}
 
   def _update(self, var, grad, slots, lr, step):
-    mu = self.params.momentum
-    if not mu:
-      var.assign_sub(lr * grad)
+    p = self.params
+    if not p.momentum:
+      tf.raw_ops.ResourceApplyGradientDescent(var=var.handle, alpha=lr, delta=grad)
       return
-    accum = slots["momentum"].assign(mu * slots["momentum"] + grad)
-    var.assign_sub(lr * (grad + mu * accum if self.params.nesterov else accum))
+    tf.raw_ops.ResourceApplyMomentum(var=var.handle, accum=slots["momentum"].handle, lr=lr,
+                                     grad=grad, momentum=tf.cast(p.momentum, var.dtype),
+                                     use_nesterov=p.nesterov)
 
 
 class RMSProp(Optimizer):
@@ -152,13 +159,18 @@ class RMSProp(Optimizer):
 
   def _update(self, var, grad, slots, lr, step):
     p = self.params
-    ms = slots["ms"].assign(p.decay * slots["ms"] + (1.0 - p.decay) * tf.square(grad))
-    mom = slots["mom"].assign(p.momentum * slots["mom"] + lr * grad * tf.math.rsqrt(ms + p.epsilon))
-    var.assign_sub(mom)
+    tf.raw_ops.ResourceApplyRMSProp(
+        var=var.handle, ms=slots["ms"].handle, mom=slots["mom"].handle, lr=lr,
+        rho=tf.cast(p.decay, var.dtype), momentum=tf.cast(p.momentum, var.dtype),
+        epsilon=tf.cast(p.epsilon, var.dtype), grad=grad)
 
 
 class Adam(Optimizer):
-  """Adam with bias correction: w -= lr · m̂ / (sqrt(v̂) + ε), t = step + 1."""
+  """Adam (Kingma & Ba, Algorithm 1 with the "ε-hat" form), t = step + 1:
+
+  m = β1·m + (1-β1)·g;  v = β2·v + (1-β2)·g²;
+  w -= lr · sqrt(1-β2^t) / (1-β1^t) · m / (sqrt(v) + ε).
+  """
 
   @classmethod
   def Params(cls):  # noqa: N802
@@ -175,11 +187,11 @@ class Adam(Optimizer):
   def _update(self, var, grad, slots, lr, step):
     p = self.params
     t = tf.cast(step, var.dtype) + 1.0
-    m = slots["m"].assign(p.beta1 * slots["m"] + (1.0 - p.beta1) * grad)
-    v = slots["v"].assign(p.beta2 * slots["v"] + (1.0 - p.beta2) * tf.square(grad))
-    m_hat = m / (1.0 - tf.pow(tf.cast(p.beta1, var.dtype), t))
-    v_hat = v / (1.0 - tf.pow(tf.cast(p.beta2, var.dtype), t))
-    var.assign_sub(lr * m_hat / (tf.sqrt(v_hat) + p.epsilon))
+    beta1, beta2 = tf.cast(p.beta1, var.dtype), tf.cast(p.beta2, var.dtype)
+    tf.raw_ops.ResourceApplyAdam(
+        var=var.handle, m=slots["m"].handle, v=slots["v"].handle,
+        beta1_power=tf.pow(beta1, t), beta2_power=tf.pow(beta2, t), lr=lr, beta1=beta1,
+        beta2=beta2, epsilon=tf.cast(p.epsilon, var.dtype), grad=grad)
 
 
 class Adafactor(Optimizer):
