@@ -23,6 +23,10 @@ tf.recompute_grad + GradientTape they would all land on the default device). Cel
 without recompute keep the tape of their forward pass and differentiate it in the
 backward pass, on their device too.
 
+The backward passes of one cell's M calls run one at a time and sum the variable
+gradients as they go (`CellBackward`), so only one micro-batch is re-materialized
+per cell at a time and only one gradient-sized buffer per cell is alive.
+
 Peak activation memory with recompute: O(B + (L/K)·(B/M)) per device instead of O(B·L).
 """
 
