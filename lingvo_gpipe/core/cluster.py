@@ -13,7 +13,10 @@ Specs:
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import socket
 
 import tensorflow as tf
 
@@ -83,3 +86,85 @@ def _configure(spec: str) -> list[str]:
           f"cannot set up {spec!r}: TensorFlow already initialized {have} {kind.upper()} "
           "device(s); configure devices before running any op") from e
   return [d.name for d in tf.config.list_logical_devices(kind.upper())][:wanted]
+
+
+# ---------------------------------------------------------------------------
+# Clusters of TensorFlow servers (tools/worker.py), one per pipeline stage.
+# ---------------------------------------------------------------------------
+
+_ADDRESS = re.compile(r"^[A-Za-z0-9_.\-\[\]:]+:\d+$")
+VALID_CLUSTER_SPEC = "JOB=HOST:PORT[,HOST:PORT...][;JOB=...], e.g. worker=h1:2222,h2:2222"
+
+
+def parse_cluster_spec(text: str) -> dict[str, list[str]]:
+  """'worker=h1:2222,h2:2222;ps=h3:2222' → {'worker': [...], 'ps': [...]}."""
+  spec: dict[str, list[str]] = {}
+  for part in filter(None, (p.strip() for p in text.split(";"))):
+    job, _, addresses = part.partition("=")
+    job = job.strip()
+    hosts = [a.strip() for a in addresses.split(",") if a.strip()]
+    if not job or not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", job) or not hosts:
+      raise DeviceSpecError(f"bad cluster spec {text!r}; valid: {VALID_CLUSTER_SPEC}")
+    for address in hosts:
+      if not _ADDRESS.match(address):
+        raise DeviceSpecError(f"bad address {address!r} in cluster spec {text!r}; "
+                              "expected HOST:PORT")
+    if job in spec:
+      raise DeviceSpecError(f"job {job!r} appears twice in cluster spec {text!r}")
+    spec[job] = hosts
+  if not spec:
+    raise DeviceSpecError(f"empty cluster spec; valid: {VALID_CLUSTER_SPEC}")
+  return spec
+
+
+def cluster_spec_from_tf_config() -> dict[str, list[str]]:
+  """The 'cluster' of the TF_CONFIG environment variable."""
+  raw = os.environ.get("TF_CONFIG")
+  if not raw:
+    raise DeviceSpecError("no --cluster_spec and no TF_CONFIG environment variable")
+  try:
+    cluster = json.loads(raw)["cluster"]
+    return {job: list(addresses) for job, addresses in cluster.items()}
+  except (ValueError, KeyError, TypeError, AttributeError) as e:
+    raise DeviceSpecError(f"TF_CONFIG has no valid 'cluster': {e}") from None
+
+
+def task_address(spec: dict[str, list[str]], job: str, task: int) -> str:
+  if job not in spec:
+    raise DeviceSpecError(f"job {job!r} is not in the cluster spec (jobs: {sorted(spec)})")
+  if not 0 <= task < len(spec[job]):
+    raise DeviceSpecError(f"task {task} is out of range for job {job!r} "
+                          f"({len(spec[job])} tasks: 0..{len(spec[job]) - 1})")
+  return spec[job][task]
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    return s.getsockname()[1]
+
+
+def connect_to_cluster(spec: dict[str, list[str]], worker_job: str = "worker",
+                       client_job: str = "client") -> list[str]:
+  """Joins the cluster as `client_job` (added on a free local port if absent).
+
+  Returns one device per task of `worker_job`, in task order:
+  /job:worker/task:k/device:CPU:0, or its first GPU if it has one. They become
+  `default_devices()`, so pipeline cell k goes to task k.
+  """
+  if worker_job not in spec:
+    raise DeviceSpecError(f"the cluster spec has no {worker_job!r} job (jobs: {sorted(spec)})")
+  spec = dict(spec)
+  spec.setdefault(client_job, [f"localhost:{free_port()}"])
+  resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+      tf.train.ClusterSpec(spec), task_type=client_job, task_id=0, rpc_layer="grpc")
+  tf.config.experimental_connect_to_cluster(resolver, job_name=client_job,
+                                            make_master_device_default=False)
+  devices = []
+  for task in range(len(spec[worker_job])):
+    prefix = f"/job:{worker_job}/replica:0/task:{task}"
+    names = [d.name for d in tf.config.list_logical_devices() if d.name.startswith(prefix)]
+    gpus = [n for n in names if "/device:GPU:" in n]
+    devices.append(gpus[0] if gpus else f"{prefix}/device:CPU:0")
+  _configured[:] = devices
+  return devices

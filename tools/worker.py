@@ -1,0 +1,51 @@
+"""A TensorFlow server for one task of a cluster: the process a pipeline cell runs in.
+
+  python tools/worker.py --cluster_spec=worker=localhost:2222,localhost:2223 --task=0
+
+On one host, run one worker per device; to make a CPU worker behave like one
+sequential accelerator, start it with one inter-op and one intra-op thread:
+
+  TF_NUM_INTEROP_THREADS=1 TF_NUM_INTRAOP_THREADS=1 python tools/worker.py ...
+
+(a ConfigProto passed to the server does not govern eager remote execution; the
+environment does). The trainer joins with --cluster_spec and places cell k on
+/job:worker/task:k. The server runs until killed.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from absl import app, flags  # noqa: E402
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("cluster_spec", None, "JOB=HOST:PORT,HOST:PORT[;JOB=...]; or use TF_CONFIG.")
+flags.DEFINE_string("job", "worker", "This task's job name.")
+flags.DEFINE_integer("task", 0, "This task's index in its job.")
+
+
+def main(argv: list[str]) -> None:
+  del argv
+  import tensorflow as tf
+
+  from lingvo_gpipe.core import cluster
+
+  try:
+    spec = cluster.parse_cluster_spec(FLAGS.cluster_spec) if FLAGS.cluster_spec \
+        else cluster.cluster_spec_from_tf_config()
+    address = cluster.task_address(spec, FLAGS.job, FLAGS.task)
+  except cluster.DeviceSpecError as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
+  server = tf.distribute.Server(tf.train.ClusterSpec(spec), job_name=FLAGS.job,
+                                task_index=FLAGS.task, protocol="grpc", start=True)
+  print(f"worker /job:{FLAGS.job}/task:{FLAGS.task} serving at {address} ({server.target})",
+        flush=True)
+  server.join()
+
+
+if __name__ == "__main__":
+  app.run(main)
