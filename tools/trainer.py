@@ -31,6 +31,9 @@ flags.DEFINE_string("params_override", "", "Semicolon-separated key=value overri
 flags.DEFINE_enum("mode", "train", MODES, "What to do.")
 flags.DEFINE_string("devices", "cpu", "Devices: cpu, cpu:N (N logical CPUs), gpu, gpu:N or "
                     "gpu:N:MEMORY_MB (GPU 0 split into N logical GPUs).")
+flags.DEFINE_string("cluster_spec", None, "Run pipeline cells on TensorFlow servers "
+                    "(tools/worker.py): JOB=HOST:PORT,...[;JOB=...], cell k on /job:worker/task:k. "
+                    "'tf_config' reads the cluster from $TF_CONFIG. Replaces --devices.")
 flags.DEFINE_list("params_path", [], "Extra param files or directories to register models "
                   "from (also $LINGVO_GPIPE_PARAMS_PATH, ':'-separated).")
 flags.DEFINE_integer("inspect_depth", 3, "Layer depth shown by --mode=inspect_model.")
@@ -111,9 +114,16 @@ def _run() -> int:
     print(params.to_text(), end="")
     return 0
   try:
-    cluster.configure_devices(FLAGS.devices)
+    if FLAGS.cluster_spec:
+      spec = (cluster.cluster_spec_from_tf_config() if FLAGS.cluster_spec == "tf_config"
+              else cluster.parse_cluster_spec(FLAGS.cluster_spec))
+      devices = cluster.connect_to_cluster(spec)
+      print(f"Joined cluster; cells go to {', '.join(devices)}")
+    else:
+      cluster.configure_devices(FLAGS.devices)
   except cluster.DeviceSpecError as e:
-    raise UsageFailure(f"--devices: {e}") from None
+    flag = "--cluster_spec" if FLAGS.cluster_spec else "--devices"
+    raise UsageFailure(f"{flag}: {e}") from None
   if FLAGS.mode == "inspect_model":
     with _bad_params_are_usage_errors():
       _inspect_model(params)
