@@ -90,8 +90,9 @@ def test_large_partition_is_fast_and_exact_against_a_dp():
 
 
 def test_profiled_costs_rank_layers_by_work():
-  # 537 MFLOPs forward against 17 MFLOPs: the measured times must say which is bigger.
+  # 2.1 GFLOPs forward against 8 MFLOPs: only the order is asserted (times are noisy),
+  # and a gap this wide survives a loaded machine.
   params = [layers.Linear.Params().set(name="big", input_dim=256, output_dim=4096),
-            layers.Linear.Params().set(name="small", input_dim=4096, output_dim=8)]
-  costs = partition.profile_layer_costs(params, tf.TensorSpec([256, 256]), steps=5)
-  assert len(costs) == 2 and costs[0] > 3 * costs[1] > 0
+            layers.Linear.Params().set(name="small", input_dim=4096, output_dim=1)]
+  costs = partition.profile_layer_costs(params, tf.TensorSpec([1024, 256]), steps=5)
+  assert len(costs) == 2 and costs[0] > costs[1] > 0
