@@ -111,8 +111,9 @@ def main() -> None:
 
     from lingvo_gpipe.core import cluster
 
-    time.sleep(3)
-    devices = cluster.connect_to_cluster(cluster.parse_cluster_spec(spec))
+    workers_spec = cluster.parse_cluster_spec(spec)
+    cluster.wait_for_servers(workers_spec["worker"])
+    devices = cluster.connect_to_cluster(workers_spec)
     results: dict = {}
     for model_name in args.models.split(","):
       for m in micro_batches:

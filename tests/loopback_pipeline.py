@@ -9,7 +9,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -30,8 +29,9 @@ def main() -> None:
 
     from lingvo_gpipe.core import base_layer, gpipe, layers
 
-    time.sleep(2)
-    devices = cluster.connect_to_cluster(cluster.parse_cluster_spec(spec))
+    workers_spec = cluster.parse_cluster_spec(spec)
+    cluster.wait_for_servers(workers_spec["worker"])
+    devices = cluster.connect_to_cluster(workers_spec)
     stack = [layers.Linear.Params().set(name=f"fc{i}", input_dim=16, output_dim=16,
                                         activation="TANH") for i in range(4)]
     stack.insert(2, layers.Dropout.Params().set(name="drop", keep_prob=0.7))

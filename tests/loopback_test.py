@@ -37,3 +37,9 @@ def test_cluster_specs_parse_and_bad_ones_are_named(monkeypatch):
   assert cluster.task_address(spec, "worker", 1) == "b:2"
   with pytest.raises(cluster.DeviceSpecError, match="task 2 is out of range"):
     cluster.task_address(spec, "worker", 2)
+
+
+def test_an_absent_server_is_named_within_the_timeout():
+  address = f"localhost:{cluster.free_port()}"
+  with pytest.raises(cluster.DeviceSpecError, match=f"no server answers at {address}"):
+    cluster.wait_for_servers([address], timeout_s=0.5)

@@ -117,6 +117,7 @@ def _run() -> int:
     if FLAGS.cluster_spec:
       spec = (cluster.cluster_spec_from_tf_config() if FLAGS.cluster_spec == "tf_config"
               else cluster.parse_cluster_spec(FLAGS.cluster_spec))
+      cluster.wait_for_servers(spec.get("worker", []), timeout_s=60.0)
       devices = cluster.connect_to_cluster(spec)
       print(f"Joined cluster; cells go to {', '.join(devices)}")
     else:

@@ -17,6 +17,7 @@ import json
 import os
 import re
 import socket
+import time
 
 import tensorflow as tf
 
@@ -168,3 +169,20 @@ def connect_to_cluster(spec: dict[str, list[str]], worker_job: str = "worker",
     devices.append(gpus[0] if gpus else f"{prefix}/device:CPU:0")
   _configured[:] = devices
   return devices
+
+
+def wait_for_servers(addresses: list[str], timeout_s: float = 60.0) -> None:
+  """Waits until every HOST:PORT accepts TCP connections; raises naming the first that
+  does not within `timeout_s` (a worker that failed to start, or a wrong address)."""
+  deadline = time.monotonic() + timeout_s
+  for address in addresses:
+    host, _, port = address.rpartition(":")
+    while True:
+      try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=1.0):
+          break
+      except OSError:
+        if time.monotonic() > deadline:
+          raise DeviceSpecError(f"no server answers at {address} after {timeout_s:.0f} s; "
+                                "is tools/worker.py running there?") from None
+        time.sleep(0.2)
