@@ -27,27 +27,10 @@ import json
 import os
 import platform
 import statistics
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-REPO = Path(__file__).resolve().parent.parent
-
-
-def start_workers(num_workers: int) -> tuple[str, list[subprocess.Popen]]:
-  from lingvo_gpipe.core import cluster
-
-  spec = "worker=" + ",".join(f"localhost:{cluster.free_port()}" for _ in range(num_workers))
-  env = dict(os.environ, TF_NUM_INTEROP_THREADS="1", TF_NUM_INTRAOP_THREADS="1",
-             TF_CPP_MIN_LOG_LEVEL="2")
-  procs = [subprocess.Popen([sys.executable, str(REPO / "tools" / "worker.py"),
-                             f"--cluster_spec={spec}", f"--task={i}"], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-           for i in range(num_workers)]
-  return spec, procs
 
 
 def model_layers(name: str):
@@ -105,11 +88,11 @@ def main() -> None:
   micro_batches = [int(m) for m in args.micro_batches.split(",")]
   worker_counts = [k for k in (2, 4, 8) if k <= args.max_workers]
 
-  spec, procs = start_workers(args.max_workers)
+  from lingvo_gpipe.core import cluster
+
+  spec, procs = cluster.start_local_workers(args.max_workers)
   try:
     import tensorflow as tf
-
-    from lingvo_gpipe.core import cluster
 
     workers_spec = cluster.parse_cluster_spec(spec)
     cluster.wait_for_servers(workers_spec["worker"])

@@ -7,22 +7,14 @@ gradients and those of the same layers run unpartitioned in this process.
 
 import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-REPO = Path(__file__).resolve().parent.parent
 
 
 def main() -> None:
   from lingvo_gpipe.core import cluster
 
-  spec = f"worker=localhost:{cluster.free_port()},localhost:{cluster.free_port()}"
-  workers = [subprocess.Popen([sys.executable, str(REPO / "tools" / "worker.py"),
-                               f"--cluster_spec={spec}", f"--task={i}"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-             for i in range(2)]
+  spec, workers = cluster.start_local_workers(2, single_thread=False)
   try:
     import numpy as np
     import tensorflow as tf

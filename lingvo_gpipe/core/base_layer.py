@@ -192,17 +192,22 @@ class BaseLayer(tf.Module):
 
   # -- children ----------------------------------------------------------------
 
+  @contextlib.contextmanager
+  def _as_parent(self) -> Iterator[None]:
+    """Layers built inside are this layer's children (their path and seed follow it)."""
+    stack = _layer_stack()
+    stack.append(self)
+    try:
+      yield
+    finally:
+      stack.pop()
+
   def create_child(self, name: str, params: InstantiableParams) -> BaseLayer:
     """Builds a child layer from `params` (renamed `name`) and tracks it as self.<name>."""
     if name in self._child_order or hasattr(self, name):
       raise ValueError(f"{self.path}: child name {name!r} is already used")
-    p = params.copy().set(name=name)
-    stack = _layer_stack()
-    stack.append(self)
-    try:
-      child = p.instantiate()
-    finally:
-      stack.pop()
+    with self._as_parent():
+      child = params.copy().set(name=name).instantiate()
     setattr(self, name, child)
     self._child_order = self._child_order + (name,)
     return child
@@ -220,14 +225,10 @@ class BaseLayer(tf.Module):
       names = [f"{n}_{i}" for i, n in enumerate(names)]
     devices = list(devices) if devices is not None else [None] * len(params_list)
     children = []
-    stack = _layer_stack()
-    stack.append(self)
-    try:
+    with self._as_parent():
       for child_name, p, device in zip(names, params_list, devices):
         with tf.device(device):
           children.append(p.copy().set(name=child_name).instantiate())
-    finally:
-      stack.pop()
     setattr(self, name, children)
     self._child_order = self._child_order + (name,)
     return getattr(self, name)

@@ -17,7 +17,10 @@ import json
 import os
 import re
 import socket
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import tensorflow as tf
 
@@ -186,3 +189,22 @@ def wait_for_servers(addresses: list[str], timeout_s: float = 60.0) -> None:
           raise DeviceSpecError(f"no server answers at {address} after {timeout_s:.0f} s; "
                                 "is tools/worker.py running there?") from None
         time.sleep(0.2)
+
+
+def start_local_workers(num_workers: int, single_thread: bool = True
+                        ) -> tuple[str, list[subprocess.Popen]]:
+  """Starts tools/worker.py servers on free loopback ports (for tests and benchmarks).
+
+  Returns the cluster spec text ('worker=localhost:P0,...') and the processes; the
+  caller kills them. single_thread gives each one inter-op and one intra-op thread.
+  """
+  spec = "worker=" + ",".join(f"localhost:{free_port()}" for _ in range(num_workers))
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+  if single_thread:
+    env.update(TF_NUM_INTEROP_THREADS="1", TF_NUM_INTRAOP_THREADS="1")
+  worker = Path(__file__).resolve().parents[2] / "tools" / "worker.py"
+  procs = [subprocess.Popen([sys.executable, str(worker), f"--cluster_spec={spec}",
+                             f"--task={i}"], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+           for i in range(num_workers)]
+  return spec, procs
