@@ -3,7 +3,10 @@
 Layout of a logdir:
   <logdir>/params.txt           the full params text of the run
   <logdir>/train/ckpt-<step>.*  checkpoints (tf.train.latest_checkpoint(<logdir>/train))
-  <logdir>/train/events.*       loss, metrics, learning rate, gradient norm, examples/sec
+  <logdir>/train/events.*       loss, metrics, learning rate, gradient norm, examples/sec;
+                                for a pipelined model, the measured schedule (an image
+                                and per-cell busy fractions, measured vs theoretical bubble)
+  <logdir>/train/plugins/profile/  TensorFlow profiles of the steps --profile_steps names
   <logdir>/eval/events.*        eval metrics at the step they were computed
 
 One training step (`_train_step`, traced once):
@@ -24,7 +27,7 @@ from collections.abc import Callable
 
 import tensorflow as tf
 
-from lingvo_gpipe.core import base_layer
+from lingvo_gpipe.core import base_layer, timeline
 from lingvo_gpipe.core.hyperparams import Params
 
 
@@ -62,6 +65,21 @@ def _format_eta(seconds: float) -> str:
 
 def _variable_names(text: str) -> list[str]:
   return re.findall(r"tf\.Variable '([^']+)'", text)
+
+
+def parse_profile_steps(text: str) -> tuple[int, int] | None:
+  """'A,B' → (A, B), the first and last global step to profile; '' → None."""
+  if not text:
+    return None
+  parts = [p.strip() for p in text.split(",")]
+  try:
+    first, last = (int(p) for p in parts)
+  except ValueError:
+    raise ValueError(f"bad --profile_steps {text!r}; expected A,B: the first and last "
+                     "global step to profile, 1 <= A <= B (e.g. 10,12)") from None
+  if not 1 <= first <= last:
+    raise ValueError(f"bad --profile_steps {text!r}: need 1 <= A <= B (e.g. 10,12)")
+  return first, last
 
 
 class Trainer:
@@ -122,11 +140,13 @@ class Trainer:
   def _train_step(self, batch: dict[str, tf.Tensor]) -> dict[str, tf.Tensor]:
     step = self.global_step.read_value()
     with base_layer.step_context(training=True, step=step, micro_batch=0,
-                                 layer_stats=[]) as ctx:
+                                 layer_stats=[], schedule=[]) as ctx:
       metrics = self.task(batch)
     loss = metrics["loss"][0]
     grads = tf.gradients(loss, self.variables,
                          unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    # Pipelines recorded when each cell call ran; fetched only at summary steps.
+    schedule, self._schedule_keys = timeline.fetches(ctx.schedule)
     grad_norm = tf.linalg.global_norm(grads)
     finite = tf.logical_and(tf.math.is_finite(loss), tf.math.is_finite(grad_norm))
 
@@ -139,7 +159,7 @@ class Trainer:
     lr = tf.cond(finite, apply, lambda: tf.constant(float("nan")))
     out = {name: value for name, (value, _) in metrics.items()}
     out.update(learning_rate=lr, grad_norm=grad_norm, finite=finite)
-    return out
+    return out, schedule
 
   def _eval_step(self, batch: dict[str, tf.Tensor]) -> dict[str, tuple[tf.Tensor, tf.Tensor]]:
     with base_layer.step_context(training=False, step=self.global_step.read_value()):
@@ -152,10 +172,13 @@ class Trainer:
   # -- loops ---------------------------------------------------------------------------
 
   def train(self, max_steps: int, eval_fn: Callable[[], dict] | None = None,
-            on_step: Callable[[int, dict], None] | None = None) -> dict:
+            on_step: Callable[[int, dict], None] | None = None,
+            profile_steps: tuple[int, int] | None = None) -> dict:
     """Trains until the global step reaches `max_steps`; returns the last step's values.
 
     `on_step(step, values)` is called after every step (values: numpy scalars).
+    `profile_steps=(A, B)` captures a TensorFlow profile of global steps A..B into
+    <logdir>/train (TensorBoard's profile tab).
     """
     train_p = self.params.task.train
     start = self.restore_latest()
@@ -180,8 +203,12 @@ class Trainer:
     step = start
     window_start, window_steps = time.perf_counter(), 0
     run_start = time.perf_counter()
+    profiler = _StepProfiler(profile_steps, self.train_dir, self.log, start, max_steps)
     for batch in self.train_iterator:
-      values = {k: v.numpy() for k, v in step_fn(batch).items()}
+      profiler.before(step + 1)
+      outputs, schedule = step_fn(batch)
+      values = {k: v.numpy() for k, v in outputs.items()}
+      profiler.after(step + 1)
       if not values["finite"]:
         last = self.manager.latest_checkpoint or "none"
         raise NonFiniteLossError(
@@ -199,6 +226,8 @@ class Trainer:
             if name != "finite":
               tf.summary.scalar(name, value, step=step)
           tf.summary.scalar("examples_per_sec", examples_per_sec, step=step)
+          if schedule:
+            self._write_schedule(schedule, step)
       if step % train_p.log_interval_steps == 0 or step == max_steps:
         steps_per_sec = (step - start) / max(time.perf_counter() - run_start, 1e-9)
         self.log(f"step {step}/{max_steps}  loss {values['loss']:.4f}  "
@@ -212,9 +241,21 @@ class Trainer:
         eval_fn()
       if step >= max_steps:
         break
+    profiler.stop()
     writer.flush()
     self.log(f"Saved {self.manager.latest_checkpoint}")
     return values
+
+  def _write_schedule(self, fetched: list[tf.Tensor], step: int) -> None:
+    """Writes the measured pipeline schedule of this step: scalars and an image."""
+    measured = timeline.Schedule.from_fetched([t.numpy() for t in fetched],
+                                              self._schedule_keys)
+    for name, value in measured.summary().items():
+      tf.summary.scalar(name, value, step=step)
+    tf.summary.image("pipeline/schedule", measured.image()[None], step=step,
+                     description="Cells top to bottom, time left to right; forward calls "
+                     "blue, backward (with recompute) orange, darker for later "
+                     "micro-batches; white is idle (the bubble).")
 
   def evaluate(self) -> dict[str, float]:
     """Runs the eval input once; writes and returns the example-weighted mean metrics."""
@@ -247,3 +288,33 @@ class Trainer:
     self.log(f"eval at step {step}: {shown}")
     return results
 
+
+
+class _StepProfiler:
+  """Starts TensorFlow's profiler before global step `first` and stops it after `last`."""
+
+  def __init__(self, steps: tuple[int, int] | None, logdir: str,
+               log: Callable[[str], None], start: int, max_steps: int):
+    self.steps, self.logdir, self.log = steps, logdir, log
+    self.active = False
+    if steps is not None and (steps[1] <= start or steps[0] > max_steps):
+      log(f"--profile_steps {steps[0]},{steps[1]} lie outside the steps this run trains "
+          f"({start + 1}..{max_steps}); nothing is profiled")
+      self.steps = None
+
+  def before(self, step: int) -> None:
+    if self.steps is not None and not self.active and self.steps[0] <= step <= self.steps[1]:
+      tf.profiler.experimental.start(self.logdir)
+      self.active = True
+
+  def after(self, step: int) -> None:
+    if self.active and step >= self.steps[1]:
+      self.stop()
+
+  def stop(self) -> None:
+    if self.active:
+      tf.profiler.experimental.stop()
+      self.active = False
+      self.log(f"Profiled steps {self.steps[0]}..{self.steps[1]} into "
+               f"{self.logdir}/plugins/profile (TensorBoard's profile tab)")
+      self.steps = None

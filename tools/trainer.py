@@ -37,6 +37,8 @@ flags.DEFINE_string("cluster_spec", None, "Run pipeline cells on TensorFlow serv
 flags.DEFINE_list("params_path", [], "Extra param files or directories to register models "
                   "from (also $LINGVO_GPIPE_PARAMS_PATH, ':'-separated).")
 flags.DEFINE_integer("inspect_depth", 3, "Layer depth shown by --mode=inspect_model.")
+flags.DEFINE_string("profile_steps", "", "A,B: capture a TensorFlow profile of global steps "
+                    "A..B into <logdir>/train (TensorBoard's profile tab), e.g. 10,12.")
 flags.DEFINE_string("data_dir", None, "Prepared TFDS data for the model's TFDS inputs "
                     "(sets train_input.data_dir and eval_input.data_dir).")
 
@@ -147,6 +149,10 @@ def _run() -> int:
   if FLAGS.mode != "train" and params.eval_input is None:
     raise UsageFailure(f"model {FLAGS.model} has no eval_input; use --mode=train")
   try:
+    profile_steps = trainer_lib.parse_profile_steps(FLAGS.profile_steps)
+  except ValueError as e:
+    raise UsageFailure(str(e)) from None
+  try:
     trainer_lib.check_logdir_writable(FLAGS.logdir)
   except trainer_lib.LogdirError as e:
     raise UsageFailure(str(e)) from None
@@ -159,7 +165,7 @@ def _run() -> int:
       trainer.evaluate()
       return 0
     eval_fn = trainer.evaluate if FLAGS.mode == "train_and_eval" else None
-    trainer.train(params.task.train.max_steps, eval_fn=eval_fn)
+    trainer.train(params.task.train.max_steps, eval_fn=eval_fn, profile_steps=profile_steps)
     if eval_fn is not None:
       trainer.evaluate()
   except trainer_lib.CheckpointMismatchError as e:

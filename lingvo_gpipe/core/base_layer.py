@@ -105,12 +105,15 @@ class StepContext:
       micro-batches draws exactly the masks of the unsplit batch.
     layer_stats: where layers (batch norm) report statistics of this forward pass:
       a list of (layer, stats) pairs, or None to not collect (e.g. in a recompute).
+    schedule: where pipelines record the timestamps of each cell call, forward and
+      backward (a list of `timeline.Span`), or None to not record.
   """
   training: bool = False
   step: Any = 0
   micro_batch: Any = 0
   example_offset: Any = 0
   layer_stats: list | None = None
+  schedule: list | None = None
 
 
 _STATE = threading.local()

@@ -37,7 +37,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from lingvo_gpipe.core import base_layer, cluster, model_stats, partition
+from lingvo_gpipe.core import base_layer, cluster, model_stats, partition, timeline
 from lingvo_gpipe.core.base_layer import BaseLayer
 
 RECOMPUTE_POLICIES = ("always", "except_last", "never")
@@ -67,6 +67,24 @@ def _call_layers(layers: Sequence[BaseLayer], x: Any) -> Any:
 
 def _zeros_if_none(grads: Sequence[Any], like: Sequence[tf.Tensor]) -> list[Any]:
   return [tf.zeros_like(t) if g is None else g for g, t in zip(grads, like)]
+
+
+def _arrived(tensors: Any, device: str | None, destination: str | None) -> Any:
+  """Markers, on `destination`, of `tensors` (made on `device`) having arrived there.
+
+  A cell's next micro-batch waits for these markers rather than for its own results.
+  A worker that runs one op at a time (one inter-op thread: a sequential accelerator)
+  otherwise keeps running its own chain of ready compute and sends its results only
+  when the chain breaks: at the end of the whole forward or backward pass (measured:
+  the next cell got micro-batch 0 after all 8 were done). Waiting for the marker
+  breaks the chain after each micro-batch, so the transfer goes out at once; the
+  marker's own transfer is one control message. The tensors travel once: the next
+  cell's Recv of them is shared with the marker's.
+  """
+  if destination is None or destination == device:
+    return tensors
+  with tf.device(destination):
+    return tf.nest.map_structure(lambda t: None if t is None else tf.identity(t), tensors)
 
 
 class CellBackward:
@@ -116,12 +134,19 @@ class CellBackward:
 
 
 def cell_call(layers: Sequence[BaseLayer], inputs: Any, device: str | None,
-              recompute: bool, backward: CellBackward | None = None) -> Any:
+              recompute: bool, backward: CellBackward | None = None,
+              cell_index: int = 0, after: Any = None, input_device: str | None = None) -> Any:
   """Runs `layers` on `inputs` on `device` with a device-pinned custom gradient.
 
   inputs and outputs may be nested structures of tensors; integer tensors get no
   gradient. `backward` orders and accumulates the backward passes of the calls of
-  one cell (see CellBackward); None means this call stands alone.
+  one cell (see CellBackward); None means this call stands alone. `after`: tensors
+  (the cell's outputs on the previous micro-batch) this call's forward waits for.
+  `input_device`: where the inputs come from; when it is another device, the next
+  backward pass of this cell waits until this one's input gradients have arrived
+  there (see `_arrived`).
+  When the context has a `schedule`, the forward and the backward pass each record
+  a timeline.Span (cell `cell_index`, the context's micro-batch).
   """
   ctx = base_layer.current_context()
   backward = backward or CellBackward(num_calls=1)
@@ -147,12 +172,17 @@ def cell_call(layers: Sequence[BaseLayer], inputs: Any, device: str | None,
       variables = list(variables or [])
       output_grads = _zeros_if_none(output_grads, flat_outputs)
       with tf.device(device):
+        span = timeline.SpanRecorder(ctx.schedule, cell_index, ctx.micro_batch,
+                                     timeline.BACKWARD, device)
         # One gate, so that each op of the backward pass carries one control input
         # (not one per tensor waited for; that made tracing quadratic).
         gate = tf.group(*output_grads, *backward.previous)
         with tf.control_dependencies([gate]):
           gated_inputs = [tf.identity(t) for t in flat_inputs]
           output_grads = [tf.identity(g) for g in output_grads]
+        num_inputs = len(flat_inputs)
+        gated = span.begin(gated_inputs + output_grads)
+        gated_inputs, output_grads = gated[:num_inputs], gated[num_inputs:]
         if recompute:
           with base_layer.step_context(training=ctx.training, step=ctx.step,
                                        micro_batch=ctx.micro_batch,
@@ -166,16 +196,23 @@ def cell_call(layers: Sequence[BaseLayer], inputs: Any, device: str | None,
           sources, active_tape = list(flat_inputs) + variables, tape
         grads = active_tape.gradient(differentiated, sources, output_gradients=output_grads,
                                      unconnected_gradients=tf.UnconnectedGradients.ZERO)
-        grads = [g if t.dtype.is_floating else None for g, t in zip(grads, sources)]
-        num_inputs = len(flat_inputs)
+        grads = span.end([g if t.dtype.is_floating else None for g, t in zip(grads, sources)])
         input_grads = grads[:num_inputs]
-        return input_grads, backward.add(input_grads, grads[num_inputs:])
+        variable_grads = backward.add(_arrived(input_grads, device, input_device),
+                                      grads[num_inputs:])
+        return input_grads, variable_grads
 
     return flat_outputs, grad
 
   with tf.device(device):
-    flat = cell(*tf.nest.flatten(inputs))
-  flat = list(flat) if isinstance(flat, (list, tuple)) else [flat]
+    flat_inputs = tf.nest.flatten(inputs)
+    if after is not None:
+      with tf.control_dependencies([tf.group(*tf.nest.flatten(after))]):
+        flat_inputs = [tf.identity(t) for t in flat_inputs]
+    span = timeline.SpanRecorder(ctx.schedule, cell_index, ctx.micro_batch, timeline.FORWARD,
+                                 device)
+    flat = cell(*span.begin(flat_inputs))
+    flat = span.end(list(flat) if isinstance(flat, (list, tuple)) else [flat])
   return tf.nest.pack_sequence_as(output_structure[0], flat)
 
 
@@ -308,14 +345,23 @@ class PipeliningLayer(BaseLayer):
     outputs = []
     offset = 0
     backwards = [CellBackward(num_calls=len(sizes)) for _ in self.cells]
+    # Each cell runs its micro-batches one after the other, as an accelerator would.
+    # Left free, an executor runs all of a cell's micro-batches breadth-first: none
+    # finishes before the last, the next cell idles meanwhile (measured: no overlap
+    # at all in the forward pass), and every micro-batch's activations are alive at once.
+    previous_outputs: list[Any] = [None] * len(self.cells)
+    devices = self.cell_devices
     for m, size in enumerate(sizes):
       x = tf.nest.pack_sequence_as(structure, [part[m] for part in parts])
       with base_layer.step_context(micro_batch=m,
                                    example_offset=ctx.example_offset + offset):
         for k in range(len(self.cells)):
           if ctx.training:
-            x = cell_call(self.cell_layers(k), x, self.cell_devices[k], self._recompute_cell(k),
-                          backwards[k])
+            x = cell_call(self.cell_layers(k), x, devices[k], self._recompute_cell(k),
+                          backwards[k], cell_index=k, after=previous_outputs[k],
+                          input_device=devices[k - 1] if k else None)
+            x = _arrived(x, devices[k], devices[k + 1] if k + 1 < len(self.cells) else None)
+            previous_outputs[k] = x
           else:
             with tf.device(self.cell_devices[k]):
               x = _call_layers(self.cell_layers(k), x)

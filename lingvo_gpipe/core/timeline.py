@@ -1,0 +1,231 @@
+"""The measured pipeline schedule: when each cell ran each micro-batch, forward and back.
+
+A pipelined training step records, for every cell call, a `Span`: two `tf.timestamp()`
+ops placed on the cell's device, the first taken when the call's inputs are ready
+(the call waits for it), the second when its outputs (forward) or its gradients
+(backward, recompute included) are (whatever uses them waits for it). They are graph
+nodes of the step itself, so they measure the schedule the dataflow executor actually
+ran, on every device, without a profiler; their cost is a few scalar and identity ops
+per cell call and one [spans, 2] tensor per device fetched with the step's results.
+
+`fetches(spans)` stacks the timestamps of each device into one tensor (one transfer per
+device); `Schedule.from_fetched` turns the fetched numbers back into spans, and from
+them come each cell's busy fraction, the measured bubble beside GPipe's
+(K−1)/(M+K−1), and an image of the schedule for TensorBoard.
+
+Timestamps are wall-clock seconds of the host running the device: cells on one host
+(logical devices, one worker process per device) share a clock; across hosts the
+schedule is as good as their clock synchronization. On a GPU, ops are timed when the
+host dispatches them, not when the kernels run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+FORWARD, BACKWARD = "forward", "backward"
+
+
+@dataclasses.dataclass(frozen=True)
+class Span:
+  """One cell call in one step: `start`, `end` are float64 scalar timestamp tensors."""
+  cell: int
+  micro_batch: int
+  phase: str  # FORWARD or BACKWARD
+  device: str
+  start: tf.Tensor
+  end: tf.Tensor
+
+
+class _OutsideProgramOrder:
+  """Marks a timestamp op as exempt from tf.function's program-order chain.
+
+  tf.function's automatic control dependencies run every stateful op that touches
+  no resource in program order, across all devices (so that prints print in order).
+  `tf.timestamp` is such an op: chained, the stamps of cell 1 on micro-batch 0 would
+  wait for those of cell 0 on micro-batch 1, and since the cells wait for their
+  stamps, the chain would serialize the whole pipeline (measured: no overlap at all).
+  The chain skips ops inside a control-flow context; this minimal one (not a loop, no
+  outer context) is what it checks for. It changes nothing in the GraphDef.
+  """
+
+  outer_context = None
+
+  @staticmethod
+  def IsWhileContext() -> bool:  # noqa: N802 (TensorFlow's control-flow context API)
+    return False
+
+
+def _timestamp() -> tf.Tensor:
+  stamp = tf.timestamp()
+  if not tf.executing_eagerly():
+    stamp.op._set_control_flow_context(_OutsideProgramOrder())  # noqa: SLF001
+  return stamp
+
+
+def _stamp(tensors: list[Any]) -> tuple[list[Any], tf.Tensor]:
+  """A timestamp taken once `tensors` are ready, and the tensors gated on it.
+
+  The timestamp must sit on the path it measures: an op that only *waits* for a
+  tensor is merely ready when that tensor is, and an executor with one inter-op
+  thread (a worker standing in for an accelerator) runs it whenever its queue
+  gets to it, long after. Passing the tensors on through identities that wait for
+  the timestamp makes whatever comes next wait for it too.
+  """
+  deps = [t for t in tensors if t is not None]
+  with tf.control_dependencies(deps):
+    stamp = _timestamp()
+  with tf.control_dependencies([stamp]):
+    return [None if t is None else tf.identity(t) for t in tensors], stamp
+
+
+class SpanRecorder:
+  """Times one cell call: `begin` gates its inputs, `end` gates its results.
+
+    recorder = SpanRecorder(spans, cell, micro_batch, phase, device)
+    inputs = recorder.begin(inputs)      # under tf.device(device)
+    outputs = recorder.end(run(inputs))  # appends the Span to `spans`
+
+  With spans None (no schedule asked for), both pass the tensors through unchanged.
+  """
+
+  def __init__(self, spans: list[Span] | None, cell: int, micro_batch: int, phase: str,
+               device: str):
+    self.spans, self.key, self.device = spans, (cell, micro_batch, phase), device
+    self.start: tf.Tensor | None = None
+
+  def begin(self, tensors: list[Any]) -> list[Any]:
+    if self.spans is None:
+      return list(tensors)
+    tensors, self.start = _stamp(list(tensors))
+    return tensors
+
+  def end(self, tensors: list[Any]) -> list[Any]:
+    if self.spans is None:
+      return list(tensors)
+    tensors, end = _stamp(list(tensors))
+    self.spans.append(Span(*self.key, self.device, self.start, end))
+    return tensors
+
+
+@dataclasses.dataclass(frozen=True)
+class SpanKey:
+  """What a fetched row of timestamps belongs to (the Python half of a Span)."""
+  cell: int
+  micro_batch: int
+  phase: str
+
+
+def fetches(spans: Sequence[Span]) -> tuple[list[tf.Tensor], list[list[SpanKey]]]:
+  """Stacks the spans of each device into one float64 [spans, 2] tensor, on that device.
+
+  Returns the tensors (to fetch with the step's results) and, for each, the keys of
+  its rows in order (Python values fixed at trace time).
+  """
+  by_device: dict[str, list[Span]] = {}
+  for span in spans:
+    by_device.setdefault(span.device, []).append(span)
+  tensors, keys = [], []
+  for device, device_spans in by_device.items():
+    with tf.device(device):
+      tensors.append(tf.stack([tf.stack([s.start, s.end]) for s in device_spans]))
+    keys.append([SpanKey(s.cell, s.micro_batch, s.phase) for s in device_spans])
+  return tensors, keys
+
+
+def _union_length(intervals: np.ndarray) -> float:
+  """Total length covered by [start, end] rows (overlapping calls count once)."""
+  total, current_start, current_end = 0.0, None, None
+  for start, end in sorted(map(tuple, intervals)):
+    if current_end is None or start > current_end:
+      if current_end is not None:
+        total += current_end - current_start
+      current_start, current_end = start, end
+    else:
+      current_end = max(current_end, end)
+  if current_end is not None:
+    total += current_end - current_start
+  return total
+
+
+@dataclasses.dataclass
+class Schedule:
+  """The measured schedule of one step.
+
+  times: float64 [num_spans, 2] (start, end) in seconds from the step's first start;
+  keys: the (cell, micro_batch, phase) of each row.
+  """
+  times: np.ndarray
+  keys: list[SpanKey]
+
+  @classmethod
+  def from_fetched(cls, fetched: Sequence[np.ndarray],
+                   keys: Sequence[Sequence[SpanKey]]) -> Schedule:
+    times = np.concatenate([np.asarray(t, np.float64).reshape(-1, 2) for t in fetched])
+    flat_keys = [k for device_keys in keys for k in device_keys]
+    if len(flat_keys) != len(times):
+      raise ValueError(f"{len(times)} fetched spans for {len(flat_keys)} keys")
+    return cls(times - times[:, 0].min(), flat_keys)
+
+  @property
+  def num_cells(self) -> int:
+    return 1 + max(k.cell for k in self.keys)
+
+  @property
+  def num_micro_batches(self) -> int:
+    return 1 + max(k.micro_batch for k in self.keys)
+
+  @property
+  def duration(self) -> float:
+    """Seconds from the first cell call's start to the last one's end."""
+    return float(self.times[:, 1].max())
+
+  def busy_fractions(self) -> list[float]:
+    """Per cell: the fraction of the step its device spent in that cell's calls."""
+    duration = max(self.duration, 1e-12)
+    return [_union_length(self.times[[k.cell == c for k in self.keys]]) / duration
+            for c in range(self.num_cells)]
+
+  def bubble(self) -> float:
+    """Measured idle fraction: 1 − the mean busy fraction over cells."""
+    return 1.0 - float(np.mean(self.busy_fractions()))
+
+  def theoretical_bubble(self) -> float:
+    """GPipe's fill-drain bubble (K−1)/(M+K−1), for equal cells and free transfers."""
+    k, m = self.num_cells, self.num_micro_batches
+    return (k - 1) / (m + k - 1)
+
+  def summary(self) -> dict[str, float]:
+    """Named scalars for TensorBoard (and logs)."""
+    out = {f"pipeline/busy_fraction/cell_{c}": f for c, f in enumerate(self.busy_fractions())}
+    out["pipeline/bubble_measured"] = self.bubble()
+    out["pipeline/bubble_theoretical"] = self.theoretical_bubble()
+    out["pipeline/schedule_seconds"] = self.duration
+    return out
+
+  def image(self, width: int = 960, row_height: int = 28, gap: int = 6) -> np.ndarray:
+    """A Gantt chart of the step: uint8 [height, width, 3].
+
+    One row per cell (cell 0 on top), time left to right over the step. Forward calls
+    are blue, backward calls (recompute included) orange; the shade darkens with the
+    micro-batch index, and each call ends in a one-pixel dark edge so neighbours stay
+    apart. White is idle: the bubble.
+    """
+    num_cells, num_micro = self.num_cells, self.num_micro_batches
+    height = num_cells * (row_height + gap) + gap
+    canvas = np.full((height, width, 3), 255, np.uint8)
+    scale = (width - 1) / max(self.duration, 1e-12)
+    base = {FORWARD: np.array([66, 133, 244]), BACKWARD: np.array([244, 143, 66])}
+    for (start, end), key in zip(self.times, self.keys):
+      shade = 1.0 - 0.55 * key.micro_batch / max(num_micro - 1, 1)
+      color = (base[key.phase] * shade).astype(np.uint8)
+      top = gap + key.cell * (row_height + gap)
+      left, right = int(start * scale), max(int(end * scale), int(start * scale) + 1)
+      canvas[top:top + row_height, left:right] = color
+      canvas[top:top + row_height, right - 1] = (color * 0.4).astype(np.uint8)
+    return canvas
