@@ -16,6 +16,17 @@ figures are medians. The fill-drain bubble bounds the K=2 speedup by 2·M/(M+1).
   python bench/pipeline_speedup.py                 # K ∈ {1, 2}, M ∈ {1, 2, 4, 8, 16}
   python bench/pipeline_speedup.py --max_workers 4 # also K = 4 (needs ≥ 5 cores)
 
+The step is the trainer's: it records the measured schedule (timeline.py), and the
+JSON reports, per configuration, the measured bubble beside (K−1)/(M+K−1) and each
+cell's busy fraction (medians over the timed steps).
+
+TensorFlow's default CPU build leaves oneDNN off on CPUs without AVX-512, and its
+Eigen kernel for a matmul with a transposed right operand (every backward pass's
+dX = dY·Wᵀ) then runs 4-5× slower than the same product untransposed (measured on
+2026-11-22: 12.4 ms against 2.7 ms at 32×1024×1024). The benchmark turns oneDNN on
+(TF_ENABLE_ONEDNN_OPTS=1, for the workers and the client) unless the environment
+says otherwise; the JSON records which.
+
 The last line printed is one JSON object; `speedup_k2_m8` is the MLP's K=1 ÷ K=2
 median step time at M=8.
 """
@@ -30,7 +41,7 @@ import statistics
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")  # inherited by the worker processes
 
 
 def model_layers(name: str):
@@ -46,7 +57,7 @@ def model_layers(name: str):
 def make_step(model_name: str, num_cells: int, num_micro_batches: int, devices: list[str]):
   import tensorflow as tf
 
-  from lingvo_gpipe.core import base_layer, gpipe, optimizers
+  from lingvo_gpipe.core import base_layer, gpipe, optimizers, timeline
 
   stack, input_shape = model_layers(model_name)
   model = gpipe.PipeliningLayer.Params().set(
@@ -58,21 +69,28 @@ def make_step(model_name: str, num_cells: int, num_micro_batches: int, devices: 
   optimizer.create_slots(variables)
   with tf.device(devices[0]):
     inputs = tf.random.stateless_normal(input_shape, seed=[1, 2])
+  span_keys = []
 
   @tf.function
   def step(s):
-    with base_layer.step_context(training=True, step=s, layer_stats=[]):
-      loss = tf.reduce_mean(tf.square(model(inputs)))
+    with base_layer.step_context(training=True, step=s, layer_stats=[], schedule=[]) as ctx:
+      outputs = model(inputs)
+      with tf.device(model.output_device):
+        loss = tf.reduce_mean(tf.square(outputs))
     optimizer.apply_gradients(tf.gradients(loss, variables), variables, s)
-    return loss
+    fetched, span_keys[:] = timeline.fetches(ctx.schedule)
+    return loss, fetched
 
   counter = [0]
 
-  def run() -> float:
+  def run() -> tuple[float, timeline.Schedule]:
+    """One step: its wall time (seconds) and its measured schedule."""
     counter[0] += 1
     start = time.perf_counter()
-    step(tf.constant(counter[0], tf.int64)).numpy()
-    return time.perf_counter() - start
+    loss, fetched = step(tf.constant(counter[0], tf.int64))
+    loss.numpy()
+    seconds = time.perf_counter() - start
+    return seconds, timeline.Schedule.from_fetched([t.numpy() for t in fetched], span_keys)
 
   run()  # trace and warm up
   return run
@@ -104,23 +122,33 @@ def main() -> None:
         for k in worker_counts:
           runners[k] = make_step(model_name, k, m, devices)
         times: dict[int, list[float]] = {k: [] for k in runners}
+        schedules: dict[int, list] = {k: [] for k in runners}
         for _ in range(args.steps):
           for k, run in runners.items():
-            times[k].append(run())
+            seconds, schedule = run()
+            times[k].append(seconds)
+            schedules[k].append(schedule)
         medians = {k: statistics.median(v) for k, v in times.items()}
         for k in worker_counts:
           key = f"{model_name}_k{k}_m{m}"
+          busy = [statistics.median(s.busy_fractions()[c] for s in schedules[k])
+                  for c in range(k)]
+          bubble = statistics.median(s.bubble() for s in schedules[k])
           results[key] = {"step_seconds_k1": round(medians[1], 4),
                           f"step_seconds_k{k}": round(medians[k], 4),
                           "speedup": round(medians[1] / medians[k], 3),
-                          "bubble_bound": round(k * m / (m + k - 1), 3)}
+                          "bubble_bound": round(k * m / (m + k - 1), 3),
+                          "bubble_measured": round(bubble, 3),
+                          "bubble_theoretical": round((k - 1) / (m + k - 1), 3),
+                          "busy_fractions": [round(b, 3) for b in busy]}
           print(f"{key:22s} K=1 {medians[1]:.4f} s  K={k} {medians[k]:.4f} s  "
-                f"speedup {medians[1] / medians[k]:.2f}  (bound {k * m / (m + k - 1):.2f})",
-                flush=True)
+                f"speedup {medians[1] / medians[k]:.2f}  (bound {k * m / (m + k - 1):.2f})  "
+                f"bubble {bubble:.2f} (theory {(k - 1) / (m + k - 1):.2f})", flush=True)
     summary = {
         "bench": "pipeline_speedup",
         "machine": f"{platform.machine()} {os.cpu_count()} cores, TF {tf.__version__}",
         "workers": args.max_workers, "steps_per_config": args.steps,
+        "onednn": os.environ["TF_ENABLE_ONEDNN_OPTS"],
         "results": results,
     }
     if "mlp_k2_m8" in results:

@@ -4,9 +4,13 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import numpy as np
 import pytest
+import tensorflow as tf
+from conftest import REPO, run_trainer
 
 from lingvo_gpipe.core import cluster
 
@@ -43,3 +47,60 @@ def test_an_absent_server_is_named_within_the_timeout():
   address = f"localhost:{cluster.free_port()}"
   with pytest.raises(cluster.DeviceSpecError, match=f"no server answers at {address}"):
     cluster.wait_for_servers([address], timeout_s=0.5)
+
+
+def _latest_checkpoint(logdir: Path) -> str | None:
+  return tf.train.latest_checkpoint(str(logdir / "train"))
+
+
+def test_a_dead_worker_stops_training_in_bounded_time_and_a_restart_resumes(tmp_path):
+  spec, workers = cluster.start_local_workers(2, single_thread=False)
+  try:
+    cluster.wait_for_servers(cluster.parse_cluster_spec(spec)["worker"])
+    logdir = tmp_path / "run"
+    model = ["--model=demo.TinyConvNet", "--params_override=task.pipeline.num_cells=2;"
+             "task.pipeline.num_micro_batches=2;task.train.save_interval_steps=5"]
+    trainer = subprocess.Popen(
+        [sys.executable, str(REPO / "tools" / "trainer.py"), *model, f"--logdir={logdir}",
+         f"--cluster_spec={spec}", "--max_steps=1000000"], stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, cwd=REPO, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+    deadline = time.monotonic() + 180
+    while _latest_checkpoint(logdir) is None and trainer.poll() is None:
+      assert time.monotonic() < deadline, "no checkpoint within 180 s"
+      time.sleep(0.2)
+    workers[1].kill()
+    killed = time.monotonic()
+    _, stderr = trainer.communicate(timeout=120)
+    noticed_after = time.monotonic() - killed
+    assert trainer.returncode == 1, stderr[-3000:]
+    assert "worker /job:worker/task:1 at " in stderr and "does not answer" in stderr, stderr
+    assert noticed_after < 30, f"the dead worker was noticed only after {noticed_after:.0f} s"
+    latest = _latest_checkpoint(logdir)
+    assert f"the last checkpoint is {latest}" in stderr
+    saved_step = int(latest.rsplit("-", 1)[1])
+
+    workers[1] = cluster.start_local_worker(spec, 1, single_thread=False)
+    cluster.wait_for_servers(cluster.parse_cluster_spec(spec)["worker"])
+    final_step = saved_step + 5
+    resumed = run_trainer(*model, f"--logdir={logdir}", f"--cluster_spec={spec}",
+                          f"--max_steps={final_step}")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"Resuming from checkpoint {latest} at step {saved_step}" in resumed.stdout
+  finally:
+    for worker in workers:
+      worker.kill()
+  # Nothing lost: the interrupted-and-resumed run ends where an uninterrupted one does.
+  reference = run_trainer(*model, f"--logdir={tmp_path / 'reference'}", "--devices=cpu:2",
+                          f"--max_steps={final_step}")
+  assert reference.returncode == 0, reference.stderr[-3000:]
+  got = tf.train.load_checkpoint(_latest_checkpoint(logdir))
+  want = tf.train.load_checkpoint(_latest_checkpoint(tmp_path / "reference"))
+  assert sorted(got.get_variable_to_dtype_map()) == sorted(want.get_variable_to_dtype_map())
+  # Every numeric tensor: weights, optimizer slots, batch-norm statistics, global step
+  # (the input position is a variant; that it was restored shows in the equal weights).
+  names = [n for n, dtype in want.get_variable_to_dtype_map().items()
+           if dtype.is_floating or dtype.is_integer]
+  assert any("global_step" in n for n in names) and len(names) > 10
+  for name in names:
+    np.testing.assert_allclose(got.get_tensor(name), want.get_tensor(name), rtol=1e-4,
+                               atol=1e-5, err_msg=name)

@@ -191,9 +191,25 @@ def test_pipelined_model_trains_and_inspects_as_two_cells(tmp_path):
 
   logdir = tmp_path / "run"
   trained = run_trainer(MODEL, "--devices=cpu:2", f"--logdir={logdir}", "--max_steps=10",
-                        f"--params_override={FAST};{PIPELINE}")
+                        "--profile_steps=4,5", f"--params_override={FAST};{PIPELINE}")
   assert trained.returncode == 0, trained.stderr
   assert tf.train.latest_checkpoint(str(logdir / "train")).endswith("ckpt-10")
+  # The measured schedule: per-cell busy fractions, bubbles, and its image.
+  tags = scalar_tags(logdir / "train")
+  for tag in ("pipeline/busy_fraction/cell_0", "pipeline/busy_fraction/cell_1",
+              "pipeline/bubble_measured", "pipeline/bubble_theoretical",
+              "pipeline/schedule_seconds", "pipeline/schedule"):
+    assert tags.get(tag) == [10], tag
+  assert "Profiled steps 4..5" in trained.stdout
+  assert list((logdir / "train" / "plugins" / "profile").glob("*/*.xplane.pb"))
+
+
+def test_bad_profile_steps_exit_2_and_write_nothing(tmp_path):
+  logdir = tmp_path / "run"
+  result = run_trainer(MODEL, f"--logdir={logdir}", "--profile_steps=5,2")
+  assert result.returncode == 2
+  assert "bad --profile_steps '5,2': need 1 <= A <= B" in result.stderr
+  assert not logdir.exists()
 
 
 def test_more_cells_than_devices_exits_2():

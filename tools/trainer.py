@@ -5,7 +5,8 @@
 Modes: train, eval, train_and_eval, inspect_params, inspect_model, list_models.
 Exit codes: 0 success; 2 bad input (unknown model, bad override, unwritable logdir,
 bad device spec, a checkpoint of another model), reported before anything is
-written; 1 a run that failed (e.g. a non-finite loss; the last checkpoint is kept).
+written; 1 a run that failed (a non-finite loss, a worker that died or became
+unreachable; the last checkpoint is kept and a rerun with the same logdir resumes).
 """
 
 from __future__ import annotations
@@ -110,10 +111,34 @@ def _inspect_model(params) -> None:
   print(json.dumps(summary))
 
 
+def _lost_worker_message(task: int, address: str) -> str:
+  latest = None
+  if FLAGS.logdir:
+    import tensorflow as tf
+
+    latest = tf.train.latest_checkpoint(os.path.join(FLAGS.logdir, "train"))
+  resume = (f"the last checkpoint is {latest}; restart the worker and rerun this command "
+            "(same --logdir) to resume from it" if latest else "no checkpoint was written yet")
+  return f"worker /job:worker/task:{task} at {address} does not answer; stopped training: {resume}"
+
+
+def _watch_workers(addresses: list[str]):
+  """Exits the process (code 1) soon after a worker dies: a step waiting on a dead
+  worker would otherwise wait forever, so the watchdog cannot wait for it to return."""
+  from lingvo_gpipe.core import cluster
+
+  def on_failure(task: int, address: str) -> None:
+    print(f"error: {_lost_worker_message(task, address)}", file=sys.stderr, flush=True)
+    os._exit(1)
+
+  return cluster.WorkerWatchdog(addresses, on_failure).start()
+
+
 def _run() -> int:
   from lingvo_gpipe import model_registry
   from lingvo_gpipe.core import cluster
 
+  watchdog = None
   try:
     model_registry.load_param_files(FLAGS.params_path)
   except FileNotFoundError as e:
@@ -132,6 +157,7 @@ def _run() -> int:
       cluster.wait_for_servers(spec.get("worker", []), timeout_s=60.0)
       devices = cluster.connect_to_cluster(spec)
       print(f"Joined cluster; cells go to {', '.join(devices)}")
+      watchdog = _watch_workers(spec.get("worker", []))
     else:
       cluster.configure_devices(FLAGS.devices)
   except cluster.DeviceSpecError as e:
@@ -141,6 +167,8 @@ def _run() -> int:
     with _bad_params_are_usage_errors():
       _inspect_model(params)
     return 0
+
+  import tensorflow as tf
 
   from lingvo_gpipe import trainer as trainer_lib
 
@@ -170,6 +198,12 @@ def _run() -> int:
       trainer.evaluate()
   except trainer_lib.CheckpointMismatchError as e:
     raise UsageFailure(str(e)) from None
+  except tf.errors.OpError as e:
+    # A remote call that failed because its worker went away: name the worker.
+    lost = watchdog.unreachable() if watchdog is not None else []
+    if lost:
+      raise trainer_lib.TrainerError(_lost_worker_message(*lost[0])) from e
+    raise
   return 0
 
 

@@ -19,7 +19,9 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import tensorflow as tf
@@ -174,21 +176,86 @@ def connect_to_cluster(spec: dict[str, list[str]], worker_job: str = "worker",
   return devices
 
 
+def server_answers(address: str, timeout_s: float = 1.0) -> bool:
+  """Whether HOST:PORT accepts a TCP connection within `timeout_s`."""
+  host, _, port = address.rpartition(":")
+  try:
+    with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+      return True
+  except OSError:
+    return False
+
+
 def wait_for_servers(addresses: list[str], timeout_s: float = 60.0) -> None:
   """Waits until every HOST:PORT accepts TCP connections; raises naming the first that
   does not within `timeout_s` (a worker that failed to start, or a wrong address)."""
   deadline = time.monotonic() + timeout_s
   for address in addresses:
-    host, _, port = address.rpartition(":")
-    while True:
-      try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=1.0):
-          break
-      except OSError:
-        if time.monotonic() > deadline:
-          raise DeviceSpecError(f"no server answers at {address} after {timeout_s:.0f} s; "
-                                "is tools/worker.py running there?") from None
-        time.sleep(0.2)
+    while not server_answers(address):
+      if time.monotonic() > deadline:
+        raise DeviceSpecError(f"no server answers at {address} after {timeout_s:.0f} s; "
+                              "is tools/worker.py running there?")
+      time.sleep(0.2)
+
+
+class WorkerWatchdog:
+  """Notices, within a bounded time, a worker that dies or becomes unreachable.
+
+  A training step whose worker has died can wait on it indefinitely: the client's
+  remote calls are not bounded by a deadline. This thread probes every worker's
+  port every `interval_s`; once one has failed `max_failures` probes in a row it calls
+  `on_failure(task, address)` (once). Time to notice: at most about
+  interval_s · max_failures + probe_timeout_s (8 s with the defaults).
+
+  A probe is a TCP connect: it notices a process that died, a host that went away
+  or a network that dropped, not a process that hangs while its port stays open.
+  """
+
+  def __init__(self, addresses: list[str], on_failure: Callable[[int, str], None],
+               interval_s: float = 2.0, max_failures: int = 3,
+               probe_timeout_s: float = 2.0):
+    self.addresses = list(addresses)
+    self.on_failure = on_failure
+    self.interval_s, self.max_failures = interval_s, max_failures
+    self.probe_timeout_s = probe_timeout_s
+    self._stop = threading.Event()
+    self._thread = threading.Thread(target=self._watch, name="worker-watchdog", daemon=True)
+
+  def start(self) -> WorkerWatchdog:
+    self._thread.start()
+    return self
+
+  def stop(self) -> None:
+    self._stop.set()
+
+  def unreachable(self) -> list[tuple[int, str]]:
+    """(task, address) of each worker that does not answer now."""
+    return [(task, address) for task, address in enumerate(self.addresses)
+            if not server_answers(address, self.probe_timeout_s)]
+
+  def _watch(self) -> None:
+    failures = [0] * len(self.addresses)
+    while not self._stop.wait(self.interval_s):
+      for task, address in enumerate(self.addresses):
+        failures[task] = 0 if server_answers(address, self.probe_timeout_s) else failures[task] + 1
+        if failures[task] >= self.max_failures and not self._stop.is_set():
+          self._stop.set()
+          self.on_failure(task, address)
+          return
+
+
+def start_local_worker(spec: str, task: int, single_thread: bool = True) -> subprocess.Popen:
+  """Starts task `task` of the cluster `spec` as a tools/worker.py process on this host.
+
+  single_thread gives it one inter-op and one intra-op thread (a sequential device).
+  """
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+  if single_thread:
+    env.update(TF_NUM_INTEROP_THREADS="1", TF_NUM_INTRAOP_THREADS="1")
+  worker = Path(__file__).resolve().parents[2] / "tools" / "worker.py"
+  return subprocess.Popen([sys.executable, str(worker), f"--cluster_spec={spec}",
+                           f"--task={task}"], env=env, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL)
 
 
 def start_local_workers(num_workers: int, single_thread: bool = True
@@ -196,15 +263,7 @@ def start_local_workers(num_workers: int, single_thread: bool = True
   """Starts tools/worker.py servers on free loopback ports (for tests and benchmarks).
 
   Returns the cluster spec text ('worker=localhost:P0,...') and the processes; the
-  caller kills them. single_thread gives each one inter-op and one intra-op thread.
+  caller kills them.
   """
   spec = "worker=" + ",".join(f"localhost:{free_port()}" for _ in range(num_workers))
-  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-  if single_thread:
-    env.update(TF_NUM_INTEROP_THREADS="1", TF_NUM_INTRAOP_THREADS="1")
-  worker = Path(__file__).resolve().parents[2] / "tools" / "worker.py"
-  procs = [subprocess.Popen([sys.executable, str(worker), f"--cluster_spec={spec}",
-                             f"--task={i}"], env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-           for i in range(num_workers)]
-  return spec, procs
+  return spec, [start_local_worker(spec, task, single_thread) for task in range(num_workers)]
