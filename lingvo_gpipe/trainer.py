@@ -137,7 +137,9 @@ class Trainer:
 
   # -- steps -------------------------------------------------------------------------
 
-  def _train_step(self, batch: dict[str, tf.Tensor]) -> dict[str, tf.Tensor]:
+  def _train_step(self, batch: dict[str, tf.Tensor]
+                  ) -> tuple[dict[str, tf.Tensor], list[tf.Tensor]]:
+    """One step; returns its scalars and the pipeline schedule's timestamp tensors."""
     step = self.global_step.read_value()
     with base_layer.step_context(training=True, step=step, micro_batch=0,
                                  layer_stats=[], schedule=[]) as ctx:

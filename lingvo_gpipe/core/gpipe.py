@@ -4,11 +4,13 @@ The layers are cut into K cells (explicit `splits`, or `partition.balance` on th
 costs); the variables of cell k are created on device k. A training forward pass
 splits the mini-batch [B, ...] into M micro-batches of near-equal size along axis 0
 and unrolls the loop: micro-batch m goes through cell 0 on device 0, then cell 1 on
-device 1, and so on. Nothing orders cell k on micro-batch m+1 after cell k+1 on
-micro-batch m, so TensorFlow's dataflow executor runs them at the same time: that is
-the pipeline. The outputs are concatenated back to [B, ...] on the last device, so
-the loss and metrics are those of the whole mini-batch, and the gradient of each
-variable is the sum over micro-batches (one synchronous update, as unpartitioned).
+device 1, and so on. Each cell takes its micro-batches in order, starting m+1 once the
+results of m have arrived at the next cell; nothing orders cell k on micro-batch m+1
+after cell k+1 on micro-batch m, so TensorFlow's dataflow executor runs them at the
+same time: that is the pipeline. The outputs are concatenated back to [B, ...] on the
+last device, so the loss and metrics are those of the whole mini-batch, and the
+gradient of each variable is the sum over micro-batches (one synchronous update, as
+unpartitioned).
 
 Each cell call is a `tf.custom_gradient` entered under `tf.device(cell device)`:
 
@@ -348,7 +350,8 @@ class PipeliningLayer(BaseLayer):
     # Each cell runs its micro-batches one after the other, as an accelerator would.
     # Left free, an executor runs all of a cell's micro-batches breadth-first: none
     # finishes before the last, the next cell idles meanwhile (measured: no overlap
-    # at all in the forward pass), and every micro-batch's activations are alive at once.
+    # at all in the forward pass), and every micro-batch's activations would be alive at
+    # once.
     previous_outputs: list[Any] = [None] * len(self.cells)
     devices = self.cell_devices
     for m, size in enumerate(sizes):
