@@ -108,13 +108,9 @@ def main() -> None:
 
   from lingvo_gpipe.core import cluster
 
-  spec, procs = cluster.start_local_workers(args.max_workers)
-  try:
+  with cluster.local_cluster(args.max_workers) as (devices, _):
     import tensorflow as tf
 
-    workers_spec = cluster.parse_cluster_spec(spec)
-    cluster.wait_for_servers(workers_spec["worker"])
-    devices = cluster.connect_to_cluster(workers_spec)
     results: dict = {}
     for model_name in args.models.split(","):
       for m in micro_batches:
@@ -155,9 +151,6 @@ def main() -> None:
       summary["speedup_k2_m8"] = results["mlp_k2_m8"]["speedup"]
       summary["bubble_bound_k2_m8"] = results["mlp_k2_m8"]["bubble_bound"]
     print(json.dumps(summary))
-  finally:
-    for proc in procs:
-      proc.kill()
 
 
 if __name__ == "__main__":

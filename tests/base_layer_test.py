@@ -44,6 +44,12 @@ def test_children_paths_and_duplicate_names():
     Twice.Params().instantiate()
 
 
+def test_a_layer_built_under_a_device_scope_keeps_every_variable_there(cpu_devices):
+  with tf.device(cpu_devices[1]):
+    net = small_net().instantiate()
+  assert {tf.DeviceSpec.from_string(v.device).device_index for v in net.variables} == {1}
+
+
 def test_checkpoint_saves_and_restores_whole_tree(tmp_path):
   net = small_net().instantiate()
   x = tf.random.stateless_normal([2, 6, 6, 3], seed=[1, 2])

@@ -2,11 +2,15 @@
 
 Starts two tools/worker.py servers on loopback, places a two-cell pipeline on them,
 and prints one JSON line: the largest relative difference between its loss and
-gradients and those of the same layers run unpartitioned in this process.
+gradients and those of the same layers run unpartitioned in this process, and worker
+1's device memory (tools/worker.py --memory_log) before and after a 4 MiB variable
+is created there.
 """
 
 import json
 import os
+import tempfile
+import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -14,16 +18,13 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 def main() -> None:
   from lingvo_gpipe.core import cluster
 
-  spec, workers = cluster.start_local_workers(2, single_thread=False)
-  try:
+  log_dir = tempfile.mkdtemp(prefix="loopback_memory_")
+  with cluster.local_cluster(2, single_thread=False, memory_log_dir=log_dir) as (devices, _):
     import numpy as np
     import tensorflow as tf
 
     from lingvo_gpipe.core import base_layer, gpipe, layers
 
-    workers_spec = cluster.parse_cluster_spec(spec)
-    cluster.wait_for_servers(workers_spec["worker"])
-    devices = cluster.connect_to_cluster(workers_spec)
     stack = [layers.Linear.Params().set(name=f"fc{i}", input_dim=16, output_dim=16,
                                         activation="TANH") for i in range(4)]
     stack.insert(2, layers.Dropout.Params().set(name="drop", keep_prob=0.7))
@@ -46,12 +47,19 @@ def main() -> None:
     got = loss_and_grads(remote, function=True)
     worst = max(float(np.max(np.abs(g - w)) / max(np.max(np.abs(w)), 1e-12))
                 for g, w in zip(got, want))
+    # Worker 1's memory log sees a 4 MiB variable created there.
+    log = cluster.memory_log_path(log_dir, 1)
+    time.sleep(1.0)
+    before = cluster.read_memory_log(log)
+    with tf.device(devices[1]):
+      block = tf.Variable(tf.zeros([1024, 1024]))
+    time.sleep(1.5)
+    after = cluster.read_memory_log(log)
     print(json.dumps({"devices": remote.cell_devices, "variable_devices":
                       [v.device for v in remote.trainable_variables],
-                      "max_relative_difference": worst}))
-  finally:
-    for worker in workers:
-      worker.kill()
+                      "max_relative_difference": worst,
+                      "memory_before": before, "memory_after": after,
+                      "block_bytes": int(tf.size(block)) * 4}))
 
 
 if __name__ == "__main__":

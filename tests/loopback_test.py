@@ -26,6 +26,12 @@ def test_two_worker_processes_give_the_unpartitioned_gradients():
   assert {"/job:worker/replica:0/task:0/device:CPU:0",
           "/job:worker/replica:0/task:1/device:CPU:0"} == set(report["variable_devices"])
   assert report["max_relative_difference"] <= 1e-5
+  before, after = report["memory_before"], report["memory_after"]
+  assert before["device"] == "CPU:0"
+  # The pipeline's step ran there, so the peak exceeds what stays allocated.
+  assert before["peak_bytes_in_use"] > before["bytes_in_use"] > 0
+  grown = after["bytes_in_use"] - before["bytes_in_use"]
+  assert report["block_bytes"] <= grown <= report["block_bytes"] + 64 * 1024, grown
 
 
 def test_cluster_specs_parse_and_bad_ones_are_named(monkeypatch):
@@ -47,6 +53,17 @@ def test_an_absent_server_is_named_within_the_timeout():
   address = f"localhost:{cluster.free_port()}"
   with pytest.raises(cluster.DeviceSpecError, match=f"no server answers at {address}"):
     cluster.wait_for_servers([address], timeout_s=0.5)
+
+
+def test_a_worker_with_an_unwritable_memory_log_exits_2_naming_it(tmp_path):
+  bad = tmp_path / "missing" / "memory.jsonl"
+  result = subprocess.run(
+      [sys.executable, str(REPO / "tools" / "worker.py"),
+       f"--cluster_spec=worker=localhost:{cluster.free_port()}", "--task=0",
+       f"--memory_log={bad}"], capture_output=True, text=True, timeout=120,
+      env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+  assert result.returncode == 2, result.stderr[-2000:]
+  assert f"--memory_log={bad} cannot be written" in result.stderr
 
 
 def _latest_checkpoint(logdir: Path) -> str | None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -25,10 +26,17 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("cluster_spec", None, "JOB=HOST:PORT,HOST:PORT[;JOB=...]; or use TF_CONFIG.")
 flags.DEFINE_string("job", "worker", "This task's job name.")
 flags.DEFINE_integer("task", 0, "This task's index in its job.")
+flags.DEFINE_string("memory_log", None,
+                    "Append this worker's device memory (bytes of tensors in use, and the "
+                    "peak since start) to this file as JSON lines, each time it changes. On "
+                    "CPU this switches TensorFlow to its BFC allocator (the one GPUs use), "
+                    "which keeps those counts.")
 
 
 def main(argv: list[str]) -> None:
   del argv
+  if FLAGS.memory_log:
+    os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")  # before TensorFlow starts
   import tensorflow as tf
 
   from lingvo_gpipe.core import cluster
@@ -40,10 +48,21 @@ def main(argv: list[str]) -> None:
   except cluster.DeviceSpecError as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
+  if FLAGS.memory_log:
+    try:
+      open(FLAGS.memory_log, "a").close()
+    except OSError as e:
+      print(f"error: --memory_log={FLAGS.memory_log} cannot be written: {e.strerror}",
+            file=sys.stderr)
+      sys.exit(2)
   server = tf.distribute.Server(tf.train.ClusterSpec(spec), job_name=FLAGS.job,
                                 task_index=FLAGS.task, protocol="grpc", start=True)
   print(f"worker /job:{FLAGS.job}/task:{FLAGS.task} serving at {address} ({server.target})",
         flush=True)
+  if FLAGS.memory_log:
+    device = "GPU:0" if tf.config.list_physical_devices("GPU") else "CPU:0"
+    threading.Thread(target=cluster.log_device_memory, args=(FLAGS.memory_log, device),
+                     name="memory-log", daemon=True).start()
   server.join()
 
 

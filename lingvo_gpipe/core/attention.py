@@ -30,7 +30,7 @@ def attention_bias(key_paddings: tf.Tensor | None, query_length: int | tf.Tensor
   if key_paddings is not None:
     bias = key_paddings[:, None, None, :] * _MASK_LOGIT
   if causal:
-    length = tf.shape(key_paddings)[1] if key_paddings is not None else query_length
+    length = layers.shape_list(key_paddings)[1] if key_paddings is not None else query_length
     future = 1.0 - tf.linalg.band_part(tf.ones([query_length, length]), -1, 0)
     causal_bias = future[None, None, :, :] * _MASK_LOGIT
     bias = causal_bias if bias is None else bias + causal_bias
@@ -76,7 +76,7 @@ class MultiHeadAttention(BaseLayer):
 
   def _split_heads(self, x: tf.Tensor) -> tf.Tensor:
     """[B, T, N·H] → [B, N, T, H]."""
-    b, t = tf.shape(x)[0], tf.shape(x)[1]
+    b, t, _ = layers.shape_list(x)
     x = tf.reshape(x, [b, t, self.params.num_heads, self.head_dim])
     return tf.transpose(x, [0, 2, 1, 3])
 
@@ -92,10 +92,11 @@ class MultiHeadAttention(BaseLayer):
     probs = self.atten_dropout(tf.nn.softmax(logits, axis=-1))
     context = tf.matmul(probs, v)  # [B, N, T, H]
     context = tf.transpose(context, [0, 2, 1, 3])
-    b, t = tf.shape(context)[0], tf.shape(context)[1]
+    b, t = layers.shape_list(context)[:2]
     context = tf.reshape(context, [b, t, self.params.num_heads * self.head_dim])
-    context = tf.ensure_shape(context, query.shape[:-1].concatenate(
-        [self.params.num_heads * self.head_dim]))
+    if not query.shape.is_fully_defined():
+      context = tf.ensure_shape(context, query.shape[:-1].concatenate(
+          [self.params.num_heads * self.head_dim]))
     return self.post(context)
 
 

@@ -255,7 +255,9 @@ class BaseLayer(tf.Module):
     children = []
     with self._as_parent():
       for child_name, p, device in zip(names, params_list, devices):
-        with tf.device(device):
+        # tf.device(None) would clear an enclosing device scope: the children of a
+        # layer built under `with tf.device(d)` stay on d unless given their own.
+        with tf.device(device) if device is not None else contextlib.nullcontext():
           children.append(p.copy().set(name=child_name).instantiate())
     setattr(self, name, children)
     self._child_order = self._child_order + (name,)

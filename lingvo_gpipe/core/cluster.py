@@ -21,7 +21,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import tensorflow as tf
@@ -244,26 +245,97 @@ class WorkerWatchdog:
           return
 
 
-def start_local_worker(spec: str, task: int, single_thread: bool = True) -> subprocess.Popen:
+def start_local_worker(spec: str, task: int, single_thread: bool = True,
+                       memory_log: str | None = None) -> subprocess.Popen:
   """Starts task `task` of the cluster `spec` as a tools/worker.py process on this host.
 
-  single_thread gives it one inter-op and one intra-op thread (a sequential device).
+  single_thread gives it one inter-op and one intra-op thread (a sequential device);
+  memory_log: a file it appends its device memory to (tools/worker.py --memory_log).
   """
   env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
   if single_thread:
     env.update(TF_NUM_INTEROP_THREADS="1", TF_NUM_INTRAOP_THREADS="1")
   worker = Path(__file__).resolve().parents[2] / "tools" / "worker.py"
-  return subprocess.Popen([sys.executable, str(worker), f"--cluster_spec={spec}",
-                           f"--task={task}"], env=env, stdout=subprocess.DEVNULL,
+  command = [sys.executable, str(worker), f"--cluster_spec={spec}", f"--task={task}"]
+  if memory_log:
+    command.append(f"--memory_log={memory_log}")
+  return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL,
                           stderr=subprocess.DEVNULL)
 
 
-def start_local_workers(num_workers: int, single_thread: bool = True
+def start_local_workers(num_workers: int, single_thread: bool = True,
+                        memory_log_dir: str | None = None
                         ) -> tuple[str, list[subprocess.Popen]]:
   """Starts tools/worker.py servers on free loopback ports (for tests and benchmarks).
 
   Returns the cluster spec text ('worker=localhost:P0,...') and the processes; the
-  caller kills them.
+  caller kills them. With memory_log_dir, task k logs its device memory to
+  `memory_log_path(memory_log_dir, k)`.
   """
   spec = "worker=" + ",".join(f"localhost:{free_port()}" for _ in range(num_workers))
-  return spec, [start_local_worker(spec, task, single_thread) for task in range(num_workers)]
+  return spec, [start_local_worker(spec, task, single_thread,
+                                   memory_log_path(memory_log_dir, task) if memory_log_dir
+                                   else None)
+                for task in range(num_workers)]
+
+
+@contextmanager
+def local_cluster(num_workers: int, single_thread: bool = True,
+                  memory_log_dir: str | None = None
+                  ) -> Iterator[tuple[list[str], list[subprocess.Popen]]]:
+  """Starts `num_workers` loopback workers, joins them as the client, and yields
+  (one device per worker, the worker processes); kills the workers on exit.
+
+  Joining changes TensorFlow's context for the rest of the process: use one process
+  per cluster (benchmarks and loopback tests run this in a subprocess).
+  """
+  spec, procs = start_local_workers(num_workers, single_thread, memory_log_dir)
+  try:
+    workers_spec = parse_cluster_spec(spec)
+    wait_for_servers(workers_spec["worker"])
+    yield connect_to_cluster(workers_spec), procs
+  finally:
+    for proc in procs:
+      proc.kill()
+    for proc in procs:
+      proc.wait()
+
+
+# -- device memory of a worker ------------------------------------------------------
+
+def memory_log_path(directory: str, task: int) -> str:
+  return str(Path(directory) / f"worker_{task}_memory.jsonl")
+
+
+def log_device_memory(path: str, device: str, interval_s: float = 0.5,
+                      stop: threading.Event | None = None) -> None:
+  """Appends `device`'s allocator counts to `path`, one JSON line per change:
+  {"time": unix seconds, "device": ..., "bytes_in_use": ..., "peak_bytes_in_use": ...}.
+
+  The peak is since the process started: every tensor this worker ever held at once
+  (weights, optimizer slots, activations, gradients, transfer buffers), not the
+  program or runtime. CPU devices keep these counts only with TensorFlow's BFC
+  allocator (TF_CPU_ALLOCATOR_USE_BFC=true before TensorFlow starts; the allocator
+  GPUs use); GPUs always do. Runs until `stop` is set.
+  """
+  stop = stop or threading.Event()
+  last = None
+  while True:
+    info = tf.config.experimental.get_memory_info(device)
+    counts = (info["current"], info["peak"])
+    if counts != last:
+      record = {"time": round(time.time(), 3), "device": device,
+                "bytes_in_use": counts[0], "peak_bytes_in_use": counts[1]}
+      with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+      last = counts
+    if stop.wait(interval_s):
+      return
+
+
+def read_memory_log(path: str) -> dict:
+  """The last record `log_device_memory` wrote to `path`."""
+  lines = Path(path).read_text().splitlines()
+  if not lines:
+    raise ValueError(f"{path} holds no memory record yet")
+  return json.loads(lines[-1])

@@ -32,6 +32,20 @@ def activation_fn(name: str) -> Callable[[tf.Tensor], tf.Tensor]:
   return ACTIVATIONS[name]
 
 
+def shape_list(x: tf.Tensor) -> list[int | tf.Tensor]:
+  """x's shape: Python ints where static, scalar tensors where not.
+
+  A fully static shape then adds no op to the graph: tracing a pipelined step builds
+  every layer M times (forward, recompute, backward), and the tf.shape/slice ops
+  of dynamic shapes were a third of a Transformer layer's graph.
+  """
+  static = x.shape.as_list()
+  if None not in static:
+    return static
+  dynamic = tf.shape(x)
+  return [dynamic[i] if d is None else d for i, d in enumerate(static)]
+
+
 def project(inputs: tf.Tensor, weight: tf.Tensor) -> tf.Tensor:
   """[..., I] · [I, O] → [..., O] as one 2-D matmul.
 
@@ -41,9 +55,11 @@ def project(inputs: tf.Tensor, weight: tf.Tensor) -> tf.Tensor:
   """
   if inputs.shape.rank == 2:
     return tf.matmul(inputs, weight)
-  flat = tf.reshape(inputs, [-1, tf.shape(inputs)[-1]])
-  out_shape = tf.concat([tf.shape(inputs)[:-1], tf.shape(weight)[-1:]], axis=0)
-  out = tf.reshape(tf.matmul(flat, weight), out_shape)
+  dims = shape_list(inputs)
+  out = tf.matmul(tf.reshape(inputs, [-1, dims[-1]]), weight)
+  out = tf.reshape(out, dims[:-1] + [weight.shape[-1]])
+  if inputs.shape.is_fully_defined():
+    return out
   # Keep the static shape that reshape with a tensor shape loses.
   return tf.ensure_shape(out, inputs.shape[:-1].concatenate(weight.shape[-1:]))
 

@@ -79,7 +79,7 @@ class TransformerLayer(BaseLayer):
   def transform(self, x: tf.Tensor, paddings: tf.Tensor, memory: tf.Tensor | None = None,
                 memory_paddings: tf.Tensor | None = None) -> tf.Tensor:
     p = self.params
-    bias = attention.attention_bias(paddings, tf.shape(x)[1], p.causal)
+    bias = attention.attention_bias(paddings, layers.shape_list(x)[1], p.causal)
     x = self.self_atten(x, None, bias)
     if p.cross_attention:
       x = self.cross_atten(x, memory, attention.attention_bias(memory_paddings, None, False))

@@ -1,0 +1,173 @@
+"""Hybrid data + pipeline parallelism: R replicas of one pipeline, gradients all-reduced.
+
+Replica r is a PipeliningLayer over the same layer params, with its K cells on
+devices[r·K:(r+1)·K]; built from the same params, every replica starts with the same
+weights (initializers are seeded by layer path, not by build order). A training step:
+
+  batch [R·B, ...] → R shards [B, ...], shard r through replica r (M micro-batches,
+  examples offset by r·B so dropout draws what one pipeline on the whole batch would)
+  → per-replica loss and gradients → each variable's gradient averaged over the R
+  copies of that variable with TensorFlow's collective all-reduce (one group per cell
+  position k: the R devices holding cell k) → every replica applies the same update.
+
+With equal shards the averaged gradient is the gradient of the mean loss over the
+R·B examples, so R replicas of (K cells, M micro-batches) train exactly like one
+pipeline of K cells over R·M micro-batches of the R-times larger batch (tested).
+
+Batch statistics (batch norm) are shared the same way: each replica's layer is
+updated with the statistics every replica reported (`apply_layer_stats`).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+import tensorflow as tf
+
+from lingvo_gpipe.core import base_layer, cluster, gpipe
+from lingvo_gpipe.core.hyperparams import Params
+
+
+class HybridError(ValueError):
+  pass
+
+
+# A group key names one set of devices for the whole process.
+_GROUP_KEYS = itertools.count(1)
+
+
+class CollectiveMean:
+  """Mean of one tensor per device over a fixed group of devices (an all-reduce).
+
+  Each device's all-reduce op takes an ordering token: a resource on that device.
+  Without one, tf.function's automatic control dependencies chain the group's
+  stateful collective ops in program order across devices, so the op on the second
+  device waits for the first one to finish, which waits for its peer: a deadlock
+  (measured on logical CPU devices: every op times out). With the token they are
+  ordered per device only, and every device issues them in the same order.
+  """
+
+  def __init__(self, devices: Sequence[str], group_key: int):
+    self.devices = list(devices)
+    self.group_key = group_key
+    self._tokens = []
+    for device in self.devices:
+      with tf.init_scope(), tf.device(device):
+        self._tokens.append(tf.Variable(0.0, trainable=False, name="ordering_token"))
+
+  def __call__(self, tensors: Sequence[tf.Tensor], instance_key: int) -> list[tf.Tensor]:
+    """tensors[i] on devices[i], all of one shape → their mean, once on each device.
+
+    `instance_key` names this all-reduce within the group; it must differ between the
+    all-reduces of one step.
+    """
+    if len(tensors) != len(self.devices):
+      raise HybridError(f"{len(tensors)} tensors for a group of {len(self.devices)} devices")
+    if len(self.devices) == 1:
+      return list(tensors)
+    results = []
+    for tensor, device, token in zip(tensors, self.devices, self._tokens):
+      with tf.device(device):
+        results.append(tf.raw_ops.CollectiveReduceV2(
+            input=tf.convert_to_tensor(tensor), group_size=len(self.devices),
+            group_key=self.group_key, instance_key=instance_key,
+            ordering_token=[token.handle], merge_op="Add", final_op="Div"))
+    return results
+
+
+class ReplicatedPipeline:
+  """R replicas × K cells of one pipeline (see the module docstring).
+
+  Not a layer: its replicas are. `replicas[r]` is replica r's PipeliningLayer; a
+  checkpoint needs only replica 0 (`copy_to_replicas` makes the others equal again).
+  """
+
+  def __init__(self, pipeline_params: Params, num_replicas: int,
+               devices: Sequence[str] | None = None):
+    if num_replicas < 1:
+      raise HybridError(f"num_replicas must be >= 1, got {num_replicas}")
+    devices = list(devices or cluster.default_devices())
+    num_cells = len(pipeline_params.splits) or pipeline_params.num_cells or 1
+    if num_replicas * num_cells > len(devices):
+      raise HybridError(
+          f"{num_replicas} replicas × {num_cells} cells need {num_replicas * num_cells} "
+          f"devices; {len(devices)} given ({devices})")
+    self.num_replicas, self.num_cells = num_replicas, num_cells
+    self.replicas: list[gpipe.PipeliningLayer] = [
+        pipeline_params.copy().set(
+            devices=devices[r * num_cells:(r + 1) * num_cells]).instantiate()
+        for r in range(num_replicas)]
+    # One all-reduce group per cell position: the R devices that hold cell k.
+    self._groups = [CollectiveMean([rep.cell_devices[k] for rep in self.replicas],
+                                   group_key=next(_GROUP_KEYS))
+                    for k in range(num_cells)]
+    self._cell_of_variable = self._variable_cells(self.replicas[0])
+
+  @staticmethod
+  def _variable_cells(replica: gpipe.PipeliningLayer) -> list[int]:
+    """The cell of each of `replica.trainable_variables`."""
+    cell_of = {v.ref(): k for k in range(len(replica.cells))
+               for layer in replica.cell_layers(k) for v in layer.trainable_variables}
+    return [cell_of[v.ref()] for v in replica.trainable_variables]
+
+  @property
+  def trainable_variables(self) -> list[list[tf.Variable]]:
+    """Per replica, its trainable variables (the same order in every replica)."""
+    return [list(rep.trainable_variables) for rep in self.replicas]
+
+  def shard(self, batch: Any) -> list[Any]:
+    """Splits every tensor of a nested batch [R·B, ...] into R shards [B, ...]."""
+    flat = tf.nest.flatten(batch)
+    size = flat[0].shape[0]
+    if size is None or size % self.num_replicas:
+      raise HybridError(f"the batch size ({size}) must be static and divisible by "
+                        f"num_replicas ({self.num_replicas})")
+    shards = []
+    for r, rep in enumerate(self.replicas):
+      with tf.device(rep.cell_devices[0]):
+        part = size // self.num_replicas
+        shards.append(tf.nest.pack_sequence_as(
+            batch, [t[r * part:(r + 1) * part] for t in flat]))
+    return shards
+
+  def fprop(self, replica: int, *inputs: Any) -> Any:
+    """Replica `replica` on its shard; its examples are numbered from replica·B on."""
+    ctx = base_layer.current_context()
+    shard_size = tf.nest.flatten(inputs)[0].shape[0]
+    with base_layer.step_context(example_offset=ctx.example_offset + replica * shard_size):
+      return self.replicas[replica](*inputs)
+
+  def all_reduce_gradients(self, grads: Sequence[Sequence[tf.Tensor]]) -> list[list[tf.Tensor]]:
+    """grads[r][i]: replica r's gradient of its variable i → the mean over replicas,
+    on each replica's device (same structure)."""
+    if len(grads) != self.num_replicas:
+      raise HybridError(f"gradients of {len(grads)} replicas for {self.num_replicas}")
+    reduced: list[list[tf.Tensor]] = [[] for _ in grads]
+    for i, cell in enumerate(self._cell_of_variable):
+      means = self._groups[cell]([tf.convert_to_tensor(g[i]) for g in grads],
+                                 instance_key=i + 1)
+      for r, mean in enumerate(means):
+        reduced[r].append(mean)
+    return reduced
+
+  def apply_layer_stats(self, layer_stats: list[tuple[base_layer.BaseLayer, Any]]) -> None:
+    """Updates each replica's layers with the statistics all replicas reported, so that
+    batch-norm moving averages stay equal across replicas (and equal one pipeline's)."""
+    position = {id(layer): (r, n) for r, rep in enumerate(self.replicas)
+                for n, layer in enumerate(rep.walk())}
+    by_position: dict[int, list[Any]] = {}
+    for layer, stats in layer_stats:
+      by_position.setdefault(position[id(layer)][1], []).append(stats)
+    for rep in self.replicas:
+      for n, layer in enumerate(rep.walk()):
+        if n in by_position:
+          layer.update_from_stats(by_position[n])
+
+  def copy_to_replicas(self) -> None:
+    """Makes every replica's variables equal replica 0's (e.g. after a restore)."""
+    source = self.replicas[0].variables
+    for rep in self.replicas[1:]:
+      for src, dst in zip(source, rep.variables):
+        dst.assign(src)

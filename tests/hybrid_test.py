@@ -1,0 +1,133 @@
+"""Hybrid data + pipeline parallelism equals one pipeline on the R-times larger batch."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from lingvo_gpipe.core import base_layer, gpipe, hybrid, layers, optimizers
+
+BATCH, DIM = 16, 8  # the global batch: 2 replicas × 8 examples
+
+
+def stack_params():
+  """Linear, dropout, batch norm, linear: dropout and batch statistics make the
+  equivalence depend on example numbering and on statistics being shared."""
+  return [
+      layers.Linear.Params().set(name="fc0", input_dim=DIM, output_dim=DIM, activation="TANH"),
+      layers.Dropout.Params().set(name="drop", keep_prob=0.7),
+      layers.BatchNorm.Params().set(name="bn", dim=DIM, decay=0.5),
+      layers.Linear.Params().set(name="fc1", input_dim=DIM, output_dim=DIM, activation="TANH"),
+      layers.Linear.Params().set(name="fc2", input_dim=DIM, output_dim=DIM),
+  ]
+
+
+def pipeline_params(num_micro_batches: int):
+  return gpipe.PipeliningLayer.Params().set(
+      name="stack", layers=stack_params(), num_cells=2, num_micro_batches=num_micro_batches,
+      random_seed=5)
+
+
+def adam():
+  return optimizers.Adam.Params().set(learning_rate=0.05).instantiate()
+
+
+def batches(steps: int):
+  rng = np.random.RandomState(0)
+  return [tf.constant(rng.randn(BATCH, DIM), tf.float32) for _ in range(steps)]
+
+
+def mean_square(outputs: tf.Tensor) -> tf.Tensor:
+  return tf.reduce_mean(tf.square(outputs - 0.5))
+
+
+def train_single_pipeline(devices, steps: int) -> list[np.ndarray]:
+  """Reference: one pipeline (2 cells, 4 micro-batches) on the whole batch."""
+  model = pipeline_params(4).set(devices=devices[:2]).instantiate()
+  variables = model.trainable_variables
+  optimizer = adam()
+  optimizer.create_slots(variables)
+
+  @tf.function
+  def step(x, s):
+    with base_layer.step_context(training=True, step=s, layer_stats=[]) as ctx:
+      outputs = model(x)
+      with tf.device(model.output_device):
+        loss = mean_square(outputs)
+    optimizer.apply_gradients(tf.gradients(loss, variables), variables, s)
+    base_layer.apply_layer_stats(ctx.layer_stats)
+
+  for s, x in enumerate(batches(steps)):
+    step(x, tf.constant(s, tf.int64))
+  return [v.numpy() for v in model.variables]
+
+
+def test_two_replicas_of_two_cells_train_like_one_pipeline_on_the_double_batch(cpu_devices):
+  """R=2 × K=2 on four devices, M=2 each, Adam, 3 steps: every replica's weights and
+  batch-norm statistics equal those of one 2-cell pipeline over 4 micro-batches."""
+  steps = 3
+  hybrid_model = hybrid.ReplicatedPipeline(pipeline_params(2), num_replicas=2,
+                                           devices=cpu_devices)
+  assert [rep.cell_devices for rep in hybrid_model.replicas] == [
+      cpu_devices[:2], cpu_devices[2:]]
+  per_replica_vars = hybrid_model.trainable_variables
+  optimizers_ = [adam() for _ in hybrid_model.replicas]  # slots are keyed by variable name
+  for optimizer, variables in zip(optimizers_, per_replica_vars):
+    optimizer.create_slots(variables)
+
+  @tf.function
+  def step(x, s):
+    with base_layer.step_context(training=True, step=s, layer_stats=[]) as ctx:
+      grads = []
+      for r, shard in enumerate(hybrid_model.shard(x)):
+        outputs = hybrid_model.fprop(r, shard)
+        with tf.device(hybrid_model.replicas[r].output_device):
+          loss = mean_square(outputs)
+        grads.append(tf.gradients(loss, per_replica_vars[r]))
+    reduced = hybrid_model.all_reduce_gradients(grads)
+    for optimizer, g, variables in zip(optimizers_, reduced, per_replica_vars):
+      optimizer.apply_gradients(g, variables, s)
+    hybrid_model.apply_layer_stats(ctx.layer_stats)
+
+  for s, x in enumerate(batches(steps)):
+    step(x, tf.constant(s, tf.int64))
+
+  want = train_single_pipeline(cpu_devices, steps)
+  for rep in hybrid_model.replicas:
+    got = [v.numpy() for v in rep.variables]
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+      np.testing.assert_allclose(g, w, rtol=2e-5, atol=1e-6)
+  # The update did something: the weights moved away from their initial values.
+  initial = pipeline_params(2).set(devices=cpu_devices[:2]).instantiate()
+  assert not np.allclose(initial.variables[0].numpy(), want[0])
+
+
+def test_the_all_reduce_averages_over_the_group_on_every_device(cpu_devices):
+  mean = hybrid.CollectiveMean(cpu_devices[1:4], group_key=1000)
+
+  @tf.function
+  def run():
+    tensors = []
+    for i, device in enumerate(cpu_devices[1:4]):
+      with tf.device(device):
+        tensors.append(tf.fill([2, 3], float(i + 1)))
+    return mean(tensors, instance_key=1)
+
+  for _ in range(2):  # a second call reuses the group and the instance key
+    for t in run():
+      np.testing.assert_allclose(t.numpy(), np.full([2, 3], 2.0))
+  graph = run.get_concrete_function().graph
+  placed = [tf.DeviceSpec.from_string(op.device).device_index
+            for op in graph.get_operations() if op.type == "CollectiveReduceV2"]
+  assert placed == [1, 2, 3]
+
+
+def test_bad_replica_counts_and_batches_are_named(cpu_devices):
+  with pytest.raises(hybrid.HybridError, match="3 replicas × 2 cells need 6 devices; 4 given"):
+    hybrid.ReplicatedPipeline(pipeline_params(2), num_replicas=3, devices=cpu_devices)
+  with pytest.raises(hybrid.HybridError, match="num_replicas must be >= 1, got 0"):
+    hybrid.ReplicatedPipeline(pipeline_params(2), num_replicas=0, devices=cpu_devices)
+  model = hybrid.ReplicatedPipeline(pipeline_params(2), num_replicas=2, devices=cpu_devices)
+  with pytest.raises(hybrid.HybridError, match=r"batch size \(15\) .* divisible by "
+                     r"num_replicas \(2\)"):
+    model.shard(tf.zeros([15, DIM]))
