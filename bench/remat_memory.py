@@ -8,8 +8,9 @@ step at a fixed batch with Adam, as:
   gpipe_k2_m8  two cells on two logical CPU devices, M micro-batches, recompute;
   gpipe_k4_m8  four cells on four logical CPU devices.
 
-Memory comes from tf.config.experimental.get_memory_info('CPU:0'): all logical CPU
-devices share that one allocator, so K>1 figures are the total over the K devices.
+Memory comes from tf.config.experimental.get_memory_info('CPU:0') with TensorFlow's
+BFC allocator (the one GPUs use); all logical CPU devices share that one allocator,
+so K>1 figures are the total over the K devices.
 Activation bytes = peak during the step − bytes in use just before it (weights,
 optimizer slots and the input batch), measured on the second step so tracing and
 slot creation are not counted.
@@ -32,6 +33,9 @@ import platform
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# TensorFlow's default CPU allocator keeps no counts on some CPUs (measured 2026-11-22 on
+# an AVX2-only EPYC: get_memory_info raises); its BFC allocator, the one GPUs use, does.
+os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
 
 import tensorflow as tf  # noqa: E402
 

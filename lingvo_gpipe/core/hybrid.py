@@ -77,6 +77,41 @@ class CollectiveMean:
     return results
 
 
+class GradientAllReduce:
+  """Averages the gradients of R copies of the same variables, each on its own device.
+
+  variables[r][i] is replica r's copy of variable i. The copies of variable i form an
+  all-reduce group with the devices they live on; variables on the same devices share
+  one group (for a pipeline: one group per cell position, the R devices of cell k).
+  """
+
+  def __init__(self, variables: Sequence[Sequence[tf.Variable]]):
+    self.num_replicas = len(variables)
+    counts = {len(v) for v in variables}
+    if len(counts) != 1:
+      raise HybridError(f"replicas hold different numbers of variables: {sorted(counts)}")
+    groups: dict[tuple[str, ...], CollectiveMean] = {}
+    self._group_of_variable = []
+    for copies in zip(*variables):
+      devices = tuple(v.device for v in copies)
+      if len(set(devices)) != len(devices):
+        raise HybridError(f"the copies of {copies[0].name} share a device: {devices}")
+      if devices not in groups:
+        groups[devices] = CollectiveMean(devices, group_key=next(_GROUP_KEYS))
+      self._group_of_variable.append(groups[devices])
+
+  def __call__(self, grads: Sequence[Sequence[tf.Tensor]]) -> list[list[tf.Tensor]]:
+    """grads[r][i]: the gradient of variables[r][i] → the mean over r, on each device."""
+    if len(grads) != self.num_replicas:
+      raise HybridError(f"gradients of {len(grads)} replicas for {self.num_replicas}")
+    reduced: list[list[tf.Tensor]] = [[] for _ in grads]
+    for i, group in enumerate(self._group_of_variable):
+      for r, mean in enumerate(group([tf.convert_to_tensor(g[i]) for g in grads],
+                                     instance_key=i + 1)):
+        reduced[r].append(mean)
+    return reduced
+
+
 class ReplicatedPipeline:
   """R replicas × K cells of one pipeline (see the module docstring).
 
@@ -99,18 +134,7 @@ class ReplicatedPipeline:
         pipeline_params.copy().set(
             devices=devices[r * num_cells:(r + 1) * num_cells]).instantiate()
         for r in range(num_replicas)]
-    # One all-reduce group per cell position: the R devices that hold cell k.
-    self._groups = [CollectiveMean([rep.cell_devices[k] for rep in self.replicas],
-                                   group_key=next(_GROUP_KEYS))
-                    for k in range(num_cells)]
-    self._cell_of_variable = self._variable_cells(self.replicas[0])
-
-  @staticmethod
-  def _variable_cells(replica: gpipe.PipeliningLayer) -> list[int]:
-    """The cell of each of `replica.trainable_variables`."""
-    cell_of = {v.ref(): k for k in range(len(replica.cells))
-               for layer in replica.cell_layers(k) for v in layer.trainable_variables}
-    return [cell_of[v.ref()] for v in replica.trainable_variables]
+    self._all_reduce = GradientAllReduce([rep.trainable_variables for rep in self.replicas])
 
   @property
   def trainable_variables(self) -> list[list[tf.Variable]]:
@@ -142,15 +166,7 @@ class ReplicatedPipeline:
   def all_reduce_gradients(self, grads: Sequence[Sequence[tf.Tensor]]) -> list[list[tf.Tensor]]:
     """grads[r][i]: replica r's gradient of its variable i → the mean over replicas,
     on each replica's device (same structure)."""
-    if len(grads) != self.num_replicas:
-      raise HybridError(f"gradients of {len(grads)} replicas for {self.num_replicas}")
-    reduced: list[list[tf.Tensor]] = [[] for _ in grads]
-    for i, cell in enumerate(self._cell_of_variable):
-      means = self._groups[cell]([tf.convert_to_tensor(g[i]) for g in grads],
-                                 instance_key=i + 1)
-      for r, mean in enumerate(means):
-        reduced[r].append(mean)
-    return reduced
+    return self._all_reduce(grads)
 
   def apply_layer_stats(self, layer_stats: list[tuple[base_layer.BaseLayer, Any]]) -> None:
     """Updates each replica's layers with the statistics all replicas reported, so that
