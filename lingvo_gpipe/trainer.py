@@ -10,11 +10,11 @@ Layout of a logdir:
   <logdir>/eval/events.*        eval metrics at the step they were computed
 
 One training step (`_train_step`, traced once):
-  forward under StepContext(training, step) → loss → tf.gradients → optimizer update
-  on each variable's device → batch-norm moving statistics from the whole batch →
-  global step + 1. If the loss or the gradient norm is not finite, nothing is
-  updated and the Python loop stops with NonFiniteLossError, so the last checkpoint
-  on disk is the last good state.
+  forward under StepContext(training, step) → loss → tf.gradients → (with R replicas:
+  gradients averaged across replicas) → optimizer update on each variable's device →
+  batch-norm moving statistics from the whole batch → global step + 1. If the loss or
+  the gradient norm is not finite, nothing is updated and the Python loop stops with
+  NonFiniteLossError, so the last checkpoint on disk is the last good state.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 import tensorflow as tf
 
-from lingvo_gpipe.core import base_layer, timeline
+from lingvo_gpipe.core import base_layer, cluster, hybrid, timeline
 from lingvo_gpipe.core.hyperparams import Params
 
 
@@ -82,6 +82,44 @@ def parse_profile_steps(text: str) -> tuple[int, int] | None:
   return first, last
 
 
+def _build_replicas(task_params: Params) -> hybrid.Replicas:
+  """The task, once per replica of task.pipeline.num_replicas (replica r's cells on
+  devices r·K … r·K+K−1); built from the same params, the replicas start equal."""
+  pipeline = task_params.pipeline
+  num_replicas = pipeline.num_replicas
+  if num_replicas < 1:
+    raise hybrid.HybridError(f"task.pipeline.num_replicas must be >= 1, got {num_replicas}")
+  if num_replicas == 1:
+    task = task_params.instantiate()
+    return hybrid.Replicas([task], [task.input_device])
+  num_cells = len(pipeline.splits) or pipeline.num_cells
+  if not num_cells:
+    raise hybrid.HybridError(f"task.pipeline.num_replicas={num_replicas} needs pipelining: "
+                             "set task.pipeline.num_cells (or splits)")
+  try:
+    slices = hybrid.replica_device_slices(num_replicas, num_cells,
+                                          pipeline.devices or cluster.default_devices())
+  except hybrid.HybridError as e:
+    raise hybrid.HybridError(f"task.pipeline.num_replicas: {e}") from None
+  tasks = [task_params.copy().set(**{"pipeline.devices": devices}).freeze().instantiate()
+           for devices in slices]
+  return hybrid.Replicas(tasks, [task.input_device for task in tasks])
+
+
+def _average_metrics(per_replica: list[dict[str, tuple[tf.Tensor, tf.Tensor]]]
+                     ) -> dict[str, tuple[tf.Tensor, tf.Tensor]]:
+  """Per-replica metrics (value, weight) → their weighted mean over replicas."""
+  if len(per_replica) == 1:
+    return per_replica[0]
+  averaged = {}
+  for name in per_replica[0]:
+    weights = [tf.cast(m[name][1], tf.float32) for m in per_replica]
+    total = tf.add_n(weights)
+    averaged[name] = (tf.add_n([m[name][0] * w for m, w in zip(per_replica, weights)]) / total,
+                      total)
+  return averaged
+
+
 class Trainer:
   """Builds a task from frozen model params and trains / evaluates it in `logdir`."""
 
@@ -92,10 +130,16 @@ class Trainer:
     self.eval_dir = os.path.join(logdir, "eval")
     self.log = log
     train_p = params.task.train
-    self.task = params.task.instantiate()
-    self.variables = list(self.task.trainable_variables)
-    self.optimizer = train_p.optimizer.instantiate()
-    self.optimizer.create_slots(self.variables)
+    # One task per data-parallel replica (task.pipeline.num_replicas); replica 0 is the
+    # one checkpointed, evaluated and decoded. Each replica has its own optimizer (slots
+    # live with their variables).
+    self.replicas = _build_replicas(params.task)
+    self.task = self.replicas.replicas[0]
+    self.optimizers = [train_p.optimizer.instantiate() for _ in self.replicas.replicas]
+    for optimizer, variables in zip(self.optimizers, self.replicas.trainable_variables):
+      optimizer.create_slots(variables)
+    self.optimizer = self.optimizers[0]
+    self.variables = self.replicas.trainable_variables[0]
     self.global_step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step")
     # The input position is checkpointed too, so a resumed run sees the batches the
     # uninterrupted run would have seen (no repeats, no skips).
@@ -131,6 +175,7 @@ class Trainer:
       raise CheckpointMismatchError(
           f"checkpoint {path} does not match model: {detail}. Use a new --logdir, or "
           "restore the params the checkpoint was written with.") from None
+    self.replicas.copy_from_first(self.optimizers)
 
   def save(self) -> str:
     return self.manager.save(checkpoint_number=int(self.global_step.numpy()))
@@ -139,22 +184,37 @@ class Trainer:
 
   def _train_step(self, batch: dict[str, tf.Tensor]
                   ) -> tuple[dict[str, tf.Tensor], list[tf.Tensor]]:
-    """One step; returns its scalars and the pipeline schedule's timestamp tensors."""
+    """One step; returns its scalars and the pipeline schedule's timestamp tensors.
+
+    With R replicas the batch is split into R shards, each replica computes its
+    loss and gradients on its shard, the gradients are averaged across replicas
+    (collective all-reduce) and every replica applies the same update. Replica 0
+    records the schedule.
+    """
     step = self.global_step.read_value()
+    replicas = self.replicas
     with base_layer.step_context(training=True, step=step, micro_batch=0,
                                  layer_stats=[], schedule=[]) as ctx:
-      metrics = self.task(batch)
+      per_replica = []
+      for r, shard in enumerate(replicas.shard(batch)):
+        with base_layer.step_context(schedule=ctx.schedule if r == 0 else None):
+          per_replica.append(replicas.call(r, shard))
+    grads = replicas.all_reduce_gradients([
+        tf.gradients(metrics["loss"][0], variables,
+                     unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        for metrics, variables in zip(per_replica, replicas.trainable_variables)])
+    metrics = _average_metrics(per_replica)
     loss = metrics["loss"][0]
-    grads = tf.gradients(loss, self.variables,
-                         unconnected_gradients=tf.UnconnectedGradients.ZERO)
     # Pipelines recorded when each cell call ran; fetched only at summary steps.
     schedule, self._schedule_keys = timeline.fetches(ctx.schedule)
-    grad_norm = tf.linalg.global_norm(grads)
+    grad_norm = tf.linalg.global_norm(grads[0])
     finite = tf.logical_and(tf.math.is_finite(loss), tf.math.is_finite(grad_norm))
 
     def apply() -> tf.Tensor:
-      lr, _ = self.optimizer.apply_gradients(grads, self.variables, step, grad_norm)
-      base_layer.apply_layer_stats(ctx.layer_stats)
+      for optimizer, g, variables in zip(self.optimizers, grads,
+                                         replicas.trainable_variables):
+        lr, _ = optimizer.apply_gradients(g, variables, step, grad_norm)
+      replicas.apply_layer_stats(ctx.layer_stats)
       self.global_step.assign_add(1)
       return lr
 

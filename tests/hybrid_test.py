@@ -131,3 +131,67 @@ def test_bad_replica_counts_and_batches_are_named(cpu_devices):
   with pytest.raises(hybrid.HybridError, match=r"batch size \(15\) .* divisible by "
                      r"num_replicas \(2\)"):
     model.shard(tf.zeros([15, DIM]))
+
+
+def demo_trainer(logdir, overrides: str):
+  from lingvo_gpipe import model_registry, trainer
+  from lingvo_gpipe.core import hyperparams
+
+  model_registry.load_param_files()
+  params = model_registry.get_params("demo.TinyConvNet")
+  for name, value in hyperparams.parse_overrides(
+      "task.train.save_interval_steps=3;task.pipeline.num_cells=2;" + overrides):
+    params.set_from_text(name, value)
+  trainer.check_logdir_writable(str(logdir))  # creates it, as the binary does
+  return trainer.Trainer(params.freeze(), str(logdir), log=lambda _: None)
+
+
+def test_the_trainer_with_two_replicas_equals_one_pipeline_and_resumes_them_equal(tmp_path):
+  """TinyConvNet (batch norm, SGD with momentum): R=2 × (K=2, M=2) gives the losses and
+  checkpoint of R=1 × (K=2, M=4) on the same 32-example batches; a restored R=2
+  trainer copies replica 0's weights and slots into replica 1."""
+  single = demo_trainer(tmp_path / "r1", "task.pipeline.num_micro_batches=4")
+  losses_single = []
+  single.train(3, on_step=lambda _, v: losses_single.append(float(v["loss"])))
+  hybrid_run = demo_trainer(tmp_path / "r2", "task.pipeline.num_micro_batches=2;"
+                            "task.pipeline.num_replicas=2")
+  assert [t.input_device for t in hybrid_run.replicas.replicas] == [
+      single.task.input_device, tf.config.list_logical_devices("CPU")[2].name]
+  losses_hybrid = []
+  hybrid_run.train(3, on_step=lambda _, v: losses_hybrid.append(float(v["loss"])))
+  np.testing.assert_allclose(losses_hybrid, losses_single, rtol=1e-5)
+
+  got = tf.train.load_checkpoint(str(tmp_path / "r2" / "train" / "ckpt-3"))
+  want = tf.train.load_checkpoint(str(tmp_path / "r1" / "train" / "ckpt-3"))
+  names = sorted(want.get_variable_to_dtype_map())
+  assert sorted(got.get_variable_to_dtype_map()) == names
+  dtypes = want.get_variable_to_dtype_map()
+  for name in names:  # every numeric tensor: weights, slots, batch-norm statistics, step
+    if dtypes[name].is_floating or dtypes[name].is_integer:
+      np.testing.assert_allclose(got.get_tensor(name), want.get_tensor(name),
+                                 rtol=1e-5, atol=1e-6, err_msg=name)
+
+  resumed = demo_trainer(tmp_path / "r2", "task.pipeline.num_micro_batches=2;"
+                         "task.pipeline.num_replicas=2")
+  assert resumed.restore_latest() == 3
+  first, second = resumed.replicas.replicas
+  # Replica 0 holds the trained weights (not the initial ones both replicas were built
+  # with), and replica 1 now equals it, optimizer slots included.
+  trained = hybrid_run.task.trainable_variables[0].numpy()
+  assert not np.allclose(trained, demo_trainer(tmp_path / "fresh", "").task
+                         .trainable_variables[0].numpy())
+  np.testing.assert_array_equal(first.trainable_variables[0].numpy(), trained)
+  for a, b in zip(first.variables, second.variables):
+    np.testing.assert_array_equal(a.numpy(), b.numpy())
+  for a, b in zip(first.trainable_variables, second.trainable_variables):
+    for name, slot in resumed.optimizers[1].slots_of(b).items():
+      want_slot = resumed.optimizers[0].slots_of(a)[name].numpy()
+      assert np.any(want_slot != 0), name
+      np.testing.assert_array_equal(slot.numpy(), want_slot)
+
+
+def test_the_trainer_names_a_bad_replica_count(tmp_path):
+  with pytest.raises(hybrid.HybridError, match="num_replicas must be >= 1, got 0"):
+    demo_trainer(tmp_path, "task.pipeline.num_replicas=0")
+  with pytest.raises(hybrid.HybridError, match="3 replicas × 2 cells need 6 devices; 4 given"):
+    demo_trainer(tmp_path, "task.pipeline.num_replicas=3")

@@ -112,29 +112,24 @@ class GradientAllReduce:
     return reduced
 
 
-class ReplicatedPipeline:
-  """R replicas × K cells of one pipeline (see the module docstring).
+class Replicas:
+  """R copies of one layer (a pipeline, or a whole task around one), trained as one.
 
-  Not a layer: its replicas are. `replicas[r]` is replica r's PipeliningLayer; a
-  checkpoint needs only replica 0 (`copy_to_replicas` makes the others equal again).
+  The copies must be built from the same params (so they start equal) with their
+  variables on disjoint devices; replica r's inputs go to `input_devices[r]`. Use one
+  optimizer per replica (slots are keyed by variable name, the same in every copy).
+  A checkpoint needs replica 0 only: `copy_from_first` makes the others equal again.
   """
 
-  def __init__(self, pipeline_params: Params, num_replicas: int,
-               devices: Sequence[str] | None = None):
-    if num_replicas < 1:
-      raise HybridError(f"num_replicas must be >= 1, got {num_replicas}")
-    devices = list(devices or cluster.default_devices())
-    num_cells = len(pipeline_params.splits) or pipeline_params.num_cells or 1
-    if num_replicas * num_cells > len(devices):
-      raise HybridError(
-          f"{num_replicas} replicas × {num_cells} cells need {num_replicas * num_cells} "
-          f"devices; {len(devices)} given ({devices})")
-    self.num_replicas, self.num_cells = num_replicas, num_cells
-    self.replicas: list[gpipe.PipeliningLayer] = [
-        pipeline_params.copy().set(
-            devices=devices[r * num_cells:(r + 1) * num_cells]).instantiate()
-        for r in range(num_replicas)]
-    self._all_reduce = GradientAllReduce([rep.trainable_variables for rep in self.replicas])
+  def __init__(self, replicas: Sequence[base_layer.BaseLayer],
+               input_devices: Sequence[str | None]):
+    if not replicas:
+      raise HybridError("no replicas")
+    self.replicas = list(replicas)
+    self.input_devices = list(input_devices)
+    self.num_replicas = len(self.replicas)
+    self._all_reduce = GradientAllReduce(self.trainable_variables) \
+        if self.num_replicas > 1 else None
 
   @property
   def trainable_variables(self) -> list[list[tf.Variable]]:
@@ -142,22 +137,26 @@ class ReplicatedPipeline:
     return [list(rep.trainable_variables) for rep in self.replicas]
 
   def shard(self, batch: Any) -> list[Any]:
-    """Splits every tensor of a nested batch [R·B, ...] into R shards [B, ...]."""
+    """Splits every tensor of a nested batch [R·B, ...] into R shards [B, ...], shard r
+    on replica r's input device."""
+    if self.num_replicas == 1:
+      return [batch]
     flat = tf.nest.flatten(batch)
     size = flat[0].shape[0]
     if size is None or size % self.num_replicas:
       raise HybridError(f"the batch size ({size}) must be static and divisible by "
                         f"num_replicas ({self.num_replicas})")
+    part = size // self.num_replicas
     shards = []
-    for r, rep in enumerate(self.replicas):
-      with tf.device(rep.cell_devices[0]):
-        part = size // self.num_replicas
+    for r, device in enumerate(self.input_devices):
+      with tf.device(device):
         shards.append(tf.nest.pack_sequence_as(
             batch, [t[r * part:(r + 1) * part] for t in flat]))
     return shards
 
-  def fprop(self, replica: int, *inputs: Any) -> Any:
-    """Replica `replica` on its shard; its examples are numbered from replica·B on."""
+  def call(self, replica: int, *inputs: Any) -> Any:
+    """Replica `replica` on its shard; its examples are numbered from replica·B on,
+    as in the whole batch (dropout masks are drawn by example position)."""
     ctx = base_layer.current_context()
     shard_size = tf.nest.flatten(inputs)[0].shape[0]
     with base_layer.step_context(example_offset=ctx.example_offset + replica * shard_size):
@@ -166,24 +165,59 @@ class ReplicatedPipeline:
   def all_reduce_gradients(self, grads: Sequence[Sequence[tf.Tensor]]) -> list[list[tf.Tensor]]:
     """grads[r][i]: replica r's gradient of its variable i → the mean over replicas,
     on each replica's device (same structure)."""
+    if self._all_reduce is None:
+      return [list(g) for g in grads]
     return self._all_reduce(grads)
 
   def apply_layer_stats(self, layer_stats: list[tuple[base_layer.BaseLayer, Any]]) -> None:
     """Updates each replica's layers with the statistics all replicas reported, so that
     batch-norm moving averages stay equal across replicas (and equal one pipeline's)."""
-    position = {id(layer): (r, n) for r, rep in enumerate(self.replicas)
-                for n, layer in enumerate(rep.walk())}
+    position = {id(layer): n for rep in self.replicas for n, layer in enumerate(rep.walk())}
     by_position: dict[int, list[Any]] = {}
     for layer, stats in layer_stats:
-      by_position.setdefault(position[id(layer)][1], []).append(stats)
+      by_position.setdefault(position[id(layer)], []).append(stats)
     for rep in self.replicas:
       for n, layer in enumerate(rep.walk()):
         if n in by_position:
           layer.update_from_stats(by_position[n])
 
-  def copy_to_replicas(self) -> None:
-    """Makes every replica's variables equal replica 0's (e.g. after a restore)."""
-    source = self.replicas[0].variables
-    for rep in self.replicas[1:]:
-      for src, dst in zip(source, rep.variables):
+  def copy_from_first(self, optimizers: Sequence[Any] = ()) -> None:
+    """Makes every replica's variables, and the slots of `optimizers[r]` (one per
+    replica, if given), equal replica 0's (after restoring replica 0)."""
+    first = self.replicas[0]
+    for r in range(1, self.num_replicas):
+      for src, dst in zip(first.variables, self.replicas[r].variables):
         dst.assign(src)
+      if optimizers:
+        for src, dst in zip(first.trainable_variables, self.replicas[r].trainable_variables):
+          for name, slot in optimizers[r].slots_of(dst).items():
+            slot.assign(optimizers[0].slots_of(src)[name])
+
+
+def replica_device_slices(num_replicas: int, num_cells: int,
+                          devices: Sequence[str]) -> list[list[str]]:
+  """devices[r·K:(r+1)·K] for each replica r; a clear error when there are too few."""
+  if num_replicas < 1:
+    raise HybridError(f"num_replicas must be >= 1, got {num_replicas}")
+  devices = list(devices)
+  if num_replicas * num_cells > len(devices):
+    raise HybridError(
+        f"{num_replicas} replicas × {num_cells} cells need {num_replicas * num_cells} "
+        f"devices; {len(devices)} given ({devices})")
+  return [devices[r * num_cells:(r + 1) * num_cells] for r in range(num_replicas)]
+
+
+class ReplicatedPipeline(Replicas):
+  """R replicas × K cells of one PipeliningLayer (see the module docstring)."""
+
+  def __init__(self, pipeline_params: Params, num_replicas: int,
+               devices: Sequence[str] | None = None):
+    num_cells = len(pipeline_params.splits) or pipeline_params.num_cells or 1
+    slices = replica_device_slices(num_replicas, num_cells,
+                                   devices or cluster.default_devices())
+    replicas: list[gpipe.PipeliningLayer] = [
+        pipeline_params.copy().set(devices=d).instantiate() for d in slices]
+    super().__init__(replicas, [rep.cell_devices[0] for rep in replicas])
+
+  def fprop(self, replica: int, *inputs: Any) -> Any:
+    return self.call(replica, *inputs)

@@ -38,6 +38,9 @@ def pipeline_params() -> Params:
                "recompute", "partition_cost", "input_specs", "layer_costs",
                "memory_cap_bytes", "bytes_per_param"):
     p.define(name, defaults.get(name), defaults.description(name))
+  p.define("num_replicas", 1, "R: data-parallel replicas of the pipeline, replica r's cells "
+           "on devices r·K … r·K+K−1, gradients averaged by collective all-reduce "
+           "(core/hybrid.py); the batch is split into R equal shards.")
   return p
 
 
@@ -52,6 +55,8 @@ class BaseTask(base_layer.BaseLayer):
              "GPipe: cut the task's main layer stack into cells (off by default).")
     p.random_seed = 1234
     return p
+
+  input_device: str | None = None  # where the batch goes: the first cell's device
 
   @property
   def pipelined(self) -> bool:
@@ -72,8 +77,11 @@ class BaseTask(base_layer.BaseLayer):
         name=params.name, layers=params.layers, random_seed=params.random_seed,
         dtype=params.dtype, params_init=params.params_init)
     for key, value in self.params.pipeline.iter_params():
-      pipelined.set(**{key: value})
-    return self.create_child(name, pipelined)
+      if key != "num_replicas":  # the trainer's business: it builds one task per replica
+        pipelined.set(**{key: value})
+    stack = self.create_child(name, pipelined)
+    self.input_device = stack.cell_devices[0]
+    return stack
 
   def fprop(self, batch: dict[str, tf.Tensor]) -> Metrics:
     raise NotImplementedError
