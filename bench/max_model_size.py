@@ -124,7 +124,7 @@ def run_probe(args, mode: str, num_layers: int) -> dict:
   print(f"  {mode:11s} L={num_layers:4d}  params {record['params'] / 1e6:7.2f} M  "
         f"peak/device {record['max_bytes'] / 2**20:8.1f} MiB  "
         f"({', '.join(f'{b / 2**20:.0f}' for b in record['bytes_per_device'])})  "
-        f"step {record['seconds']} s", flush=True)
+        f"first step {record['seconds']} s (tracing included)", flush=True)
   return record
 
 
