@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from lingvo_gpipe.core import base_layer, gpipe, layers, optimizers
+from lingvo_gpipe.core import base_layer, gpipe, layers, optimizers, timeline
 from lingvo_gpipe.core.base_layer import BaseLayer
 
 DIM = 8
@@ -227,6 +227,59 @@ def test_every_compute_op_runs_on_its_cells_device(cpu_devices, gradient_api, re
       assert _device(var.device) == _device(devices[0 if i < 4 else 1])
       for slot in opt.slots_of(var).values():
         assert _device(slot.device) == _device(var.device)
+
+
+def _ancestors(op: tf.Operation) -> set:
+  """Every op that `op` waits for, through data and control edges."""
+  seen, frontier = set(), [op]
+  while frontier:
+    current = frontier.pop()
+    for parent in [t.op for t in current.inputs] + list(current.control_inputs):
+      if parent not in seen:
+        seen.add(parent)
+        frontier.append(parent)
+  return seen
+
+
+@pytest.mark.parametrize("gradient_api", ["tf.gradients", "GradientTape"])
+def test_each_hand_off_is_awaited_on_the_receiving_device(cpu_devices, gradient_api):
+  """A cell's next micro-batch waits until its last results are on the next device.
+
+  Forward: cell 0's call m+1 waits for an op on device 1 that comes after its call m.
+  Backward: cell 1's call m+1 waits for an op on device 0 that comes after its call m
+  (the input gradients arrived there), not only for ops on its own device.
+  """
+  num_micro = 3
+  devices = cpu_devices[:2]
+  model = gpipe.PipeliningLayer.Params().set(
+      name="stack", num_cells=2, num_micro_batches=num_micro, devices=devices,
+      layers=[layers.Linear.Params().set(name=f"fc{i}", input_dim=4, output_dim=4)
+              for i in range(4)]).instantiate()
+  spans = []
+
+  def step():
+    with base_layer.step_context(training=True, step=tf.constant(1, tf.int64),
+                                 schedule=[]) as ctx:
+      with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(model(tf.ones([6, 4])))
+    variables = model.trainable_variables
+    grads = (tf.gradients(loss, variables) if gradient_api == "tf.gradients"
+             else tape.gradient(loss, variables))
+    spans[:] = ctx.schedule
+    return grads
+
+  tf.function(step).get_concrete_function()
+  span = {(s.cell, s.micro_batch, s.phase): s for s in spans}
+
+  def awaited_on(device: str, cell: int, m: int, phase: str) -> bool:
+    previous_end = span[cell, m, phase].end.op
+    waited = _ancestors(span[cell, m + 1, phase].start.op)
+    return any(_device(op.device) == _device(device) and previous_end in _ancestors(op)
+               for op in waited)
+
+  for m in range(num_micro - 1):
+    assert awaited_on(devices[1], 0, m, timeline.FORWARD), m
+    assert awaited_on(devices[0], 1, m, timeline.BACKWARD), m
 
 
 # -- batch norm ----------------------------------------------------------------------

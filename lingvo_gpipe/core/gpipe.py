@@ -82,10 +82,16 @@ def _arrived(tensors: Any, device: str | None, destination: str | None) -> Any:
   breaks the chain after each micro-batch, so the transfer goes out at once; the
   marker's own transfer is one control message. The tensors travel once: the next
   cell's Recv of them is shared with the marker's.
+
+  In a backward pass, tf.gradients colocates every op a gradient function makes with
+  the forward op (the cell's device), and colocation beats tf.device: the markers
+  would sit on the sending device and mark nothing (measured: the previous cell got
+  micro-batch 0's gradient one backward span late). They are made outside any
+  colocation.
   """
   if destination is None or destination == device:
     return tensors
-  with tf.device(destination):
+  with tf.compat.v1.colocate_with(None, ignore_existing=True), tf.device(destination):
     return tf.nest.map_structure(lambda t: None if t is None else tf.identity(t), tensors)
 
 
