@@ -35,6 +35,7 @@ Transformer, 3.9× for AmoebaNet).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -63,8 +64,11 @@ def probe(args, mode: str, num_layers: int) -> dict:
   returns each worker's memory above idle (bytes)."""
   import tensorflow as tf
 
-  from lingvo_gpipe.core import base_layer, cluster, gpipe, layers, optimizers
+  from lingvo_gpipe import train_step
+  from lingvo_gpipe.core import cluster, layers, optimizers
   from lingvo_gpipe.models import transformer
+  from lingvo_gpipe.pipeline import hybrid
+  from lingvo_gpipe.pipeline import layer as gpipe
 
   cells = num_cells(mode)
   log_dir = tempfile.mkdtemp(prefix="max_model_size_")
@@ -75,33 +79,35 @@ def probe(args, mode: str, num_layers: int) -> dict:
     if cells == 0:
       with tf.device(devices[0]):
         model = stack.set(random_seed=1).instantiate()
-      output_device = devices[0]
     else:
       model = gpipe.PipeliningLayer.Params().set(
           name="stack", layers=stack.layers, num_cells=cells,
           num_micro_batches=args.micro_batches, devices=devices[:cells],
           recompute="always", random_seed=1).instantiate()
-      output_device = model.output_device
-    variables = model.trainable_variables
+    def next_token_loss(logits, head_inputs):
+      ids = head_inputs["labels"]
+      return {"loss": (tf.reduce_mean(layers.softmax_cross_entropy(logits, ids)),
+                       tf.cast(tf.size(ids), tf.float32))}
+
+    wrapped = train_step.StackWithLoss(model, next_token_loss)
+    variables = wrapped.trainable_variables
     optimizer = optimizers.Adam.Params().set(learning_rate=1e-4).instantiate()
     optimizer.create_slots(variables)
+    step = train_step.TrainStep(hybrid.Replicas([wrapped], [devices[0]]), [optimizer],
+                                tf.Variable(1, dtype=tf.int64))
 
     @tf.function
-    def train_step(step):
-      with tf.device(devices[0]):
-        ids = tf.random.stateless_uniform([args.batch, args.seq], seed=[1, 2],
-                                          maxval=args.vocab, dtype=tf.int32)
-        paddings = tf.zeros([args.batch, args.seq])
-      with base_layer.step_context(training=True, step=step, layer_stats=[]):
-        with tf.device(devices[0] if cells == 0 else None):  # naive: all on worker 0
-          logits = model(ids, paddings)
-        with tf.device(output_device):
-          loss = tf.reduce_mean(layers.softmax_cross_entropy(logits, ids))
-      optimizer.apply_gradients(tf.gradients(loss, variables), variables, step)
-      return loss
+    def run(batch):
+      # Naive: every op on worker 0 (the pipeline places its cells itself).
+      with tf.device(devices[0]) if cells == 0 else contextlib.nullcontext():
+        return step(batch)[0]["loss"]
 
+    with tf.device(devices[0]):
+      ids = tf.random.stateless_uniform([args.batch, args.seq], seed=[1, 2],
+                                        maxval=args.vocab, dtype=tf.int32)
+      batch = {"inputs": (ids, tf.zeros([args.batch, args.seq])), "labels": ids}
     start = time.perf_counter()
-    loss = float(train_step(tf.constant(1, tf.int64)).numpy())
+    loss = float(run(batch).numpy())
     seconds = time.perf_counter() - start
     time.sleep(2.0)  # the workers log their memory every 0.5 s
     per_device = [cluster.read_memory_log(cluster.memory_log_path(log_dir, task))

@@ -17,7 +17,8 @@ fill-drain bubble bounds the K=2 speedup by 2·M/(M+1).
   python bench/pipeline_speedup.py                 # K ∈ {1, 2}, M ∈ {1, 2, 4, 8, 16}
   python bench/pipeline_speedup.py --max_workers 4 # also K = 4 (needs ≥ 5 cores)
 
-The step is the trainer's: it records the measured schedule (timeline.py), and the
+Each K>1 runs with both schedules (gpipe and 1f1b). The step is the trainer's
+(`train_step.TrainStep`): it records the measured schedule (timeline.py), and the
 JSON reports, per configuration, the measured bubble beside (K−1)/(M+K−1) and each
 cell's busy fraction (medians over the timed steps).
 
@@ -62,42 +63,42 @@ def model_layers(name: str):
           (tf.random.stateless_normal([16, 64, 512], seed=[1, 2]), tf.zeros([16, 64])))
 
 
-def make_step(model_name: str, num_cells: int, num_micro_batches: int, devices: list[str]):
+def make_step(model_name: str, num_cells: int, num_micro_batches: int, devices: list[str],
+              schedule: str = "gpipe"):
   import tensorflow as tf
 
-  from lingvo_gpipe.core import base_layer, gpipe, optimizers, timeline
+  from lingvo_gpipe import train_step
+  from lingvo_gpipe.core import optimizers
+  from lingvo_gpipe.pipeline import hybrid, timeline
+  from lingvo_gpipe.pipeline import layer as gpipe
 
   with tf.device(devices[0]):
     stack, inputs = model_layers(model_name)
   model = gpipe.PipeliningLayer.Params().set(
       name=model_name, layers=stack, num_cells=num_cells, num_micro_batches=num_micro_batches,
       devices=devices[:num_cells] if num_cells > 1 else devices[:1], recompute="always",
-      random_seed=1).instantiate()
-  variables = model.trainable_variables
+      schedule=schedule, random_seed=1).instantiate()
+
+  def mean_square(outputs, _):
+    out = tf.nest.flatten(outputs)[0]
+    return {"loss": (tf.reduce_mean(tf.square(out)), tf.cast(tf.shape(out)[0], tf.float32))}
+
+  wrapped = train_step.StackWithLoss(model, mean_square)
   optimizer = optimizers.SGD.Params().set(learning_rate=1e-4, momentum=0.0).instantiate()
-  optimizer.create_slots(variables)
-  span_keys = []
-
-  @tf.function
-  def step(s):
-    with base_layer.step_context(training=True, step=s, layer_stats=[], schedule=[]) as ctx:
-      outputs = tf.nest.flatten(model(*inputs))[0]
-      with tf.device(model.output_device):
-        loss = tf.reduce_mean(tf.square(outputs))
-    optimizer.apply_gradients(tf.gradients(loss, variables), variables, s)
-    fetched, span_keys[:] = timeline.fetches(ctx.schedule)
-    return loss, fetched
-
-  counter = [0]
+  optimizer.create_slots(wrapped.trainable_variables)
+  step = train_step.TrainStep(hybrid.Replicas([wrapped], [devices[0]]), [optimizer],
+                              tf.Variable(0, dtype=tf.int64))
+  step_fn = tf.function(step)
+  batch = {"inputs": inputs}
 
   def run() -> tuple[float, timeline.Schedule]:
     """One step: its wall time (seconds) and its measured schedule."""
-    counter[0] += 1
     start = time.perf_counter()
-    loss, fetched = step(tf.constant(counter[0], tf.int64))
-    loss.numpy()
+    outputs, fetched = step_fn(batch)
+    outputs["loss"].numpy()
     seconds = time.perf_counter() - start
-    return seconds, timeline.Schedule.from_fetched([t.numpy() for t in fetched], span_keys)
+    return seconds, timeline.Schedule.from_fetched([t.numpy() for t in fetched],
+                                                   step.span_keys)
 
   run()  # trace and warm up
   return run
@@ -121,31 +122,37 @@ def main() -> None:
     results: dict = {}
     for model_name in args.models.split(","):
       for m in micro_batches:
-        runners = {1: make_step(model_name, 1, m, devices)}
+        # K=1 is the single-device baseline; each K>1 runs with both schedules.
+        runners = {(1, "gpipe"): make_step(model_name, 1, m, devices)}
         for k in worker_counts:
-          runners[k] = make_step(model_name, k, m, devices)
-        times: dict[int, list[float]] = {k: [] for k in runners}
-        schedules: dict[int, list] = {k: [] for k in runners}
+          for schedule in ("gpipe", "1f1b"):
+            runners[(k, schedule)] = make_step(model_name, k, m, devices, schedule)
+        times: dict = {key: [] for key in runners}
+        schedules: dict = {key: [] for key in runners}
         for _ in range(args.steps):
-          for k, run in runners.items():
-            seconds, schedule = run()
-            times[k].append(seconds)
-            schedules[k].append(schedule)
-        medians = {k: statistics.median(v) for k, v in times.items()}
-        for k in worker_counts:
-          key = f"{model_name}_k{k}_m{m}"
-          busy = [statistics.median(s.busy_fractions()[c] for s in schedules[k])
-                  for c in range(k)]
-          bubble = statistics.median(s.bubble() for s in schedules[k])
-          results[key] = {"step_seconds_k1": round(medians[1], 4),
-                          f"step_seconds_k{k}": round(medians[k], 4),
-                          "speedup": round(medians[1] / medians[k], 3),
-                          "bubble_bound": round(k * m / (m + k - 1), 3),
-                          "bubble_measured": round(bubble, 3),
-                          "bubble_theoretical": round((k - 1) / (m + k - 1), 3),
-                          "busy_fractions": [round(b, 3) for b in busy]}
-          print(f"{key:22s} K=1 {medians[1]:.4f} s  K={k} {medians[k]:.4f} s  "
-                f"speedup {medians[1] / medians[k]:.2f}  (bound {k * m / (m + k - 1):.2f})  "
+          for key, run in runners.items():
+            seconds, measured = run()
+            times[key].append(seconds)
+            schedules[key].append(measured)
+        medians = {key: statistics.median(v) for key, v in times.items()}
+        base = medians[(1, "gpipe")]
+        for (k, schedule) in runners:
+          if k == 1:
+            continue
+          name = f"{model_name}_k{k}_m{m}" + ("" if schedule == "gpipe" else "_1f1b")
+          runs = schedules[(k, schedule)]
+          busy = [statistics.median(s.busy_fractions()[c] for s in runs) for c in range(k)]
+          bubble = statistics.median(s.bubble() for s in runs)
+          step_k = medians[(k, schedule)]
+          results[name] = {"step_seconds_k1": round(base, 4),
+                           f"step_seconds_k{k}": round(step_k, 4),
+                           "speedup": round(base / step_k, 3),
+                           "bubble_bound": round(k * m / (m + k - 1), 3),
+                           "bubble_measured": round(bubble, 3),
+                           "bubble_theoretical": round((k - 1) / (m + k - 1), 3),
+                           "busy_fractions": [round(b, 3) for b in busy]}
+          print(f"{name:27s} K=1 {base:.4f} s  K={k} {step_k:.4f} s  "
+                f"speedup {base / step_k:.2f}  (bound {k * m / (m + k - 1):.2f})  "
                 f"bubble {bubble:.2f} (theory {(k - 1) / (m + k - 1):.2f})", flush=True)
     summary = {
         "bench": "pipeline_speedup",
@@ -156,6 +163,7 @@ def main() -> None:
     }
     if "mlp_k2_m8" in results:
       summary["speedup_k2_m8"] = results["mlp_k2_m8"]["speedup"]
+      summary["speedup_k2_m8_1f1b"] = results["mlp_k2_m8_1f1b"]["speedup"]
       summary["bubble_bound_k2_m8"] = results["mlp_k2_m8"]["bubble_bound"]
     print(json.dumps(summary))
 

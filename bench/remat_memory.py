@@ -1,24 +1,26 @@
-"""Peak activation memory of one training step: naive vs GPipe re-materialization.
+"""Peak activation memory of one training step: naive vs GPipe vs 1F1B, recompute on/off.
 
 A stack of L Transformer feed-forward blocks (pre-norm, residual) is trained one
-step at a fixed batch with Adam, as:
+step at a fixed batch with Adam through the library's training step
+(`train_step.TrainStep`, the trainer's), as:
 
-  naive        the same layers as one Sequential: no micro-batches, no recompute;
-  gpipe_k1_m8  one cell, M micro-batches, recompute;
-  gpipe_k2_m8  two cells on two logical CPU devices, M micro-batches, recompute;
-  gpipe_k4_m8  four cells on four logical CPU devices.
+  naive                 the same layers as one Sequential: no micro-batches, no recompute;
+  gpipe_k1_m8           one cell, M micro-batches, recompute;
+  gpipe_k2_m8 / _k4_m8  two / four cells on logical CPU devices, recompute;
+  {gpipe,1f1b}_k4_m16_{recompute,never}
+                        four cells, 16 micro-batches, each schedule with and without
+                        re-materialization: 1F1B keeps at most K−k micro-batches in
+                        flight on cell k instead of M.
 
-Memory comes from tf.config.experimental.get_memory_info('CPU:0') with TensorFlow's
-BFC allocator (the one GPUs use); all logical CPU devices share that one allocator,
-so K>1 figures are the total over the K devices.
-Activation bytes = peak during the step − bytes in use just before it (weights,
-optimizer slots and the input batch), measured on the second step so tracing and
-slot creation are not counted.
+Memory comes from the BFC allocator's counts (`pipeline/memory.py`); all logical CPU
+devices share that one allocator, so K>1 figures are the total over the K devices.
+Measured on the second step so tracing and slot creation are not counted.
 
 The paper's bound for the same L, K, M: naive activations grow as N·L, GPipe's as
 N + (L/K)·(N/M) per device, so the ratio is L / (1 + L/(K·M)) for one device's share.
 
-  python bench/remat_memory.py            # L=32, d=256, hidden 1024, 32×128 tokens, M=8
+  python bench/remat_memory.py            # L=32, d=256, hidden 1024, 32×128 tokens
+  python bench/remat_memory.py --layers 8 --seq 32 --configs gpipe_k4_m16_never,1f1b_k4_m16_never
 
 The last line printed is one JSON object with the figures.
 """
@@ -26,7 +28,6 @@ The last line printed is one JSON object with the figures.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import platform
@@ -39,47 +40,56 @@ os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
 
 import tensorflow as tf  # noqa: E402
 
-from lingvo_gpipe.core import base_layer, cluster, gpipe, layers, optimizers  # noqa: E402
+from lingvo_gpipe import train_step  # noqa: E402
+from lingvo_gpipe.core import cluster, layers, optimizers  # noqa: E402
+from lingvo_gpipe.pipeline import hybrid, memory  # noqa: E402
+from lingvo_gpipe.pipeline.layer import PipeliningLayer  # noqa: E402
+
+# name → (cells or None for naive, micro-batches, schedule, recompute)
+CONFIGS = {
+    "naive": (None, 1, "gpipe", "never"),
+    "gpipe_k1_m8": (1, 8, "gpipe", "always"),
+    "gpipe_k2_m8": (2, 8, "gpipe", "always"),
+    "gpipe_k4_m8": (4, 8, "gpipe", "always"),
+    "gpipe_k4_m16_recompute": (4, 16, "gpipe", "always"),
+    "1f1b_k4_m16_recompute": (4, 16, "1f1b", "always"),
+    "gpipe_k4_m16_never": (4, 16, "gpipe", "never"),
+    "1f1b_k4_m16_never": (4, 16, "1f1b", "never"),
+}
 
 
-def build(args, num_cells: int | None, devices: list[str]):
+def build(args, config: tuple, devices: list[str]):
+  num_cells, micro_batches, schedule, recompute = config
   blocks = [layers.FeedForwardBlock.Params().set(
       name=f"block{i}", input_dim=args.dim, hidden_dim=args.hidden) for i in range(args.layers)]
   if num_cells is None:
     return layers.Sequential.Params().set(name="stack", layers=blocks,
                                           random_seed=1).instantiate()
-  return gpipe.PipeliningLayer.Params().set(
+  return PipeliningLayer.Params().set(
       name="stack", layers=blocks, random_seed=1, num_cells=num_cells,
-      num_micro_batches=args.micro_batches, devices=devices[:num_cells],
-      recompute="always").instantiate()
+      num_micro_batches=micro_batches, devices=devices[:num_cells], schedule=schedule,
+      recompute=recompute).instantiate()
 
 
-def measure(args, num_cells: int | None, devices: list[str]) -> dict:
-  model = build(args, num_cells, devices)
+def mean_square(outputs, _):
+  """Loss: the mean square of the outputs, per example weighted by the examples."""
+  return {"loss": (tf.reduce_mean(tf.square(outputs)),
+                   tf.cast(tf.shape(outputs)[0], tf.float32))}
+
+
+def measure(args, config: tuple, devices: list[str]) -> dict:
+  model = train_step.StackWithLoss(build(args, config, devices), mean_square)
   variables = model.trainable_variables
   optimizer = optimizers.Adam.Params().set(learning_rate=1e-4).instantiate()
   optimizer.create_slots(variables)
-  inputs = tf.random.stateless_normal([args.batch, args.seq, args.dim], seed=[1, 2])
-
-  @tf.function
-  def train_step(x, step):
-    with base_layer.step_context(training=True, step=step, layer_stats=[]):
-      loss = tf.reduce_mean(tf.square(model(x)))
-    grads = tf.gradients(loss, variables)
-    optimizer.apply_gradients(grads, variables, step)
-    return loss
-
-  train_step(inputs, tf.constant(0, tf.int64)).numpy()  # trace, warm up
-  gc.collect()
-  tf.config.experimental.reset_memory_stats("CPU:0")
-  before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+  step = tf.function(train_step.TrainStep(hybrid.Replicas([model], [devices[0]]),
+                                          [optimizer], tf.Variable(0, dtype=tf.int64)))
+  batch = {"inputs": tf.random.stateless_normal([args.batch, args.seq, args.dim], seed=[1, 2])}
+  step(batch)[0]["loss"].numpy()  # trace, warm up
   start = time.perf_counter()
-  train_step(inputs, tf.constant(1, tf.int64)).numpy()
-  seconds = time.perf_counter() - start
-  peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
-  weight_bytes = sum(v.shape.num_elements() * v.dtype.size for v in variables)
-  result = {"peak_bytes": peak, "baseline_bytes": before, "activation_bytes": peak - before,
-            "weight_bytes": weight_bytes, "step_seconds": round(seconds, 3)}
+  result = memory.step_activation_bytes(lambda: step(batch)[0]["loss"].numpy())
+  result["step_seconds"] = round(time.perf_counter() - start, 3)
+  result["weight_bytes"] = sum(v.shape.num_elements() * v.dtype.size for v in variables)
   return result
 
 
@@ -90,34 +100,39 @@ def main() -> None:
   parser.add_argument("--hidden", type=int, default=1024)
   parser.add_argument("--batch", type=int, default=32)
   parser.add_argument("--seq", type=int, default=128)
-  parser.add_argument("--micro_batches", type=int, default=8)
+  parser.add_argument("--configs", default=",".join(CONFIGS),
+                      help=f"comma-separated subset of {list(CONFIGS)}")
   args = parser.parse_args()
   devices = cluster.configure_devices("cpu:4")
+  names = args.configs.split(",")
+  unknown = [n for n in names if n not in CONFIGS]
+  if unknown:
+    parser.error(f"unknown --configs {unknown}; valid: {list(CONFIGS)}")
 
-  configs = {"naive": None, "gpipe_k1_m8": 1, "gpipe_k2_m8": 2, "gpipe_k4_m8": 4}
   results = {}
-  for name, num_cells in configs.items():
-    results[name] = measure(args, num_cells, devices)
+  for name in names:
+    results[name] = measure(args, CONFIGS[name], devices)
     r = results[name]
-    print(f"{name:12s} activations {r['activation_bytes'] / 2**20:9.1f} MiB   "
+    print(f"{name:24s} activations {r['activation_bytes'] / 2**20:9.1f} MiB   "
           f"peak {r['peak_bytes'] / 2**20:9.1f} MiB   step {r['step_seconds']:.2f} s", flush=True)
 
-  num_layers, m = args.layers, args.micro_batches
-  naive = results["naive"]["activation_bytes"]
   summary = {
       "bench": "remat_memory",
       "machine": f"{platform.machine()} {os.cpu_count()} cores, TF {tf.__version__}",
-      "layers": num_layers, "dim": args.dim, "hidden": args.hidden,
-      "tokens_per_batch": args.batch * args.seq, "micro_batches": m,
-      "weight_bytes": results["naive"]["weight_bytes"],
-      "activation_bytes_naive": naive,
-      "activation_bytes_gpipe_k1_m8": results["gpipe_k1_m8"]["activation_bytes"],
-      "activation_bytes_gpipe_k2_m8_total": results["gpipe_k2_m8"]["activation_bytes"],
-      "activation_bytes_gpipe_k4_m8_total": results["gpipe_k4_m8"]["activation_bytes"],
-      "activation_memory_ratio": round(naive / results["gpipe_k1_m8"]["activation_bytes"], 3),
-      "theoretical_ratio_k1_m8": round(num_layers / (1 + num_layers / m), 3),
-      "step_seconds": {k: v["step_seconds"] for k, v in results.items()},
+      "layers": args.layers, "dim": args.dim, "hidden": args.hidden,
+      "tokens_per_batch": args.batch * args.seq,
+      "activation_bytes": {n: r["activation_bytes"] for n, r in results.items()},
+      "step_seconds": {n: r["step_seconds"] for n, r in results.items()},
   }
+  if "naive" in results and "gpipe_k1_m8" in results:
+    summary["activation_memory_ratio"] = round(
+        results["naive"]["activation_bytes"] / results["gpipe_k1_m8"]["activation_bytes"], 3)
+    summary["theoretical_ratio_k1_m8"] = round(args.layers / (1 + args.layers / 8), 3)
+  for recompute in ("recompute", "never"):
+    gpipe_name, one_f_name = f"gpipe_k4_m16_{recompute}", f"1f1b_k4_m16_{recompute}"
+    if gpipe_name in results and one_f_name in results:
+      summary[f"1f1b_over_gpipe_k4_m16_{recompute}"] = round(
+          results[one_f_name]["activation_bytes"] / results[gpipe_name]["activation_bytes"], 3)
   print(json.dumps(summary))
 
 

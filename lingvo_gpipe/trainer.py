@@ -9,12 +9,12 @@ Layout of a logdir:
   <logdir>/train/plugins/profile/  TensorFlow profiles of the steps --profile_steps names
   <logdir>/eval/events.*        eval metrics at the step they were computed
 
-One training step (`_train_step`, traced once):
-  forward under StepContext(training, step) → loss → tf.gradients → (with R replicas:
-  gradients averaged across replicas) → optimizer update on each variable's device →
-  batch-norm moving statistics from the whole batch → global step + 1. If the loss or
-  the gradient norm is not finite, nothing is updated and the Python loop stops with
-  NonFiniteLossError, so the last checkpoint on disk is the last good state.
+One training step is `train_step.TrainStep` (traced once): the pipelined (or plain)
+forward and backward → (with R replicas: gradients averaged across replicas) →
+optimizer update on each variable's device → batch-norm moving statistics from the
+whole batch → global step + 1. If the loss or the gradient norm is not finite,
+nothing is updated and the Python loop stops with NonFiniteLossError, so the last
+checkpoint on disk is the last good state.
 """
 
 from __future__ import annotations
@@ -27,8 +27,10 @@ from collections.abc import Callable
 
 import tensorflow as tf
 
-from lingvo_gpipe.core import base_layer, cluster, hybrid, timeline
+from lingvo_gpipe import train_step
+from lingvo_gpipe.core import base_layer, cluster
 from lingvo_gpipe.core.hyperparams import Params
+from lingvo_gpipe.pipeline import hybrid, timeline
 
 
 class TrainerError(RuntimeError):
@@ -106,20 +108,6 @@ def _build_replicas(task_params: Params) -> hybrid.Replicas:
   return hybrid.Replicas(tasks, [task.input_device for task in tasks])
 
 
-def _average_metrics(per_replica: list[dict[str, tuple[tf.Tensor, tf.Tensor]]]
-                     ) -> dict[str, tuple[tf.Tensor, tf.Tensor]]:
-  """Per-replica metrics (value, weight) → their weighted mean over replicas."""
-  if len(per_replica) == 1:
-    return per_replica[0]
-  averaged = {}
-  for name in per_replica[0]:
-    weights = [tf.cast(m[name][1], tf.float32) for m in per_replica]
-    total = tf.add_n(weights)
-    averaged[name] = (tf.add_n([m[name][0] * w for m, w in zip(per_replica, weights)]) / total,
-                      total)
-  return averaged
-
-
 class Trainer:
   """Builds a task from frozen model params and trains / evaluates it in `logdir`."""
 
@@ -141,6 +129,7 @@ class Trainer:
     self.optimizer = self.optimizers[0]
     self.variables = self.replicas.trainable_variables[0]
     self.global_step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step")
+    self.train_step = train_step.TrainStep(self.replicas, self.optimizers, self.global_step)
     # The input position is checkpointed too, so a resumed run sees the batches the
     # uninterrupted run would have seen (no repeats, no skips).
     self.train_input = params.train_input.instantiate()
@@ -182,47 +171,6 @@ class Trainer:
 
   # -- steps -------------------------------------------------------------------------
 
-  def _train_step(self, batch: dict[str, tf.Tensor]
-                  ) -> tuple[dict[str, tf.Tensor], list[tf.Tensor]]:
-    """One step; returns its scalars and the pipeline schedule's timestamp tensors.
-
-    With R replicas the batch is split into R shards, each replica computes its
-    loss and gradients on its shard, the gradients are averaged across replicas
-    (collective all-reduce) and every replica applies the same update. Replica 0
-    records the schedule.
-    """
-    step = self.global_step.read_value()
-    replicas = self.replicas
-    with base_layer.step_context(training=True, step=step, micro_batch=0,
-                                 layer_stats=[], schedule=[]) as ctx:
-      per_replica = []
-      for r, shard in enumerate(replicas.shard(batch)):
-        with base_layer.step_context(schedule=ctx.schedule if r == 0 else None):
-          per_replica.append(replicas.call(r, shard))
-    grads = replicas.all_reduce_gradients([
-        tf.gradients(metrics["loss"][0], variables,
-                     unconnected_gradients=tf.UnconnectedGradients.ZERO)
-        for metrics, variables in zip(per_replica, replicas.trainable_variables)])
-    metrics = _average_metrics(per_replica)
-    loss = metrics["loss"][0]
-    # Pipelines recorded when each cell call ran; fetched only at summary steps.
-    schedule, self._schedule_keys = timeline.fetches(ctx.schedule)
-    grad_norm = tf.linalg.global_norm(grads[0])
-    finite = tf.logical_and(tf.math.is_finite(loss), tf.math.is_finite(grad_norm))
-
-    def apply() -> tf.Tensor:
-      for optimizer, g, variables in zip(self.optimizers, grads,
-                                         replicas.trainable_variables):
-        lr, _ = optimizer.apply_gradients(g, variables, step, grad_norm)
-      replicas.apply_layer_stats(ctx.layer_stats)
-      self.global_step.assign_add(1)
-      return lr
-
-    lr = tf.cond(finite, apply, lambda: tf.constant(float("nan")))
-    out = {name: value for name, (value, _) in metrics.items()}
-    out.update(learning_rate=lr, grad_norm=grad_norm, finite=finite)
-    return out, schedule
-
   def _eval_step(self, batch: dict[str, tf.Tensor]) -> dict[str, tuple[tf.Tensor, tf.Tensor]]:
     with base_layer.step_context(training=False, step=self.global_step.read_value()):
       return self.task(batch)
@@ -256,7 +204,7 @@ class Trainer:
       return {}
 
     batch_size = self.train_input.params.batch_size
-    step_fn = tf.function(self._train_step, input_signature=[self.train_input.batch_spec()])
+    step_fn = self._build_train_step()
     writer = tf.summary.create_file_writer(self.train_dir)
     with writer.as_default():
       tf.summary.text("params", "```\n" + self.params.to_text() + "```", step=start)
@@ -277,6 +225,9 @@ class Trainer:
             f"non-finite loss ({values['loss']}) or gradient norm ({values['grad_norm']}) "
             f"at step {step}; stopped without applying it. Last good checkpoint: {last}")
       step += 1
+      if step == start + 1:
+        # The first call also builds the executable graph and warms the cells up.
+        self.log(f"First step done in {time.perf_counter() - run_start:.1f} s")
       if on_step is not None:
         on_step(step, values)
       window_steps += 1
@@ -308,11 +259,29 @@ class Trainer:
     self.log(f"Saved {self.manager.latest_checkpoint}")
     return values
 
+  def _build_train_step(self) -> Callable:
+    """Traces the training step, saying what it builds and how long that took."""
+    pipeline = self.task.pipeline
+    if pipeline is not None:
+      p = pipeline.params
+      what = (f"{len(pipeline.cells)} cells × {p.num_micro_batches} micro-batches, "
+              f"schedule {p.schedule}, recompute {p.recompute}")
+      if self.replicas.num_replicas > 1:
+        what += f", {self.replicas.num_replicas} replicas"
+    else:
+      what = "not pipelined"
+    self.log(f"Building the training step ({what}) ...")
+    start = time.perf_counter()
+    step_fn = tf.function(self.train_step, input_signature=[self.train_input.batch_spec()])
+    step_fn.get_concrete_function()
+    self.log(f"Built the training step in {time.perf_counter() - start:.1f} s")
+    return step_fn
+
   def _write_schedule(self, fetched: list[tf.Tensor], step: int) -> None:
     """Writes the measured pipeline schedule of this step: scalars and an image."""
     measured = timeline.Schedule.from_fetched([t.numpy() for t in fetched],
-                                              self._schedule_keys)
-    for name, value in measured.summary().items():
+                                              self.train_step.span_keys)
+    for name, value in measured.summary(self.train_step.plan).items():
       tf.summary.scalar(name, value, step=step)
     tf.summary.image("pipeline/schedule", measured.image()[None], step=step,
                      description="Cells top to bottom, time left to right; forward calls "

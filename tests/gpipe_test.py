@@ -1,14 +1,16 @@
 """PipeliningLayer against the same layers run unpartitioned on the whole batch."""
 
 import itertools
-import re
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from lingvo_gpipe.core import base_layer, gpipe, layers, optimizers, timeline
+from lingvo_gpipe import train_step
+from lingvo_gpipe.core import base_layer, layers, optimizers
 from lingvo_gpipe.core.base_layer import BaseLayer
+from lingvo_gpipe.pipeline import hybrid, timeline
+from lingvo_gpipe.pipeline import layer as gpipe
 
 DIM = 8
 BATCH = 13  # no M > 1 of the grid divides it: every split is uneven
@@ -64,7 +66,32 @@ def reference_loss_and_grads(model):
   return loss.numpy(), [g.numpy() for g in tape.gradient(loss, model.trainable_variables)]
 
 
+def with_loss(model):
+  """The pipeline with loss_of as its head (per micro-batch, weighted by its examples)."""
+  def head(outputs, head_inputs):
+    target = head_inputs["target"]
+    return {"loss": (loss_of(outputs, target), tf.cast(tf.shape(target)[0], tf.float32))}
+  return train_step.StackWithLoss(model, head)
+
+
 def pipelined_loss_and_grads(model):
+  """The engine: scheduled cell calls, the loss per micro-batch, summed gradients."""
+  x, skip, target = inputs()
+  wrapped = with_loss(model)
+
+  @tf.function
+  def step():
+    with base_layer.step_context(training=True, step=tf.constant(STEP, tf.int64)):
+      metrics, grads = train_step.loss_and_gradients(
+          wrapped, {"inputs": (x, skip), "target": target}, model.trainable_variables)
+    return metrics["loss"][0], grads
+
+  loss, grads = step()
+  return loss.numpy(), [g.numpy() for g in grads]
+
+
+def fprop_loss_and_grads(model):
+  """The pipeline's fprop differentiated by tf.gradients (no schedule, no recompute)."""
   x, skip, target = inputs()
 
   @tf.function
@@ -86,49 +113,70 @@ def reference():
   return reference_loss_and_grads(model_params(layers.Sequential).instantiate())
 
 
-GRID = list(itertools.product([1, 2, 4], [1, 2, 3, 4, 8], ["always", "never"]))
+GRID = list(itertools.product(["gpipe", "1f1b"], [1, 2, 4], [1, 2, 3, 4, 8],
+                               ["always", "never"]))
 
 
-@pytest.mark.parametrize("num_cells, num_micro_batches, recompute", GRID)
-def test_loss_and_gradients_equal_unpartitioned(reference, cpu_devices, num_cells,
-                                                num_micro_batches, recompute):
-  model = model_params(gpipe.PipeliningLayer, num_cells=num_cells,
-                       num_micro_batches=num_micro_batches, recompute=recompute,
-                       devices=cpu_devices[:num_cells]).instantiate()
-  assert len(model.cells) == num_cells
-  loss, grads = pipelined_loss_and_grads(model)
+def assert_matches_reference(got, reference):
+  loss, grads = got
   want_loss, want_grads = reference
   assert max_relative_difference(loss, want_loss) <= 1e-5
   assert len(grads) == len(want_grads)
-  for got, want in zip(grads, want_grads):
-    assert max_relative_difference(got, want) <= 1e-5
-
-
-@pytest.mark.parametrize("num_cells, recompute", [(2, "always"), (4, "except_last")])
-def test_two_training_steps_give_the_same_weights(cpu_devices, num_cells, recompute):
-  def train(model, use_tf_function):
-    opt = optimizers.Adam.Params().set(learning_rate=0.05).instantiate()
-    variables = model.trainable_variables
-    opt.create_slots(variables)
-    x, skip, target = inputs()
-
-    def step(i):
-      with tf.GradientTape() as tape:
-        with base_layer.step_context(training=True, step=i):
-          loss = loss_of(model(x, skip), target)
-      opt.apply_gradients(tape.gradient(loss, variables), variables, i)
-
-    run = tf.function(step) if use_tf_function else step
-    for i in range(2):
-      run(tf.constant(i, tf.int64))
-    return [v.numpy() for v in variables]
-
-  want = train(model_params(layers.Sequential).instantiate(), use_tf_function=False)
-  got = train(model_params(gpipe.PipeliningLayer, num_cells=num_cells, num_micro_batches=3,
-                           recompute=recompute, devices=cpu_devices[:num_cells]).instantiate(),
-              use_tf_function=True)
-  for g, w in zip(got, want):
+  for g, w in zip(grads, want_grads):
     assert max_relative_difference(g, w) <= 1e-5
+
+
+@pytest.mark.parametrize("schedule, num_cells, num_micro_batches, recompute", GRID)
+def test_loss_and_gradients_equal_unpartitioned(reference, cpu_devices, schedule, num_cells,
+                                                num_micro_batches, recompute):
+  model = model_params(gpipe.PipeliningLayer, num_cells=num_cells, schedule=schedule,
+                       num_micro_batches=num_micro_batches, recompute=recompute,
+                       devices=cpu_devices[:num_cells]).instantiate()
+  assert len(model.cells) == num_cells
+  assert_matches_reference(pipelined_loss_and_grads(model), reference)
+
+
+@pytest.mark.parametrize("num_cells, num_micro_batches, recompute",
+                         [(1, 1, "always"), (2, 3, "always"), (4, 4, "never")])
+def test_fprop_differentiated_by_tensorflow_equals_unpartitioned(reference, cpu_devices,
+                                                                 num_cells, num_micro_batches,
+                                                                 recompute):
+  model = model_params(gpipe.PipeliningLayer, num_cells=num_cells,
+                       num_micro_batches=num_micro_batches, recompute=recompute,
+                       devices=cpu_devices[:num_cells]).instantiate()
+  assert_matches_reference(fprop_loss_and_grads(model), reference)
+
+
+@pytest.mark.parametrize("num_cells, recompute, schedule", [
+    (2, "always", "gpipe"), (4, "except_last", "gpipe"), (4, "always", "1f1b"),
+    (2, "never", "1f1b")])
+def test_two_training_steps_give_the_same_weights(cpu_devices, num_cells, recompute, schedule):
+  """TrainStep (the trainer's step) against Adam on the unpartitioned model by hand."""
+  x, skip, target = inputs()
+  want_model = model_params(layers.Sequential).instantiate()
+  opt = optimizers.Adam.Params().set(learning_rate=0.05).instantiate()
+  variables = want_model.trainable_variables
+  opt.create_slots(variables)
+  for i in range(2):
+    with tf.GradientTape() as tape:
+      with base_layer.step_context(training=True, step=tf.constant(i, tf.int64)):
+        loss = loss_of(want_model(x, skip), target)
+    opt.apply_gradients(tape.gradient(loss, variables), variables, tf.constant(i, tf.int64))
+
+  model = model_params(gpipe.PipeliningLayer, num_cells=num_cells, num_micro_batches=3,
+                       recompute=recompute, schedule=schedule,
+                       devices=cpu_devices[:num_cells]).instantiate()
+  pipeline_opt = optimizers.Adam.Params().set(learning_rate=0.05).instantiate()
+  pipeline_opt.create_slots(model.trainable_variables)
+  global_step = tf.Variable(0, dtype=tf.int64)
+  step = train_step.TrainStep(hybrid.Replicas([with_loss(model)], [None]), [pipeline_opt],
+                              global_step)
+  run = tf.function(step)
+  for _ in range(2):
+    run({"inputs": (x, skip), "target": target})
+  assert int(global_step.numpy()) == 2
+  for g, w in zip(model.trainable_variables, variables):
+    assert max_relative_difference(g.numpy(), w.numpy()) <= 1e-5
 
 
 def test_eval_runs_forward_only_and_matches(cpu_devices):
@@ -152,81 +200,12 @@ def test_checkpoints_move_between_sequential_and_pipeline(tmp_path, cpu_devices)
     np.testing.assert_array_equal(a.numpy(), b.numpy())
 
 
-# -- placement ---------------------------------------------------------------------
-
-COMPUTE_OPS = {"MatMul", "BatchMatMulV2", "Conv2D", "Conv2DBackpropInput",
-               "Conv2DBackpropFilter", "Tanh", "TanhGrad", "Relu", "ReluGrad"}
+# -- hand-offs -------------------------------------------------------------------------
 
 
 def _device(name: str) -> tuple[str, int]:
   spec = tf.DeviceSpec.from_string(name)
   return spec.device_type, spec.device_index
-
-
-def _layer_index(op_name: str, prefix: str) -> int | None:
-  # Name scopes of repeated calls get a suffix: pair3, pair3_1, ...
-  found = {int(m) for m in re.findall(rf"(?:^|/){prefix}(\d+)(?:_\d+)?(?:/|$)", op_name)}
-  assert len(found) <= 1, op_name
-  return found.pop() if found else None
-
-
-def _conv_stack():
-  return [layers.Conv2D.Params().set(name=f"conv{i}", filter_shape=(3, 3, 4, 4),
-                                     activation="RELU") for i in range(4)]
-
-
-@pytest.mark.parametrize("gradient_api", ["tf.gradients", "GradientTape"])
-@pytest.mark.parametrize("recompute", ["always", "never"])
-def test_every_compute_op_runs_on_its_cells_device(cpu_devices, gradient_api, recompute):
-  num_cells, num_micro_batches = 2, 2
-  devices = cpu_devices[1:1 + num_cells]  # not the default device, so defaults show up
-  pair = model_params(gpipe.PipeliningLayer, num_cells=num_cells, devices=devices,
-                      num_micro_batches=num_micro_batches, splits=[4, 8],
-                      recompute=recompute).instantiate()
-  conv = gpipe.PipeliningLayer.Params().set(
-      name="convs", layers=_conv_stack(), splits=[2, 4], devices=devices, recompute=recompute,
-      num_micro_batches=num_micro_batches).instantiate()
-  opt = optimizers.Adam.Params().instantiate()
-  variables = pair.trainable_variables + conv.trainable_variables
-  opt.create_slots(variables)
-  x, skip, target = inputs()
-  images = tf.zeros([4, 6, 6, 4])
-
-  def step():
-    with base_layer.step_context(training=True, step=tf.constant(1, tf.int64), layer_stats=[]):
-      with tf.GradientTape() as tape:
-        loss = loss_of(pair(x, skip), target) + tf.reduce_sum(conv(images))
-    if gradient_api == "tf.gradients":
-      grads = tf.gradients(loss, variables)
-    else:
-      grads = tape.gradient(loss, variables)
-    opt.apply_gradients(grads, variables, tf.constant(0, tf.int64))
-    return loss
-
-  graph = tf.function(step).get_concrete_function().graph
-  per_layer = {}
-  for op in graph.get_operations():
-    if op.type not in COMPUTE_OPS:
-      continue
-    index = _layer_index(op.name, "pair")
-    cell_of = lambda i: 0 if i < 4 else 1  # noqa: E731
-    if index is None:
-      index = _layer_index(op.name, "conv")
-      cell_of = lambda i: 0 if i < 2 else 1  # noqa: E731
-    assert index is not None, f"compute op {op.name} belongs to no layer"
-    assert op.device, f"{op.name} ({op.type}) has no device"
-    assert _device(op.device) == _device(devices[cell_of(index)]), (op.name, op.device)
-    per_layer.setdefault((op.name.split("/")[0], index, op.type), []).append(op.name)
-  # MatMuls of one layer per micro-batch: the forward, the recomputed forward (with
-  # recompute) and the two of its gradient.
-  matmuls = sum(1 for op in graph.get_operations()
-                if op.type == "MatMul" and _layer_index(op.name, "pair") == 5)
-  assert matmuls == num_micro_batches * (4 if recompute == "always" else 3)
-  for i, layer in enumerate(pair.layers):
-    for var in layer.trainable_variables:
-      assert _device(var.device) == _device(devices[0 if i < 4 else 1])
-      for slot in opt.slots_of(var).values():
-        assert _device(slot.device) == _device(var.device)
 
 
 def _ancestors(op: tf.Operation) -> set:
@@ -241,53 +220,58 @@ def _ancestors(op: tf.Operation) -> set:
   return seen
 
 
-@pytest.mark.parametrize("gradient_api", ["tf.gradients", "GradientTape"])
-def test_each_hand_off_is_awaited_on_the_receiving_device(cpu_devices, gradient_api):
-  """A cell's next micro-batch waits until its last results are on the next device.
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_each_hand_off_is_awaited_on_the_receiving_device(cpu_devices, schedule):
+  """A cell's next call waits until its last results are on the neighbouring device.
 
   Forward: cell 0's call m+1 waits for an op on device 1 that comes after its call m.
-  Backward: cell 1's call m+1 waits for an op on device 0 that comes after its call m
-  (the input gradients arrived there), not only for ops on its own device.
+  Backward: cell 1's next backward waits for an op on device 0 that comes after its
+  backward of m (the input gradients arrived there), not only for ops on its own device.
   """
   num_micro = 3
   devices = cpu_devices[:2]
   model = gpipe.PipeliningLayer.Params().set(
       name="stack", num_cells=2, num_micro_batches=num_micro, devices=devices,
+      schedule=schedule,
       layers=[layers.Linear.Params().set(name=f"fc{i}", input_dim=4, output_dim=4)
               for i in range(4)]).instantiate()
+  wrapped = train_step.StackWithLoss(
+      model, lambda out, _: {"loss": (tf.reduce_sum(out), tf.constant(1.0))})
   spans = []
 
   def step():
     with base_layer.step_context(training=True, step=tf.constant(1, tf.int64),
                                  schedule=[]) as ctx:
-      with tf.GradientTape() as tape:
-        loss = tf.reduce_sum(model(tf.ones([6, 4])))
-    variables = model.trainable_variables
-    grads = (tf.gradients(loss, variables) if gradient_api == "tf.gradients"
-             else tape.gradient(loss, variables))
+      _, grads = train_step.loss_and_gradients(wrapped, {"inputs": tf.ones([6, 4])},
+                                               model.trainable_variables)
     spans[:] = ctx.schedule
     return grads
 
   tf.function(step).get_concrete_function()
   span = {(s.cell, s.micro_batch, s.phase): s for s in spans}
+  plan = model.plan()
 
-  def awaited_on(device: str, cell: int, m: int, phase: str) -> bool:
-    previous_end = span[cell, m, phase].end.op
-    waited = _ancestors(span[cell, m + 1, phase].start.op)
+  def awaited_on(device: str, cell: int, previous, following) -> bool:
+    previous_end = span[(cell, previous.micro_batch, previous.phase)].end.op
+    waited = _ancestors(span[(cell, following.micro_batch, following.phase)].start.op)
     return any(_device(op.device) == _device(device) and previous_end in _ancestors(op)
                for op in waited)
 
-  for m in range(num_micro - 1):
-    assert awaited_on(devices[1], 0, m, timeline.FORWARD), m
-    assert awaited_on(devices[0], 1, m, timeline.BACKWARD), m
+  for cell, neighbour, phase in [(0, devices[1], timeline.FORWARD),
+                                 (1, devices[0], timeline.BACKWARD)]:
+    actions = plan.actions[cell]
+    for previous, following in zip(actions, actions[1:]):
+      if previous.phase == phase:
+        assert awaited_on(neighbour, cell, previous, following), (cell, previous, following)
 
 
 # -- batch norm ----------------------------------------------------------------------
 
 
-def test_batch_norm_moving_stats_come_from_the_whole_batch_once(cpu_devices):
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_batch_norm_moving_stats_come_from_the_whole_batch_once(cpu_devices, schedule):
   num_micro_batches = 4
-  p = gpipe.PipeliningLayer.Params().set(name="bn_stack", num_cells=2,
+  p = gpipe.PipeliningLayer.Params().set(name="bn_stack", num_cells=2, schedule=schedule,
                                          num_micro_batches=num_micro_batches,
                                          devices=cpu_devices[:2], splits=[2, 3], layers=[
       layers.Linear.Params().set(name="fc1", input_dim=5, output_dim=6),
@@ -296,12 +280,14 @@ def test_batch_norm_moving_stats_come_from_the_whole_batch_once(cpu_devices):
   model = p.instantiate()
   fc1, bn = model.layers[0], model.layers[1]
   x = np.random.RandomState(3).randn(14, 5).astype(np.float32)
+  wrapped = train_step.StackWithLoss(
+      model, lambda out, _: {"loss": (tf.reduce_sum(tf.square(out)), tf.constant(1.0))})
 
   @tf.function
   def step():
     with base_layer.step_context(training=True, layer_stats=[]) as ctx:
-      loss = tf.reduce_sum(tf.square(model(x)))
-    grads = tf.gradients(loss, model.trainable_variables)  # runs the recompute
+      _, grads = train_step.loss_and_gradients(wrapped, {"inputs": x},
+                                               model.trainable_variables)
     num_reports = len(ctx.layer_stats)
     base_layer.apply_layer_stats(ctx.layer_stats)
     return num_reports, grads
@@ -327,6 +313,7 @@ def test_batch_norm_moving_stats_come_from_the_whole_batch_once(cpu_devices):
     (dict(num_cells=4, devices=["/device:CPU:0", "/device:CPU:1"]),
      r"4 cells but only 2 device\(s\)"),
     (dict(recompute="sometimes"), "recompute must be one of"),
+    (dict(schedule="zigzag"), r"schedule must be one of \['1f1b', 'gpipe'\], got 'zigzag'"),
 ])
 def test_bad_pipeline_params_are_named(settings, message):
   with pytest.raises(ValueError, match=message):
@@ -336,10 +323,11 @@ def test_bad_pipeline_params_are_named(settings, message):
 def test_more_micro_batches_than_examples_is_named(cpu_devices):
   model = model_params(gpipe.PipeliningLayer, num_cells=2, num_micro_batches=16,
                        devices=cpu_devices[:2]).instantiate()
-  x, skip, _ = inputs()
+  x, skip, target = inputs()
   with pytest.raises(ValueError, match="num_micro_batches=16 is larger than the batch size 13"):
     with base_layer.step_context(training=True, layer_stats=[]):
-      model(x, skip)
+      train_step.loss_and_gradients(with_loss(model), {"inputs": (x, skip), "target": target},
+                                    model.trainable_variables)
 
 
 def test_round_robin_places_several_cells_per_device(cpu_devices):
@@ -375,16 +363,25 @@ def test_nested_map_between_cells_matches_unpartitioned(cpu_devices):
                                             num_micro_batches=3,
                                             devices=cpu_devices[:2]).instantiate()
   x, memory, _ = inputs()
+  batch = {"inputs": {"h": x, "memory": memory}}
 
-  def loss_and_grads(model):
-    with tf.GradientTape() as tape:
-      with base_layer.step_context(training=True):
-        out = model({"h": x, "memory": memory})
-      loss = tf.reduce_sum(tf.square(out["h"]))
-    return loss, tape.gradient(loss, model.trainable_variables)
+  def loss_of_state(out, _):
+    per_example = tf.reduce_sum(tf.square(out["h"]), axis=-1)
+    return {"loss": (tf.reduce_mean(per_example), tf.cast(tf.size(per_example), tf.float32))}
 
-  want_loss, want_grads = loss_and_grads(ref)
-  got_loss, got_grads = tf.function(lambda: loss_and_grads(pipe))()
+  with tf.GradientTape() as tape:
+    with base_layer.step_context(training=True):
+      want_loss = loss_of_state(ref(batch["inputs"]), None)["loss"][0]
+  want_grads = tape.gradient(want_loss, ref.trainable_variables)
+
+  @tf.function
+  def step():
+    with base_layer.step_context(training=True):
+      metrics, grads = train_step.loss_and_gradients(
+          train_step.StackWithLoss(pipe, loss_of_state), batch, pipe.trainable_variables)
+    return metrics["loss"][0], grads
+
+  got_loss, got_grads = step()
   assert max_relative_difference(got_loss.numpy(), want_loss.numpy()) <= 1e-5
   for g, w in zip(got_grads, want_grads):
     assert max_relative_difference(g.numpy(), w.numpy()) <= 1e-5

@@ -4,7 +4,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from lingvo_gpipe.core import base_layer, gpipe, hybrid, layers, optimizers
+from lingvo_gpipe.core import base_layer, layers, optimizers
+from lingvo_gpipe.pipeline import hybrid
+from lingvo_gpipe.pipeline import layer as gpipe
 
 BATCH, DIM = 16, 8  # the global batch: 2 replicas × 8 examples
 

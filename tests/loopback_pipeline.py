@@ -1,6 +1,6 @@
 """Run by loopback_test.py in its own process (joining a cluster changes TF's context).
 
-Starts two tools/worker.py servers on loopback, places a two-cell pipeline on them,
+Starts two tools/worker.py servers on loopback, places a two-cell pipeline on them (each schedule),
 and prints one JSON line: the largest relative difference between its loss and
 gradients and those of the same layers run unpartitioned in this process, and worker
 1's device memory (tools/worker.py --memory_log) before and after a 4 MiB variable
@@ -23,30 +23,42 @@ def main() -> None:
     import numpy as np
     import tensorflow as tf
 
-    from lingvo_gpipe.core import base_layer, gpipe, layers
+    from lingvo_gpipe import train_step
+    from lingvo_gpipe.core import base_layer, layers
+    from lingvo_gpipe.pipeline import layer as gpipe
 
     stack = [layers.Linear.Params().set(name=f"fc{i}", input_dim=16, output_dim=16,
                                         activation="TANH") for i in range(4)]
     stack.insert(2, layers.Dropout.Params().set(name="drop", keep_prob=0.7))
     x = tf.constant(np.random.RandomState(0).randn(10, 16), tf.float32)
 
-    def loss_and_grads(model, function):
-      def run():
-        with tf.GradientTape() as tape:
-          with base_layer.step_context(training=True, step=tf.constant(4, tf.int64)):
-            loss = tf.reduce_sum(tf.square(model(x)))
-        return loss, tape.gradient(loss, model.trainable_variables)
-      loss, grads = (tf.function(run) if function else run)()
-      return [loss.numpy()] + [g.numpy() for g in grads]
+    def head(outputs, _):
+      per_example = tf.reduce_sum(tf.square(outputs), axis=-1)
+      return {"loss": (tf.reduce_mean(per_example), tf.cast(tf.size(per_example), tf.float32))}
 
     local = layers.Sequential.Params().set(name="s", layers=stack, random_seed=3).instantiate()
-    remote = gpipe.PipeliningLayer.Params().set(
-        name="s", layers=stack, random_seed=3, num_cells=2, num_micro_batches=4,
-        devices=devices).instantiate()
-    want = loss_and_grads(local, function=False)
-    got = loss_and_grads(remote, function=True)
-    worst = max(float(np.max(np.abs(g - w)) / max(np.max(np.abs(w)), 1e-12))
-                for g, w in zip(got, want))
+    with tf.GradientTape() as tape:
+      with base_layer.step_context(training=True, step=tf.constant(4, tf.int64)):
+        loss = head(local(x), None)["loss"][0]
+    want = [loss.numpy()] + [g.numpy() for g in tape.gradient(loss, local.trainable_variables)]
+
+    worst = {}
+    for schedule in ("gpipe", "1f1b"):
+      remote = gpipe.PipeliningLayer.Params().set(
+          name="s", layers=stack, random_seed=3, num_cells=2, num_micro_batches=4,
+          devices=devices, schedule=schedule).instantiate()
+
+      @tf.function
+      def run(model=remote):
+        with base_layer.step_context(training=True, step=tf.constant(4, tf.int64)):
+          metrics, grads = train_step.loss_and_gradients(
+              train_step.StackWithLoss(model, head), {"inputs": x}, model.trainable_variables)
+        return metrics["loss"][0], grads
+
+      loss, grads = run()
+      got = [loss.numpy()] + [g.numpy() for g in grads]
+      worst[schedule] = max(float(np.max(np.abs(g - w)) / max(np.max(np.abs(w)), 1e-12))
+                            for g, w in zip(got, want))
     # Worker 1's memory log sees a 4 MiB variable created there.
     log = cluster.memory_log_path(log_dir, 1)
     time.sleep(1.0)

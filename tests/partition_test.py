@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from lingvo_gpipe.core import layers, partition
+from lingvo_gpipe.core import layers
+from lingvo_gpipe.pipeline import partition
 
 
 def brute_force(costs, num_cells, memory=None, cap=np.inf):

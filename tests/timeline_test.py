@@ -5,7 +5,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from lingvo_gpipe.core import base_layer, gpipe, layers, timeline
+from lingvo_gpipe import train_step
+from lingvo_gpipe.core import base_layer, layers
+from lingvo_gpipe.pipeline import layer as gpipe
+from lingvo_gpipe.pipeline import timeline
 
 
 def fill_drain(num_cells: int, num_micro: int, forward: float = 1.0, backward: float = 2.0):
@@ -60,20 +63,25 @@ def test_fetched_rows_must_match_the_keys():
                                    [[timeline.SpanKey(0, 0, timeline.FORWARD)] * 2])
 
 
-def test_a_traced_step_stamps_every_cell_call_on_its_device_without_chaining(cpu_devices):
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_traced_step_stamps_every_cell_call_on_its_device_without_chaining(cpu_devices,
+                                                                            schedule):
   num_cells, num_micro = 2, 3
   model = gpipe.PipeliningLayer.Params().set(
       name="stack", num_cells=num_cells, num_micro_batches=num_micro, devices=cpu_devices[:2],
+      schedule=schedule,
       layers=[layers.Linear.Params().set(name=f"fc{i}", input_dim=4, output_dim=4)
               for i in range(4)]).instantiate()
+  wrapped = train_step.StackWithLoss(
+      model, lambda out, _: {"loss": (tf.reduce_sum(out), tf.constant(1.0))})
   keys = []
 
   @tf.function
   def step():
     with base_layer.step_context(training=True, step=tf.constant(1, tf.int64),
                                  schedule=[]) as ctx:
-      loss = tf.reduce_sum(model(tf.ones([6, 4])))
-    grads = tf.gradients(loss, model.trainable_variables)
+      _, grads = train_step.loss_and_gradients(wrapped, {"inputs": tf.ones([6, 4])},
+                                               model.trainable_variables)
     fetched, keys[:] = timeline.fetches(ctx.schedule)
     return grads, fetched
 
@@ -94,9 +102,12 @@ def test_a_traced_step_stamps_every_cell_call_on_its_device_without_chaining(cpu
       (k, m, phase) for k in range(num_cells) for m in range(num_micro)
       for phase in (timeline.FORWARD, timeline.BACKWARD))
   assert (measured.times[:, 1] >= measured.times[:, 0]).all()
-  for k in range(num_cells):  # a cell's forward calls run in micro-batch order
-    starts = [t[0] for t, key in zip(measured.times, measured.keys)
-              if key.cell == k and key.phase == timeline.FORWARD]
-    ends = sorted(t[1] for t, key in zip(measured.times, measured.keys)
-                  if key.cell == k and key.phase == timeline.FORWARD)
-    assert all(s >= e for s, e in zip(sorted(starts)[1:], ends[:-1]))
+  # Each device ran its calls one at a time, in the order the schedule lists.
+  assert measured.followed(model.plan()) == [True] * num_cells
+  summary = measured.summary(model.plan())
+  assert summary["pipeline/cells_following_plan"] == 1.0
+  assert summary["pipeline/bubble_planned"] == pytest.approx(
+      (num_cells - 1) / (num_micro + num_cells - 1))
+  for k in range(num_cells):
+    spans = sorted(tuple(t) for t, key in zip(measured.times, measured.keys) if key.cell == k)
+    assert all(later[0] >= earlier[1] for earlier, later in zip(spans, spans[1:]))

@@ -88,18 +88,19 @@ def _model_params():
 
 
 def _inspect_model(params) -> None:
-  from lingvo_gpipe.core import gpipe, model_stats
+  from lingvo_gpipe.core import model_stats
+  from lingvo_gpipe.pipeline import PipeliningLayer
 
   batch_spec = params.train_input.instantiate().batch_spec()
   stats = model_stats.analyze(params.task, batch_spec, max_depth=FLAGS.inspect_depth)
   print(model_stats.format_table(stats))
   cells = []
   for s in stats:
-    if isinstance(s.layer, gpipe.PipeliningLayer):
+    if isinstance(s.layer, PipeliningLayer):
       described = s.layer.describe_cells()
       print(f"\nPipeline {s.path}: {len(described)} cells, "
             f"{s.layer.params.num_micro_batches} micro-batches, "
-            f"recompute={s.layer.params.recompute}")
+            f"recompute={s.layer.params.recompute}, schedule={s.layer.params.schedule}")
       print(model_stats.format_cells(described))
       cells.extend({k: c[k] for k in ("device", "params", "cost_share")} for c in described)
   root = stats[0]

@@ -4,14 +4,28 @@
 name → (value, weight) scalars. `metrics['loss'][0]` is what training minimizes;
 weights let eval average metrics correctly over batches. The training settings live
 in `params.train`, so that one Params tree describes the whole run.
+
+A task is three parts, so that a pipeline can run the last one per micro-batch on
+its last device (train_step.py):
+
+  stack_inputs(batch)          → the main stack's inputs (no variables here)
+  main_stack                   the main layer stack (a PipeliningLayer when pipelined)
+  head(outputs, head_inputs)   → metrics, from the stack's outputs and
+                                 head_inputs(batch) (labels, paddings)
+
+The head's loss must be a mean over what its weight counts (examples, tokens), so
+that the weighted mean over micro-batches is the whole batch's loss.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import tensorflow as tf
 
-from lingvo_gpipe.core import base_layer, gpipe, layers, optimizers
+from lingvo_gpipe.core import base_layer, layers, optimizers
 from lingvo_gpipe.core.hyperparams import InstantiableParams, Params
+from lingvo_gpipe.pipeline.layer import PipeliningLayer
 
 Metrics = dict[str, tuple[tf.Tensor, tf.Tensor]]
 
@@ -32,10 +46,10 @@ def train_params() -> Params:
 
 def pipeline_params() -> Params:
   """GPipe settings of a task; pipelining is on when num_cells > 0 or splits is set."""
-  defaults = gpipe.PipeliningLayer.Params()
+  defaults = PipeliningLayer.Params()
   p = Params()
   for name in ("num_cells", "num_micro_batches", "splits", "devices", "round_robin_devices",
-               "recompute", "partition_cost", "input_specs", "layer_costs",
+               "recompute", "schedule", "partition_cost", "input_specs", "layer_costs",
                "memory_cap_bytes", "bytes_per_param"):
     p.define(name, defaults.get(name), defaults.description(name))
   p.define("num_replicas", 1, "R: data-parallel replicas of the pipeline, replica r's cells "
@@ -68,12 +82,13 @@ class BaseTask(base_layer.BaseLayer):
     A pipelined stack must be a `Sequential`; it becomes a `PipeliningLayer` over the
     same layers with the same names, so checkpoints move between the two.
     """
+    self._stack_name = name
     if not self.pipelined:
       return self.create_child(name, params)
     if not issubclass(params.cls, layers.Sequential):
       raise ValueError(f"{self.path}: task.pipeline is set but {name} is a "
                        f"{params.cls.__name__}, not a Sequential stack of layers")
-    pipelined = gpipe.PipeliningLayer.Params().set(
+    pipelined = PipeliningLayer.Params().set(
         name=params.name, layers=params.layers, random_seed=params.random_seed,
         dtype=params.dtype, params_init=params.params_init)
     for key, value in self.params.pipeline.iter_params():
@@ -83,5 +98,36 @@ class BaseTask(base_layer.BaseLayer):
     self.input_device = stack.cell_devices[0]
     return stack
 
-  def fprop(self, batch: dict[str, tf.Tensor]) -> Metrics:
+  @property
+  def main_stack(self) -> base_layer.BaseLayer:
+    """The main layer stack (made by create_stack)."""
+    return getattr(self, self._stack_name)
+
+  @property
+  def pipeline(self) -> PipeliningLayer | None:
+    """The main stack when it is pipelined, else None."""
+    stack = self.main_stack
+    return stack if isinstance(stack, PipeliningLayer) else None
+
+  @property
+  def output_device(self) -> str | None:
+    """Where the head runs: the last cell's device when pipelined."""
+    return getattr(self.main_stack, "output_device", None)
+
+  def stack_inputs(self, batch: dict[str, tf.Tensor]) -> Any:
+    """The main stack's inputs (a tuple is passed as positional arguments)."""
     raise NotImplementedError
+
+  def head_inputs(self, batch: dict[str, tf.Tensor]) -> dict[str, tf.Tensor]:
+    """The batch-major tensors [B, ...] the head needs besides the stack's outputs."""
+    raise NotImplementedError
+
+  def head(self, outputs: Any, head_inputs: dict[str, tf.Tensor]) -> Metrics:
+    """Metrics of the stack's outputs: {name: (value, weight)}, 'loss' included."""
+    raise NotImplementedError
+
+  def fprop(self, batch: dict[str, tf.Tensor]) -> Metrics:
+    inputs = self.stack_inputs(batch)
+    stack = self.main_stack
+    outputs = stack(*inputs) if isinstance(inputs, tuple) else stack(inputs)
+    return self.head(outputs, self.head_inputs(batch))

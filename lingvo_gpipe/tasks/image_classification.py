@@ -29,16 +29,21 @@ class ImageClassificationTask(BaseTask):
       raise ValueError(f"{self.path}: params.body is not set")
     self.create_stack("body", self.params.body)
     # Under pipelining the classifier sits with the last cell.
-    with tf.device(getattr(self.body, "output_device", None)):
+    with tf.device(self.output_device):
       self.create_child("softmax", self.params.softmax)
 
-  def fprop(self, batch: dict[str, tf.Tensor]) -> Metrics:
-    features = self.body(batch["image"])
+  def stack_inputs(self, batch: dict[str, tf.Tensor]) -> tf.Tensor:
+    return batch["image"]
+
+  def head_inputs(self, batch: dict[str, tf.Tensor]) -> dict[str, tf.Tensor]:
+    return {"label": batch["label"]}
+
+  def head(self, features, head_inputs: dict[str, tf.Tensor]) -> Metrics:
     aux_logits = None
     if isinstance(features, tuple):
       features, aux_logits = features
-    with tf.device(getattr(self.body, "output_device", None)):
-      return self._metrics(self.softmax(features), aux_logits, batch)
+    with tf.device(self.output_device):
+      return self._metrics(self.softmax(features), aux_logits, head_inputs)
 
   def _metrics(self, logits: tf.Tensor, aux_logits: tf.Tensor | None,
                batch: dict[str, tf.Tensor]) -> Metrics:

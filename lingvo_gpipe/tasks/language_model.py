@@ -52,8 +52,14 @@ class LanguageModelTask(BaseTask):
       raise ValueError(f"{self.path}: params.stack is not set")
     self.create_stack("stack", self.params.stack)
 
-  def fprop(self, batch: dict[str, tf.Tensor]) -> Metrics:
-    paddings = tf.cast(batch["paddings"], tf.float32)
-    logits = self.stack(batch["ids"], paddings)
-    with tf.device(getattr(self.stack, "output_device", None)):
-      return token_metrics(logits, batch["labels"], paddings, self.params.label_smoothing)
+  def stack_inputs(self, batch: dict[str, tf.Tensor]) -> tuple[tf.Tensor, tf.Tensor]:
+    return batch["ids"], tf.cast(batch["paddings"], tf.float32)
+
+  def head_inputs(self, batch: dict[str, tf.Tensor]) -> dict[str, tf.Tensor]:
+    return {"labels": batch["labels"], "paddings": batch["paddings"]}
+
+  def head(self, logits: tf.Tensor, head_inputs: dict[str, tf.Tensor]) -> Metrics:
+    with tf.device(self.output_device):
+      return token_metrics(logits, head_inputs["labels"],
+                           tf.cast(head_inputs["paddings"], tf.float32),
+                           self.params.label_smoothing)

@@ -53,11 +53,18 @@ class TranslationTask(BaseTask):
     return self.stack(batch["src_ids"], tf.cast(batch["src_paddings"], tf.float32), tgt_ids,
                       tgt_paddings)
 
-  def fprop(self, batch: dict[str, tf.Tensor]) -> Metrics:
-    paddings = tf.cast(batch["tgt_paddings"], tf.float32)
-    logits = self._logits(batch, batch["tgt_ids"], paddings)
-    with tf.device(getattr(self.stack, "output_device", None)):
-      return token_metrics(logits, batch["tgt_labels"], paddings, self.params.label_smoothing)
+  def stack_inputs(self, batch: dict[str, tf.Tensor]) -> tuple:
+    return (batch["src_ids"], tf.cast(batch["src_paddings"], tf.float32), batch["tgt_ids"],
+            tf.cast(batch["tgt_paddings"], tf.float32))
+
+  def head_inputs(self, batch: dict[str, tf.Tensor]) -> dict[str, tf.Tensor]:
+    return {"tgt_labels": batch["tgt_labels"], "tgt_paddings": batch["tgt_paddings"]}
+
+  def head(self, logits: tf.Tensor, head_inputs: dict[str, tf.Tensor]) -> Metrics:
+    with tf.device(self.output_device):
+      return token_metrics(logits, head_inputs["tgt_labels"],
+                           tf.cast(head_inputs["tgt_paddings"], tf.float32),
+                           self.params.label_smoothing)
 
   def decode(self, batch: dict[str, tf.Tensor]) -> dict[str, tf.Tensor]:
     """Greedy decoding: hyp_ids [B, T], each position the argmax given the ones before.

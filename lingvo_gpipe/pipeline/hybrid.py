@@ -26,8 +26,9 @@ from typing import Any
 
 import tensorflow as tf
 
-from lingvo_gpipe.core import base_layer, cluster, gpipe
+from lingvo_gpipe.core import base_layer, cluster
 from lingvo_gpipe.core.hyperparams import Params
+from lingvo_gpipe.pipeline.layer import PipeliningLayer
 
 
 class HybridError(ValueError):
@@ -154,12 +155,16 @@ class Replicas:
             batch, [t[r * part:(r + 1) * part] for t in flat]))
     return shards
 
-  def call(self, replica: int, *inputs: Any) -> Any:
-    """Replica `replica` on its shard; its examples are numbered from replica·B on,
-    as in the whole batch (dropout masks are drawn by example position)."""
+  def replica_context(self, replica: int, shard: Any):
+    """The StepContext of replica `replica` on `shard`: its examples are numbered from
+    replica·B on, as in the whole batch (dropout masks are drawn by example position)."""
     ctx = base_layer.current_context()
-    shard_size = tf.nest.flatten(inputs)[0].shape[0]
-    with base_layer.step_context(example_offset=ctx.example_offset + replica * shard_size):
+    shard_size = tf.nest.flatten(shard)[0].shape[0]
+    return base_layer.step_context(example_offset=ctx.example_offset + replica * shard_size)
+
+  def call(self, replica: int, *inputs: Any) -> Any:
+    """Replica `replica` on its shard (see replica_context)."""
+    with self.replica_context(replica, inputs):
       return self.replicas[replica](*inputs)
 
   def all_reduce_gradients(self, grads: Sequence[Sequence[tf.Tensor]]) -> list[list[tf.Tensor]]:
@@ -215,7 +220,7 @@ class ReplicatedPipeline(Replicas):
     num_cells = len(pipeline_params.splits) or pipeline_params.num_cells or 1
     slices = replica_device_slices(num_replicas, num_cells,
                                    devices or cluster.default_devices())
-    replicas: list[gpipe.PipeliningLayer] = [
+    replicas: list[PipeliningLayer] = [
         pipeline_params.copy().set(devices=d).instantiate() for d in slices]
     super().__init__(replicas, [rep.cell_devices[0] for rep in replicas])
 

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-FORWARD, BACKWARD = "forward", "backward"
+from lingvo_gpipe.pipeline.schedule import BACKWARD, FORWARD, Action, PipelineSchedule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,8 +68,10 @@ def _timestamp() -> tf.Tensor:
   return stamp
 
 
-def _stamp(tensors: list[Any]) -> tuple[list[Any], tf.Tensor]:
-  """A timestamp taken once `tensors` are ready, and the tensors gated on it.
+def _stamp(tensors: list[Any], also_wait_for: Sequence[tf.Tensor] = ()
+           ) -> tuple[list[Any], tf.Tensor]:
+  """A timestamp taken once `tensors` (and `also_wait_for`) are ready, and the tensors
+  gated on it.
 
   The timestamp must sit on the path it measures: an op that only *waits* for a
   tensor is merely ready when that tensor is, and an executor with one inter-op
@@ -77,7 +79,7 @@ def _stamp(tensors: list[Any]) -> tuple[list[Any], tf.Tensor]:
   gets to it, long after. Passing the tensors on through identities that wait for
   the timestamp makes whatever comes next wait for it too.
   """
-  deps = [t for t in tensors if t is not None]
+  deps = [t for t in list(tensors) + list(also_wait_for) if t is not None]
   with tf.control_dependencies(deps):
     stamp = _timestamp()
   with tf.control_dependencies([stamp]):
@@ -98,6 +100,7 @@ class SpanRecorder:
                device: str):
     self.spans, self.key, self.device = spans, (cell, micro_batch, phase), device
     self.start: tf.Tensor | None = None
+    self.end_stamp: tf.Tensor | None = None
 
   def begin(self, tensors: list[Any]) -> list[Any]:
     if self.spans is None:
@@ -105,11 +108,13 @@ class SpanRecorder:
     tensors, self.start = _stamp(list(tensors))
     return tensors
 
-  def end(self, tensors: list[Any]) -> list[Any]:
+  def end(self, tensors: list[Any], also_wait_for: Sequence[tf.Tensor] = ()) -> list[Any]:
+    """Gates `tensors` on the end stamp, taken once they and `also_wait_for` (results
+    passed on some other way, e.g. gradient sums) are ready."""
     if self.spans is None:
       return list(tensors)
-    tensors, end = _stamp(list(tensors))
-    self.spans.append(Span(*self.key, self.device, self.start, end))
+    tensors, self.end_stamp = _stamp(list(tensors), also_wait_for)
+    self.spans.append(Span(*self.key, self.device, self.start, self.end_stamp))
     return tensors
 
 
@@ -200,12 +205,28 @@ class Schedule:
     k, m = self.num_cells, self.num_micro_batches
     return (k - 1) / (m + k - 1)
 
-  def summary(self) -> dict[str, float]:
-    """Named scalars for TensorBoard (and logs)."""
+  def cell_orders(self) -> list[list[Action]]:
+    """Per cell, its calls in the order they started: what the device actually ran."""
+    orders: list[list[tuple[float, Action]]] = [[] for _ in range(self.num_cells)]
+    for (start, _), key in zip(self.times, self.keys):
+      orders[key.cell].append((start, Action(key.phase, key.micro_batch)))
+    return [[action for _, action in sorted(cell, key=lambda t: t[0])] for cell in orders]
+
+  def followed(self, plan: PipelineSchedule) -> list[bool]:
+    """Per cell, whether it ran exactly the planned actions in the planned order."""
+    return [list(ran) == list(planned) for ran, planned in zip(self.cell_orders(),
+                                                               plan.actions)]
+
+  def summary(self, plan: PipelineSchedule | None = None) -> dict[str, float]:
+    """Named scalars for TensorBoard (and logs); with the `plan`, also its simulated
+    bubble and the fraction of cells that ran its order."""
     out = {f"pipeline/busy_fraction/cell_{c}": f for c, f in enumerate(self.busy_fractions())}
     out["pipeline/bubble_measured"] = self.bubble()
     out["pipeline/bubble_theoretical"] = self.theoretical_bubble()
     out["pipeline/schedule_seconds"] = self.duration
+    if plan is not None:
+      out["pipeline/bubble_planned"] = plan.bubble()
+      out["pipeline/cells_following_plan"] = float(np.mean(self.followed(plan)))
     return out
 
   def image(self, width: int = 960, row_height: int = 28, gap: int = 6) -> np.ndarray:

@@ -1,0 +1,275 @@
+"""`PipeliningLayer`: GPipe's cells on devices, micro-batches and re-materialization.
+
+The layers are cut into K cells (explicit `splits`, or `partition.balance` on their
+costs); the variables of cell k are created on device k. Training goes through
+`forward_backward(inputs, head, head_inputs)`:
+
+  batch [B, ...] → M micro-batches of near-equal size (axis 0) → for each cell, the
+  actions `task.pipeline.schedule` lists (schedule.py: gpipe or 1f1b), each a call of
+  the cell's forward or backward function, traced once (cell_function.py) and placed
+  on the cell's device (executor.py) → the whole batch's metrics and every variable's
+  gradient of the whole batch's loss, summed over micro-batches on its device.
+
+The backward of a re-materialized cell recomputes its forward from the kept inputs,
+so peak activation memory is O(B + (L/K)·(B/M)) per device instead of O(B·L); with
+1F1B a cell keeps at most K micro-batches' inputs instead of M.
+
+`fprop` (eval, or a caller that differentiates it itself) runs the same cells: in
+eval on the whole batch, layer by layer on each cell's device; in training through
+the traced forward functions per micro-batch, differentiable by any gradient API but
+without re-materialization or a schedule.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import tensorflow as tf
+
+from lingvo_gpipe.core import base_layer, cluster, model_stats
+from lingvo_gpipe.core.base_layer import BaseLayer
+from lingvo_gpipe.pipeline import executor, partition, schedule
+from lingvo_gpipe.pipeline.cell_function import CellFunctions, Head, call_layers
+
+RECOMPUTE_POLICIES = ("always", "except_last", "never")
+PARTITION_COSTS = ("params", "flops", "given")
+
+
+class PipelineError(ValueError):
+  """Bad pipelining params or inputs; the message names the value."""
+
+
+def micro_batch_sizes(batch_size: int, num_micro_batches: int) -> list[int]:
+  """Near-equal sizes summing to batch_size; the first (batch_size % M) get one more."""
+  if num_micro_batches < 1:
+    raise PipelineError(f"num_micro_batches must be >= 1, got {num_micro_batches}")
+  if num_micro_batches > batch_size:
+    raise PipelineError(f"num_micro_batches={num_micro_batches} is larger than the batch "
+                        f"size {batch_size}; use at most {batch_size} micro-batches")
+  base, extra = divmod(batch_size, num_micro_batches)
+  return [base + (1 if m < extra else 0) for m in range(num_micro_batches)]
+
+
+class PipeliningLayer(BaseLayer):
+  """GPipe over `layers`: K cells on K devices, M micro-batches, re-materialization.
+
+  The children are named and tracked exactly as `Sequential`'s (self.layers), so a
+  checkpoint of the unpipelined model restores into the pipelined one and back.
+  """
+
+  @classmethod
+  def Params(cls):  # noqa: N802
+    p = super().Params()
+    p.define("layers", [], "Params of the layers, in order; a tuple output is passed on "
+             "as positional arguments (e.g. AmoebaNet's (previous, previous-previous)).")
+    p.define("num_micro_batches", 1, "M: micro-batches per mini-batch (GPipe uses M >= 4K).")
+    p.define("num_cells", 0, "K: cells made by the partitioner (0: len(splits) or 1).")
+    p.define("splits", [], "Explicit partition: the end index of each cell, increasing, "
+             "the last equal to the number of layers. Overrides num_cells.")
+    p.define("devices", [], "Device of each cell (empty: the devices set up by --devices).")
+    p.define("round_robin_devices", False, "Allow more cells than devices, placed round-robin.")
+    p.define("recompute", "always", f"Re-materialization policy: {RECOMPUTE_POLICIES}.")
+    p.define("schedule", "gpipe", "Order of each cell's forward and backward calls: "
+             f"{sorted(schedule.SCHEDULES)} (pipeline/schedule.py). 1f1b has GPipe's bubble "
+             "but holds at most K micro-batches per cell in flight instead of M.")
+    p.define("partition_cost", "params", f"Cost the partitioner balances: {PARTITION_COSTS}.")
+    p.define("input_specs", None, "Nested tf.TensorSpec of the pipeline input with the batch "
+             "size (needed by partition_cost='flops').")
+    p.define("layer_costs", [], "Per-layer costs for partition_cost='given' (e.g. measured by "
+             "partition.profile_layer_costs).")
+    p.define("memory_cap_bytes", None, "If set, the most bytes of weights and optimizer state "
+             "one cell may hold; see bytes_per_param.")
+    p.define("bytes_per_param", 12, "Bytes per parameter for the memory cap (float32 weight "
+             "plus two optimizer slots).")
+    return p
+
+  def __init__(self, params):
+    super().__init__(params)
+    p = self.params
+    if not p.layers:
+      raise PipelineError(f"{self.path}: PipeliningLayer needs at least one layer")
+    if p.num_micro_batches < 1:
+      raise PipelineError(f"{self.path}: num_micro_batches must be >= 1, "
+                          f"got {p.num_micro_batches}")
+    if p.recompute not in RECOMPUTE_POLICIES:
+      raise PipelineError(f"{self.path}: recompute must be one of {RECOMPUTE_POLICIES}, "
+                          f"got {p.recompute!r}")
+    if p.schedule not in schedule.SCHEDULES:
+      raise PipelineError(f"{self.path}: schedule must be one of {sorted(schedule.SCHEDULES)}, "
+                          f"got {p.schedule!r}")
+    if p.partition_cost not in PARTITION_COSTS:
+      raise PipelineError(f"{self.path}: partition_cost must be one of {PARTITION_COSTS}, "
+                          f"got {p.partition_cost!r}")
+    self.cells = self._partition()
+    self.cell_devices = self._assign_devices(len(self.cells))
+    layer_devices = [self.cell_devices[k] for k, cell in enumerate(self.cells)
+                     for _ in range(cell.start, cell.end)]
+    self.create_children("layers", p.layers, devices=layer_devices)
+    self._function_cache = _FunctionCache()
+
+  # -- partition and placement ----------------------------------------------------
+
+  def layer_costs(self) -> list[float]:
+    """The cost of each layer the partitioner balances (no variables are allocated)."""
+    p = self.params
+    if p.partition_cost == "given":
+      if len(p.layer_costs) != len(p.layers):
+        raise PipelineError(f"{self.path}: layer_costs has {len(p.layer_costs)} entries for "
+                            f"{len(p.layers)} layers")
+      return [float(c) for c in p.layer_costs]
+    if p.partition_cost == "params":
+      return [float(n) for n in model_stats.param_counts(p.layers)]
+    if p.input_specs is None:
+      raise PipelineError(f"{self.path}: partition_cost='flops' needs input_specs (the "
+                          "pipeline input's nested tf.TensorSpec, batch size included)")
+    from lingvo_gpipe.core import layers as layers_lib
+
+    seq = layers_lib.Sequential.Params().set(name="cost_probe", layers=p.layers)
+    specs = p.input_specs if isinstance(p.input_specs, tuple) else (p.input_specs,)
+    stats = model_stats.analyze(seq, *specs, max_depth=1)
+    return [float(s.flops) for s in stats[1:]]
+
+  def _partition(self) -> list[partition.Cell]:
+    p = self.params
+    num_layers = len(p.layers)
+    if p.splits:
+      return partition.cells_from_splits(p.splits, self.layer_costs())
+    num_cells = p.num_cells or 1
+    if num_cells > num_layers:
+      raise PipelineError(f"{self.path}: num_cells={num_cells} is more than the {num_layers} "
+                          "layers; each cell needs at least one layer")
+    costs = self.layer_costs()
+    memory = None
+    if p.memory_cap_bytes is not None:
+      memory = [n * p.bytes_per_param for n in model_stats.param_counts(p.layers)]
+    names = [lp.name for lp in p.layers]
+    return partition.balance(costs, num_cells, memory=memory, memory_cap=p.memory_cap_bytes,
+                             layer_names=names)
+
+  def _assign_devices(self, num_cells: int) -> list[str]:
+    p = self.params
+    devices = list(p.devices) or cluster.default_devices()
+    if num_cells > len(devices) and not p.round_robin_devices:
+      raise PipelineError(
+          f"{self.path}: {num_cells} cells but only {len(devices)} device(s) {devices}; "
+          "give more devices (e.g. --devices=cpu:N) or set round_robin_devices=True")
+    return [devices[k % len(devices)] for k in range(num_cells)]
+
+  @property
+  def output_device(self) -> str:
+    return self.cell_devices[-1]
+
+  def cell_layers(self, k: int) -> list[BaseLayer]:
+    return list(self.layers[self.cells[k].start:self.cells[k].end])
+
+  def _recompute_cell(self, k: int) -> bool:
+    policy = self.params.recompute
+    return policy == "always" or (policy == "except_last" and k < len(self.cells) - 1)
+
+  # -- forward and backward ------------------------------------------------------------
+
+  def _split(self, structure: Any, sizes: list[int], device: str | None) -> list[Any]:
+    """Nested tensors [B, ...] → one nested structure [b_m, ...] per micro-batch."""
+    flat = tf.nest.flatten(structure)
+    with tf.device(device):
+      parts = [tf.split(t, sizes, axis=0) for t in flat]
+    return [tf.nest.pack_sequence_as(structure, [part[m] for part in parts])
+            for m in range(len(sizes))]
+
+  def _micro_batches(self, structure: Any, num_micro_batches: int) -> list[int]:
+    batch = tf.nest.flatten(structure)[0].shape[0]
+    if batch is None:
+      raise PipelineError(f"{self.path}: the batch dimension must be static to split it into "
+                          "micro-batches")
+    try:
+      return micro_batch_sizes(batch, num_micro_batches)
+    except PipelineError as e:
+      raise PipelineError(f"{self.path}: {e}") from None
+
+  def cell_functions(self, head: Head | None = None) -> list[CellFunctions]:
+    """The traced-once functions of each cell; the last one ends in `head` (if given).
+
+    Built once per head and kept, so that every step (and every retrace of the
+    training step) calls the same traced bodies.
+    """
+    cache = self._function_cache.by_head
+    if head not in cache:
+      last = len(self.cells) - 1
+      cache[head] = [CellFunctions(self.cell_layers(k), self.cell_devices[k], k,
+                                   self._recompute_cell(k), head if k == last else None,
+                                   needs_input_grads=k > 0)
+                     for k in range(len(self.cells))]
+    return cache[head]
+
+  @tf.autograph.experimental.do_not_convert  # plain Python on static values
+  def forward_backward(self, inputs: Any, head: Head, head_inputs: Any
+                       ) -> executor.StepGradients:
+    """One training step's forward and backward, scheduled per params.schedule.
+
+    inputs: the pipeline's nested inputs [B, ...]; head(outputs, head_inputs) → metrics
+    {name: (value, weight)} of one micro-batch, computed on the last cell's device, with
+    metrics['loss'] = (mean loss, its weight); head_inputs: nested [B, ...] (labels...).
+    Returns the whole batch's metrics and the gradient of its loss for every variable
+    the cells and the head read. Batch statistics go to the StepContext's layer_stats,
+    the measured spans to its schedule.
+    """
+    sizes = self._micro_batches(inputs, self.params.num_micro_batches)
+    offsets = [sum(sizes[:m]) for m in range(len(sizes))]
+    micro_inputs = self._split(inputs, sizes, self.cell_devices[0])
+    micro_head_inputs = self._split(head_inputs, sizes, self.output_device)
+    return executor.run(self.cell_functions(head), self.plan(), micro_inputs, micro_head_inputs,
+                        offsets)
+
+  def plan(self) -> schedule.PipelineSchedule:
+    """The order of each cell's calls in a training step (params.schedule)."""
+    return schedule.make(self.params.schedule, len(self.cells), self.params.num_micro_batches)
+
+  def fprop(self, *inputs: Any) -> Any:
+    """inputs: tensors (or nested structures) of batch-major [B, ...] → outputs [B, ...].
+
+    Eval runs the whole batch layer by layer on each cell's device (no backward pass
+    to keep activations for, so micro-batches would only lengthen the graph). Training
+    runs each micro-batch through the cells' traced forward functions; the caller may
+    differentiate the result (TensorFlow's gradient of each call: no re-materialization,
+    no schedule; `forward_backward` is the pipelined training step).
+    """
+    structure = inputs[0] if len(inputs) == 1 else tuple(inputs)
+    ctx = base_layer.current_context()
+    if not ctx.training:
+      x = structure
+      for k in range(len(self.cells)):
+        with tf.device(self.cell_devices[k]):
+          x = call_layers(self.cell_layers(k), x)
+      return x
+    sizes = self._micro_batches(structure, self.params.num_micro_batches)
+    cells = self.cell_functions()
+    step = tf.cast(ctx.step, tf.int64)
+    outputs, offset = [], 0
+    for m, x in enumerate(self._split(structure, sizes, self.cell_devices[0])):
+      example_offset = tf.cast(ctx.example_offset, tf.int64) + offset
+      for cell in cells:
+        x, stats, _ = cell.forward(x, None, step, tf.constant(m, tf.int64), example_offset)
+        if ctx.layer_stats is not None:
+          ctx.layer_stats.extend(stats)
+      outputs.append(x)
+      offset += sizes[m]
+    if len(outputs) == 1:
+      return outputs[0]
+    with tf.device(self.output_device):
+      return tf.nest.map_structure(lambda *ts: tf.concat(ts, axis=0), *outputs)
+
+  def describe_cells(self) -> list[dict]:
+    """Per cell: its layers, device, parameter count and cost share."""
+    counts = model_stats.param_counts(self.params.layers)
+    return [{"cell": k, "layers": [lp.name for lp in self.params.layers[c.start:c.end]],
+             "device": self.cell_devices[k], "params": int(sum(counts[c.start:c.end])),
+             "cost_share": round(c.cost_share, 6)}
+            for k, c in enumerate(self.cells)]
+
+
+class _FunctionCache:
+  """Holds a pipeline's CellFunctions per head; a plain object, so that tf.Module's
+  attribute tracking (checkpoints, variable collection) does not walk into it."""
+
+  def __init__(self):
+    self.by_head: dict[Any, list[CellFunctions]] = {}

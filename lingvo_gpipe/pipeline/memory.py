@@ -1,0 +1,33 @@
+"""Peak activation memory of one training step, from TensorFlow's allocator counts.
+
+    activation bytes = peak bytes in use during the step − bytes in use just before it
+
+(weights, optimizer slots and the input batch are in use before). Call it on a step
+that has run once already, so that tracing and slot creation are not counted.
+
+On CPU the counts need TensorFlow's BFC allocator (the one GPUs use): set
+TF_CPU_ALLOCATOR_USE_BFC=true in the environment before TensorFlow starts (the
+default CPU allocator keeps no counts on some CPUs: get_memory_info raises). All
+logical CPU devices share that one allocator, so with cells on logical CPUs the
+figure is the total over the cells.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable
+from typing import Any
+
+import tensorflow as tf
+
+
+def step_activation_bytes(run_step: Callable[[], Any], device: str = "CPU:0") -> dict:
+  """Runs `run_step()` once (it must block until the step is done, e.g. by calling
+  .numpy() on a result) and returns {'activation_bytes', 'peak_bytes',
+  'baseline_bytes'} for `device`."""
+  gc.collect()
+  tf.config.experimental.reset_memory_stats(device)
+  before = tf.config.experimental.get_memory_info(device)["current"]
+  run_step()
+  peak = tf.config.experimental.get_memory_info(device)["peak"]
+  return {"activation_bytes": peak - before, "peak_bytes": peak, "baseline_bytes": before}

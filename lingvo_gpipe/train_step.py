@@ -1,0 +1,164 @@
+"""One synchronous training step, shared by the trainer and the benchmarks.
+
+  batch → R shards (one per data-parallel replica; R = 1 without hybrid parallelism)
+  → per replica, the whole shard's metrics and gradients:
+      pipelined   PipeliningLayer.forward_backward: the schedule's cell calls, the
+                  head's loss per micro-batch on the last device, gradients summed
+      otherwise   the task's forward on the whole shard, tf.gradients
+  → gradients averaged across replicas (collective all-reduce)
+  → if the loss and the gradient norm are finite: each optimizer's update, batch-norm
+    moving statistics from every forward's statistics, global step + 1
+  → scalars, and the measured schedule's timestamps (fetched at summary steps).
+
+A model is anything shaped like a task (tasks/base_task.py): `pipeline` (a
+PipeliningLayer or None), `stack_inputs(batch)`, `head_inputs(batch)`,
+`head(outputs, head_inputs)` and `__call__(batch)` → metrics. `StackWithLoss` makes one
+from a layer and a loss function (benchmarks, tests).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import tensorflow as tf
+
+from lingvo_gpipe.core import base_layer
+from lingvo_gpipe.pipeline import hybrid, timeline
+from lingvo_gpipe.pipeline.layer import PipelineError, PipeliningLayer
+
+Metrics = dict[str, tuple[tf.Tensor, tf.Tensor]]
+
+
+@tf.autograph.experimental.do_not_convert  # plain Python on static values
+def loss_and_gradients(model: Any, batch: Any, variables: Sequence[tf.Variable]
+                       ) -> tuple[Metrics, list[tf.Tensor]]:
+  """The whole batch's metrics and the gradient of its loss for each of `variables`
+  (zeros for a variable the loss does not use). Call inside a training StepContext."""
+  pipeline = model.pipeline
+  if pipeline is None:
+    metrics = model(batch)
+    grads = tf.gradients(metrics["loss"][0], list(variables),
+                         unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    return metrics, grads
+  with tf.GradientTape() as tape:
+    inputs = model.stack_inputs(batch)
+  if tape.watched_variables():
+    names = [v.name for v in tape.watched_variables()]
+    raise PipelineError(f"the pipeline's inputs are computed with variables {names}; a "
+                        "pipeline trains only its cells and the head after it: make those "
+                        "layers the pipeline's first layers")
+  result = pipeline.forward_backward(inputs, model.head, model.head_inputs(batch))
+  return result.metrics, result.gradients_for(variables)
+
+
+def average_metrics(per_replica: Sequence[Metrics]) -> Metrics:
+  """Per-replica metrics (value, weight) → their weighted mean over replicas."""
+  if len(per_replica) == 1:
+    return dict(per_replica[0])
+  averaged = {}
+  for name in per_replica[0]:
+    weights = [tf.cast(m[name][1], tf.float32) for m in per_replica]
+    total = tf.add_n(weights)
+    averaged[name] = (tf.add_n([tf.cast(m[name][0], tf.float32) * w
+                                for m, w in zip(per_replica, weights)]) / total, total)
+  return averaged
+
+
+class TrainStep:
+  """Builds the step's graph when called inside a tf.function (see the module doc).
+
+    step = TrainStep(replicas, optimizers, global_step)
+    fn = tf.function(step)
+    outputs, schedule = fn(batch)     # outputs: loss, metrics, learning_rate,
+                                      # grad_norm, finite; schedule: timestamp tensors
+    timeline.Schedule.from_fetched([t.numpy() for t in schedule], step.span_keys)
+
+  `optimizers[r]` updates replica r's variables (each optimizer's slots live with its
+  variables). Replica 0 records the schedule; `plan` is the schedule its cells were
+  given (None when not pipelined).
+  """
+
+  def __init__(self, replicas: hybrid.Replicas, optimizers: Sequence[Any],
+               global_step: tf.Variable):
+    if len(optimizers) != replicas.num_replicas:
+      raise ValueError(f"{len(optimizers)} optimizers for {replicas.num_replicas} replicas")
+    self.replicas = replicas
+    self.optimizers = list(optimizers)
+    self.global_step = global_step
+    self.span_keys: list = []
+    pipeline = getattr(replicas.replicas[0], "pipeline", None)
+    self.plan = pipeline.plan() if pipeline is not None else None
+
+  @tf.autograph.experimental.do_not_convert  # plain Python on static values
+  def __call__(self, batch: Any) -> tuple[dict[str, tf.Tensor], list[tf.Tensor]]:
+    step = self.global_step.read_value()
+    replicas = self.replicas
+    per_replica, grads = [], []
+    with base_layer.step_context(training=True, step=step, micro_batch=0, layer_stats=[],
+                                 schedule=[]) as ctx:
+      for r, shard in enumerate(replicas.shard(batch)):
+        with replicas.replica_context(r, shard), base_layer.step_context(
+            schedule=ctx.schedule if r == 0 else None):
+          metrics, replica_grads = loss_and_gradients(
+              replicas.replicas[r], shard, replicas.trainable_variables[r])
+        per_replica.append(metrics)
+        grads.append(replica_grads)
+    grads = replicas.all_reduce_gradients(grads)
+    metrics = average_metrics(per_replica)
+    loss = metrics["loss"][0]
+    schedule, self.span_keys = timeline.fetches(ctx.schedule)
+    grad_norm = tf.linalg.global_norm(grads[0])
+    finite = tf.logical_and(tf.math.is_finite(loss), tf.math.is_finite(grad_norm))
+
+    def apply() -> tf.Tensor:
+      for optimizer, g, variables in zip(self.optimizers, grads,
+                                         replicas.trainable_variables):
+        lr, _ = optimizer.apply_gradients(g, variables, step, grad_norm)
+      replicas.apply_layer_stats(ctx.layer_stats)
+      self.global_step.assign_add(1)
+      return lr
+
+    lr = tf.cond(finite, apply, lambda: tf.constant(float("nan")))
+    out = {name: value for name, (value, _) in metrics.items()}
+    out.update(learning_rate=lr, grad_norm=grad_norm, finite=finite)
+    return out, schedule
+
+
+class StackWithLoss(tf.Module):
+  """A layer (a PipeliningLayer or not) and a loss, shaped like a task for TrainStep.
+
+  batch: {"inputs": the layer's nested inputs [B, ...] (a tuple is passed as
+  positional arguments), any other key: batch-major tensors for the loss};
+  loss_fn(outputs, {other keys}) → metrics {name: (value, weight)} with 'loss', the
+  loss a mean over what its weight counts.
+  """
+
+  def __init__(self, stack: base_layer.BaseLayer,
+               loss_fn: Callable[[Any, dict[str, tf.Tensor]], Metrics]):
+    super().__init__(name=f"{stack.name}_with_loss")
+    self.stack = stack
+    self._loss_fn = loss_fn
+
+  @property
+  def pipeline(self) -> PipeliningLayer | None:
+    return self.stack if isinstance(self.stack, PipeliningLayer) else None
+
+  def stack_inputs(self, batch: dict[str, Any]) -> Any:
+    return batch["inputs"]
+
+  def head_inputs(self, batch: dict[str, Any]) -> dict[str, tf.Tensor]:
+    return {k: v for k, v in batch.items() if k != "inputs"}
+
+  def head(self, outputs: Any, head_inputs: dict[str, tf.Tensor]) -> Metrics:
+    with tf.device(getattr(self.stack, "output_device", None)):
+      return self._loss_fn(outputs, head_inputs)
+
+  def __call__(self, batch: dict[str, Any]) -> Metrics:
+    inputs = self.stack_inputs(batch)
+    outputs = self.stack(*inputs) if isinstance(inputs, tuple) else self.stack(inputs)
+    return self.head(outputs, self.head_inputs(batch))
+
+  def walk(self):
+    """The layers below (for Replicas.apply_layer_stats)."""
+    return self.stack.walk()

@@ -1,0 +1,93 @@
+"""Where a pipelined step's ops *executed*, read from TensorFlow's debugger dump.
+
+The cells' bodies are functions called per micro-batch; their ops carry no device in
+the traced outer graph (a call's device is the default for its body at run time), so
+placement is proven from what ran: `enable_dump_debug_info` records every executed
+graph op with its device and the function graph it belongs to.
+"""
+
+import collections
+import re
+
+import pytest
+import tensorflow as tf
+from tensorflow.python.debug.lib import debug_events_reader
+
+from lingvo_gpipe import train_step
+from lingvo_gpipe.core import layers, optimizers
+from lingvo_gpipe.pipeline import hybrid
+from lingvo_gpipe.pipeline.layer import PipeliningLayer
+
+COMPUTE_OPS = {"MatMul", "Conv2D", "Conv2DBackpropInput", "Conv2DBackpropFilter", "Tanh",
+               "TanhGrad", "Relu", "ReluGrad"}
+
+
+def _device(name: str) -> tuple[str, int]:
+  spec = tf.DeviceSpec.from_string(name)
+  return spec.device_type, spec.device_index
+
+
+def _layer_index(op_name: str, prefix: str) -> int | None:
+  found = {int(m) for m in re.findall(rf"(?:^|/){prefix}(\d+)(?:_\d+)?(?:/|$)", op_name)}
+  assert len(found) <= 1, op_name
+  return found.pop() if found else None
+
+
+def executed_ops(fn, dump_root: str) -> list[tuple[str, str, str, str]]:
+  """(function graph name, op name, op type, device) of every graph op `fn()` ran."""
+  tf.debugging.experimental.enable_dump_debug_info(dump_root, tensor_debug_mode="NO_TENSOR")
+  try:
+    fn()
+  finally:
+    tf.debugging.experimental.disable_dump_debug_info()
+  with debug_events_reader.DebugDataReader(dump_root) as reader:
+    reader.update()
+    return [(reader.graph_by_id(t.graph_id).name, t.op_name, t.op_type, t.device_name)
+            for t in reader.graph_execution_traces()]
+
+
+@pytest.mark.parametrize("schedule, recompute", [("gpipe", "always"), ("1f1b", "always"),
+                                                 ("gpipe", "never"), ("1f1b", "except_last")])
+def test_every_compute_op_executes_on_its_cells_device(cpu_devices, tmp_path, schedule,
+                                                       recompute):
+  num_micro = 2
+  devices = cpu_devices[1:3]  # not the default device, so defaults would show up
+  fcs = [layers.Linear.Params().set(name=f"fc{i}", input_dim=4, output_dim=4,
+                                    activation="TANH") for i in range(4)]
+  model = PipeliningLayer.Params().set(
+      name="stack", layers=fcs, splits=[2, 4], devices=devices, schedule=schedule,
+      recompute=recompute, num_micro_batches=num_micro).instantiate()
+  head = layers.Linear.Params().set(name="head", input_dim=4, output_dim=1)
+  with tf.device(model.output_device):
+    head_layer = head.instantiate()
+  wrapped = train_step.StackWithLoss(model, lambda out, h: {
+      "loss": (tf.reduce_mean(tf.square(head_layer(out) - h["y"])), tf.constant(4.0))})
+  wrapped.head_layer = head_layer
+  variables = wrapped.trainable_variables
+  opt = optimizers.Adam.Params().instantiate()
+  opt.create_slots(variables)
+  step = tf.function(train_step.TrainStep(hybrid.Replicas([wrapped], [None]), [opt],
+                                          tf.Variable(0, dtype=tf.int64)))
+  batch = {"inputs": tf.ones([4, 4]), "y": tf.zeros([4, 1])}
+  ran = executed_ops(lambda: step(batch), str(tmp_path))
+
+  cell_of = {i: 0 if i < 2 else 1 for i in range(4)}
+  seen = collections.Counter()
+  for graph, name, op_type, device in ran:
+    if op_type not in COMPUTE_OPS:
+      continue
+    index = _layer_index(name, "fc")
+    want = devices[cell_of[index]] if index is not None else devices[1]  # the head: last
+    assert _device(device) == _device(want), (graph, name, device)
+    seen[(index, "gradient" if "grad" in name.lower() else "forward")] += 1
+  # Every layer ran forward and backward ops on every micro-batch (a recompute adds its
+  # forward again).
+  for i in range(4):
+    recomputed = recompute == "always" or (recompute == "except_last" and cell_of[i] == 0)
+    assert seen[(i, "forward")] == num_micro * 2 * (2 if recomputed else 1), (i, seen)
+    assert seen[(i, "gradient")] >= num_micro, (i, seen)
+  for var in model.trainable_variables:
+    index = _layer_index(var.name, "fc")
+    assert _device(var.device) == _device(devices[cell_of[index]])
+    for slot in opt.slots_of(var).values():
+      assert _device(slot.device) == _device(var.device)
