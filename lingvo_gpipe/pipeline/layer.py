@@ -246,9 +246,10 @@ class PipeliningLayer(BaseLayer):
     step = tf.cast(ctx.step, tf.int64)
     outputs, offset = [], 0
     for m, x in enumerate(self._split(structure, sizes, self.cell_devices[0])):
-      example_offset = tf.cast(ctx.example_offset, tf.int64) + offset
+      micro_batch, micro_offset = executor.runtime_scalars(m, offset)
+      example_offset = tf.cast(ctx.example_offset, tf.int64) + micro_offset
       for cell in cells:
-        x, stats, _ = cell.forward(x, None, step, tf.constant(m, tf.int64), example_offset)
+        x, stats, _ = cell.forward(x, None, step, micro_batch, example_offset)
         if ctx.layer_stats is not None:
           ctx.layer_stats.extend(stats)
       outputs.append(x)

@@ -1,0 +1,164 @@
+"""Time to the first training step, and the steady step time, through the trainer.
+
+Runs `tools/trainer.py` in a fresh process for each configuration and timestamps its
+output lines: process start → "First step done" (Python and TensorFlow start-up,
+building the model, tracing the training step, the first step's graph optimization
+and run), then the steady step time (median of the following steps, each logged).
+
+Configurations (synthetic data, logical CPU devices, one per cell):
+
+  l{L}_m{M}         a 64-wide Transformer LM (hidden 256, 4 heads) of L layers, K=2 cells,
+                    M micro-batches, batch 32, for L in --layers and M in --micro_batches;
+  transformer48     lm.Transformer48's shape: 48 layers, K=8, M=32 (64 wide, batch 32);
+  multilingual128   mt.Multilingual128L6B's shape: 64 encoder + 64 decoder layers, K=16,
+                    M=64 (64 wide, batch 64).
+
+The models are registered in a param file written to a temporary directory and
+passed with --params_path, as a user would.
+
+  python bench/startup_time.py                  # everything (about 10 minutes here)
+  python bench/startup_time.py --only l8_m4,l8_m32
+
+The last line printed is one JSON object: first_step_s_<config> and steady_step_s_<config>
+for each, and first_step_ratio_l8_m32_over_m4.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+PARAM_FILE = textwrap.dedent('''
+    """Start-up benchmark shapes (written by bench/startup_time.py)."""
+
+    from lingvo_gpipe import model_registry
+    from lingvo_gpipe.base_model_params import SingleTaskModelParams
+    from lingvo_gpipe.core import optimizers
+    from lingvo_gpipe.inputs.synthetic_text import SyntheticLm, SyntheticTranslation
+    from lingvo_gpipe.models import transformer
+    from lingvo_gpipe.tasks.language_model import LanguageModelTask
+    from lingvo_gpipe.tasks.translation import TranslationTask
+
+    WIDTH = dict(model_dim=64, hidden_dim=256, num_heads=4, logits_abs_max=30.0)
+
+
+    class _Shape(SingleTaskModelParams):
+      LAYERS, CELLS, MICRO_BATCHES, BATCH = 8, 2, 4, 32
+      TRANSLATION = False
+
+      def task(self):
+        vocab = self.train_input().instantiate().vocab.size
+        if self.TRANSLATION:
+          p = TranslationTask.Params().set(name="startup")
+          p.stack = transformer.encoder_decoder_stack(vocab, num_layers=self.LAYERS, **WIDTH)
+        else:
+          p = LanguageModelTask.Params().set(name="startup")
+          p.stack = transformer.lm_stack(vocab, num_layers=self.LAYERS, residual_keep_prob=0.9,
+                                         **WIDTH)
+        p.pipeline.set(num_cells=self.CELLS, num_micro_batches=self.MICRO_BATCHES)
+        p.train.optimizer = optimizers.Adam.Params().set(learning_rate=1e-3)
+        p.train.set(save_interval_steps=100000, summary_interval_steps=100000,
+                    log_interval_steps=1)
+        return p
+
+      def train_input(self):
+        cls = SyntheticTranslation if self.TRANSLATION else SyntheticLm
+        return cls.Params().set(name="startup_train", num_examples=4096,
+                                batch_size=self.BATCH)
+
+      def eval_input(self):
+        return None
+
+
+    def _register(name, **settings):
+      model_registry.register(type(name, (_Shape,), dict(settings, __module__=__name__)))
+''')
+
+
+def configs(args) -> dict[str, dict]:
+  """name → {class settings, devices}."""
+  out = {}
+  for layers in args.layers:
+    for m in args.micro_batches:
+      out[f"l{layers}_m{m}"] = dict(LAYERS=layers, CELLS=2, MICRO_BATCHES=m, BATCH=32)
+  out["transformer48"] = dict(LAYERS=48, CELLS=8, MICRO_BATCHES=32, BATCH=32)
+  out["multilingual128"] = dict(LAYERS=64, CELLS=16, MICRO_BATCHES=64, BATCH=64,
+                                TRANSLATION=True)
+  return out
+
+
+def run_one(name: str, settings: dict, param_dir: Path, steps: int) -> dict:
+  """Runs the trainer on `name`; returns its first-step and steady step seconds."""
+  logdir = tempfile.mkdtemp(prefix=f"startup_{name}_")
+  command = [sys.executable, str(REPO / "tools" / "trainer.py"),
+             f"--params_path={param_dir}", f"--model=startup_shapes.{name}",
+             f"--devices=cpu:{settings['CELLS']}", f"--logdir={logdir}",
+             f"--max_steps={steps}"]
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+  start = time.perf_counter()
+  proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env=env, cwd=REPO)
+  first_step = built = None
+  step_times = []
+  for line in proc.stdout:
+    now = time.perf_counter() - start
+    if line.startswith("Built the training step"):
+      built = now
+    elif line.startswith("First step done"):
+      first_step = now
+    elif line.startswith("step "):
+      step_times.append(now)
+  stderr = proc.stderr.read()
+  if proc.wait() != 0 or first_step is None:
+    raise RuntimeError(f"{name} failed (exit {proc.returncode}):\n{stderr[-3000:]}")
+  # Step 1's line follows "First step done"; steady steps are the intervals after it.
+  intervals = [b - a for a, b in zip(step_times[1:], step_times[2:])]
+  return {"first_step_s": round(first_step, 1), "built_s": round(built, 1),
+          "steady_step_s": round(statistics.median(intervals), 4) if intervals else None}
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--layers", type=lambda s: [int(x) for x in s.split(",")],
+                      default=[8, 32])
+  parser.add_argument("--micro_batches", type=lambda s: [int(x) for x in s.split(",")],
+                      default=[1, 4, 16, 32])
+  parser.add_argument("--steps", type=int, default=6, help="steps per run (>= 4)")
+  parser.add_argument("--only", default="", help="comma-separated configuration names")
+  args = parser.parse_args()
+  all_configs = configs(args)
+  names = args.only.split(",") if args.only else list(all_configs)
+  unknown = [n for n in names if n not in all_configs]
+  if unknown:
+    parser.error(f"unknown configurations {unknown}; valid: {list(all_configs)}")
+
+  param_dir = Path(tempfile.mkdtemp(prefix="startup_params_"))
+  registrations = "".join(f"_register({n!r}, **{all_configs[n]!r})\n" for n in names)
+  (param_dir / "startup_shapes.py").write_text(PARAM_FILE + "\n\n" + registrations)
+  summary: dict = {"bench": "startup_time",
+                   "machine": f"{platform.machine()} {os.cpu_count()} cores"}
+  for name in names:
+    result = run_one(name, all_configs[name], param_dir, args.steps)
+    print(f"{name:18s} first step {result['first_step_s']:7.1f} s  (step built at "
+          f"{result['built_s']:.1f} s)  steady step {result['steady_step_s']} s", flush=True)
+    summary[f"first_step_s_{name}"] = result["first_step_s"]
+    summary[f"steady_step_s_{name}"] = result["steady_step_s"]
+  if "first_step_s_l8_m4" in summary and "first_step_s_l8_m32" in summary:
+    summary["first_step_ratio_l8_m32_over_m4"] = round(
+        summary["first_step_s_l8_m32"] / summary["first_step_s_l8_m4"], 3)
+  print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+  main()
