@@ -3,17 +3,18 @@
 `CellFunctions` wraps the layers of one cell (and, for the last cell, the task's loss
 head) in two `tf.function`s:
 
-  forward(inputs, head_inputs, step, micro_batch, example_offset)
+  forward(inputs, head_inputs, step, call_info)
       → outputs (the head's metrics on the last cell), batch statistics
-  backward(inputs, head_inputs, output_grads, sums, step, micro_batch, example_offset)
+  backward(inputs, head_inputs, output_grads, sums, step, call_info)
       → input gradients, sums + variable gradients (recomputes the forward inside)
 
 Each is traced once per distinct micro-batch shape (an uneven split has two) and then
 *called*: the step graph holds one call op per (cell, micro-batch, phase), so its
 size grows with K·M call ops while the traced bodies do not grow with M
 (`tests/pipeline_graph_test.py` pins both). What varies per call enters as tensors:
-the global step and the example offset seed dropout exactly as in the unpartitioned
-model, so the recompute inside `backward` draws the masks of the forward.
+the global step, and `call_info` = int64 [micro-batch index, example offset] (see
+`executor.call_infos`); the step and the offset seed dropout exactly as in the
+unpartitioned model, so the recompute inside `backward` draws the forward's masks.
 
 Two TensorFlow behaviours shape this module:
 
@@ -107,7 +108,8 @@ class CellFunctions:
 
   # -- traced bodies ------------------------------------------------------------------
 
-  def _run(self, flat_inputs, flat_head_inputs, step, micro_batch, example_offset, stats):
+  def _run(self, flat_inputs, flat_head_inputs, step, call_info, stats):
+    micro_batch, example_offset = tf.unstack(call_info)
     with base_layer.step_context(training=True, step=step, micro_batch=micro_batch,
                                  example_offset=example_offset, layer_stats=stats,
                                  schedule=None):
@@ -118,23 +120,22 @@ class CellFunctions:
                                                              flat_head_inputs))
     return outputs
 
-  def _forward_body(self, flat_inputs, flat_head_inputs, step, micro_batch, example_offset):
+  def _forward_body(self, flat_inputs, flat_head_inputs, step, call_info):
     stats: list = []
     with tf.GradientTape() as tape:  # only to learn which variables the cell reads
-      outputs = self._run(flat_inputs, flat_head_inputs, step, micro_batch, example_offset,
-                          stats)
+      outputs = self._run(flat_inputs, flat_head_inputs, step, call_info, stats)
     self._record_variables(tape.watched_variables())
     self.output_structure = outputs
     self.stats_structure = [(layer, s) for layer, s in stats]
     return tf.nest.flatten(outputs), tf.nest.flatten([s for _, s in stats])
 
   def _backward_body(self, flat_inputs, flat_head_inputs, output_grads, sums, step,
-                     micro_batch, example_offset):
+                     call_info):
     float_inputs = [t for t in flat_inputs if _is_float(t)]
     with tf.GradientTape() as tape:
       if self.needs_input_grads:
         tape.watch(float_inputs)
-      outputs = self._run(flat_inputs, flat_head_inputs, step, micro_batch, example_offset,
+      outputs = self._run(flat_inputs, flat_head_inputs, step, call_info,
                           stats=None)  # statistics are reported by the forward only
       differentiated = self.differentiable_outputs(tf.nest.flatten(outputs))
     variables = self._record_variables(tape.watched_variables())
@@ -163,8 +164,8 @@ class CellFunctions:
       return [packed["loss"][0]]
     return [t for t in flat_outputs if _is_float(t)]
 
-  def forward(self, inputs: Any, head_inputs: Any, step: tf.Tensor, micro_batch: tf.Tensor,
-              example_offset: tf.Tensor) -> tuple[Any, list, Saved]:
+  def forward(self, inputs: Any, head_inputs: Any, step: tf.Tensor, call_info: tf.Tensor
+              ) -> tuple[Any, list, Saved]:
     """One forward call under tf.device(self.device).
 
     inputs: nested tensors [b, ...] of one micro-batch; head_inputs: the head's nested
@@ -178,14 +179,13 @@ class CellFunctions:
     tape = None
     with tf.device(self.device):
       if self.recompute:
-        flat_outputs, flat_stats = self._forward_fn(flat_inputs, flat_head, step, micro_batch,
-                                                    example_offset)
+        flat_outputs, flat_stats = self._forward_fn(flat_inputs, flat_head, step, call_info)
       else:
         with tf.GradientTape(persistent=False) as tape:
           if self.needs_input_grads:
             tape.watch([t for t in flat_inputs if _is_float(t)])
           flat_outputs, flat_stats = self._forward_fn(flat_inputs, flat_head, step,
-                                                      micro_batch, example_offset)
+                                                      call_info)
     stats = self._unflatten_stats(list(flat_stats))
     outputs = tf.nest.pack_sequence_as(self.output_structure, list(flat_outputs))
     return outputs, stats, Saved(flat_inputs, flat_head, list(flat_outputs), tape)
@@ -197,8 +197,8 @@ class CellFunctions:
       return [tf.zeros(v.shape, v.dtype) for v in self.variables]
 
   def backward(self, saved: Saved, output_grads: Sequence[tf.Tensor],
-               sums: Sequence[tf.Tensor], step: tf.Tensor, micro_batch: tf.Tensor,
-               example_offset: tf.Tensor) -> tuple[list[tf.Tensor | None], list[tf.Tensor]]:
+               sums: Sequence[tf.Tensor], step: tf.Tensor, call_info: tf.Tensor
+               ) -> tuple[list[tf.Tensor | None], list[tf.Tensor]]:
     """One backward call: gradients of the differentiable outputs (seeded with
     output_grads) with respect to the floating inputs (None for the others, and for
     all when the cell needs no input gradients), and `sums` (aligned with
@@ -206,8 +206,7 @@ class CellFunctions:
     with tf.device(self.device):
       if self.recompute:
         input_grads, new_sums = self._backward_fn(
-            saved.inputs, saved.head_inputs, list(output_grads), list(sums), step,
-            micro_batch, example_offset)
+            saved.inputs, saved.head_inputs, list(output_grads), list(sums), step, call_info)
       else:
         float_inputs = [t for t in saved.inputs if _is_float(t)]
         sources = (float_inputs if self.needs_input_grads else []) + self.variables

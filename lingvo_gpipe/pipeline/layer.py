@@ -244,16 +244,15 @@ class PipeliningLayer(BaseLayer):
     sizes = self._micro_batches(structure, self.params.num_micro_batches)
     cells = self.cell_functions()
     step = tf.cast(ctx.step, tf.int64)
-    outputs, offset = [], 0
+    infos = executor.call_infos([sum(sizes[:m]) for m in range(len(sizes))],
+                                ctx.example_offset)
+    outputs = []
     for m, x in enumerate(self._split(structure, sizes, self.cell_devices[0])):
-      micro_batch, micro_offset = executor.runtime_scalars(m, offset)
-      example_offset = tf.cast(ctx.example_offset, tf.int64) + micro_offset
       for cell in cells:
-        x, stats, _ = cell.forward(x, None, step, micro_batch, example_offset)
+        x, stats, _ = cell.forward(x, None, step, infos[m])
         if ctx.layer_stats is not None:
           ctx.layer_stats.extend(stats)
       outputs.append(x)
-      offset += sizes[m]
     if len(outputs) == 1:
       return outputs[0]
     with tf.device(self.output_device):
