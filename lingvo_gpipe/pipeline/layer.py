@@ -28,7 +28,7 @@ import tensorflow as tf
 
 from lingvo_gpipe.core import base_layer, cluster, model_stats
 from lingvo_gpipe.core.base_layer import BaseLayer
-from lingvo_gpipe.pipeline import executor, partition, schedule
+from lingvo_gpipe.pipeline import cell_function, executor, partition, schedule
 from lingvo_gpipe.pipeline.cell_function import CellFunctions, Head, call_layers
 
 RECOMPUTE_POLICIES = ("always", "except_last", "never")
@@ -213,6 +213,7 @@ class PipeliningLayer(BaseLayer):
     the cells and the head read. Batch statistics go to the StepContext's layer_stats,
     the measured spans to its schedule.
     """
+    cell_function.disable_call_specialization()
     sizes = self._micro_batches(inputs, self.params.num_micro_batches)
     offsets = [sum(sizes[:m]) for m in range(len(sizes))]
     micro_inputs = self._split(inputs, sizes, self.cell_devices[0])
