@@ -24,7 +24,7 @@ from typing import Any
 import tensorflow as tf
 
 from lingvo_gpipe.core import base_layer
-from lingvo_gpipe.pipeline import hybrid, timeline
+from lingvo_gpipe.pipeline import executor, hybrid, timeline
 from lingvo_gpipe.pipeline.layer import PipelineError, PipeliningLayer
 
 Metrics = dict[str, tuple[tf.Tensor, tf.Tensor]]
@@ -50,19 +50,6 @@ def loss_and_gradients(model: Any, batch: Any, variables: Sequence[tf.Variable]
                         "layers the pipeline's first layers")
   result = pipeline.forward_backward(inputs, model.head, model.head_inputs(batch))
   return result.metrics, result.gradients_for(variables)
-
-
-def average_metrics(per_replica: Sequence[Metrics]) -> Metrics:
-  """Per-replica metrics (value, weight) → their weighted mean over replicas."""
-  if len(per_replica) == 1:
-    return dict(per_replica[0])
-  averaged = {}
-  for name in per_replica[0]:
-    weights = [tf.cast(m[name][1], tf.float32) for m in per_replica]
-    total = tf.add_n(weights)
-    averaged[name] = (tf.add_n([tf.cast(m[name][0], tf.float32) * w
-                                for m, w in zip(per_replica, weights)]) / total, total)
-  return averaged
 
 
 class TrainStep:
@@ -105,7 +92,7 @@ class TrainStep:
         per_replica.append(metrics)
         grads.append(replica_grads)
     grads = replicas.all_reduce_gradients(grads)
-    metrics = average_metrics(per_replica)
+    metrics = executor.weighted_mean(per_replica)
     loss = metrics["loss"][0]
     schedule, self.span_keys = timeline.fetches(ctx.schedule)
     grad_norm = tf.linalg.global_norm(grads[0])

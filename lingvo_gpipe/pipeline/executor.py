@@ -103,14 +103,15 @@ def call_infos(example_offsets: Sequence[int], base_offset: Any = 0) -> list[tf.
   return tf.unstack(packed)
 
 
-def _weighted_mean(per_micro_batch: Sequence[Metrics]) -> Metrics:
-  """Per-micro-batch metrics (value, weight) → the whole batch's (weighted mean, sum)."""
-  if len(per_micro_batch) == 1:
-    return dict(per_micro_batch[0])
+def weighted_mean(parts: Sequence[Metrics]) -> Metrics:
+  """Metrics (value, weight) of parts of a batch (micro-batches, replicas' shards) →
+  the whole batch's (weighted mean, summed weight)."""
+  if len(parts) == 1:
+    return dict(parts[0])
   result = {}
-  for name in per_micro_batch[0]:
-    values = [tf.cast(m[name][0], tf.float32) for m in per_micro_batch]
-    weights = [tf.cast(m[name][1], tf.float32) for m in per_micro_batch]
+  for name in parts[0]:
+    values = [tf.cast(m[name][0], tf.float32) for m in parts]
+    weights = [tf.cast(m[name][1], tf.float32) for m in parts]
     total = tf.add_n(weights)
     result[name] = (tf.math.divide_no_nan(tf.add_n([v * w for v, w in zip(values, weights)]),
                                           total), total)
@@ -178,7 +179,7 @@ def run(cells: Sequence[CellFunctions], plan: PipelineSchedule, micro_inputs: Se
           grads_handed_back[(k, m)] = arrived(input_grads, devices[k - 1])
           gate[k] += [g for g in grads_handed_back[(k, m)] if g is not None]
   with tf.device(devices[-1]):
-    batch_metrics = _weighted_mean(metrics)
+    batch_metrics = weighted_mean(metrics)
     inverse_weight = tf.math.divide_no_nan(1.0, tf.add_n(
         [tf.cast(m["loss"][1], tf.float32) for m in metrics]))
   variables: list[tf.Variable] = []
