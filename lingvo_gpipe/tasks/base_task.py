@@ -54,7 +54,7 @@ def pipeline_params() -> Params:
     p.define(name, defaults.get(name), defaults.description(name))
   p.define("num_replicas", 1, "R: data-parallel replicas of the pipeline, replica r's cells "
            "on devices r·K … r·K+K−1, gradients averaged by collective all-reduce "
-           "(core/hybrid.py); the batch is split into R equal shards.")
+           "(pipeline/hybrid.py); the batch is split into R equal shards.")
   return p
 
 
