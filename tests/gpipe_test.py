@@ -66,12 +66,15 @@ def reference_loss_and_grads(model):
   return loss.numpy(), [g.numpy() for g in tape.gradient(loss, model.trainable_variables)]
 
 
+def loss_head(outputs, head_inputs):
+  """loss_of per micro-batch, weighted by its examples."""
+  target = head_inputs["target"]
+  return {"loss": (loss_of(outputs, target), tf.cast(tf.shape(target)[0], tf.float32))}
+
+
 def with_loss(model):
-  """The pipeline with loss_of as its head (per micro-batch, weighted by its examples)."""
-  def head(outputs, head_inputs):
-    target = head_inputs["target"]
-    return {"loss": (loss_of(outputs, target), tf.cast(tf.shape(target)[0], tf.float32))}
-  return train_step.StackWithLoss(model, head)
+  """The pipeline with loss_head as its head."""
+  return train_step.StackWithLoss(model, loss_head)
 
 
 def pipelined_loss_and_grads(model):
@@ -404,3 +407,23 @@ def test_flops_and_given_costs_drive_the_partition(cpu_devices):
   assert given.describe_cells()[0]["cost_share"] == pytest.approx(5 / 9, abs=1e-6)
   with pytest.raises(ValueError, match="needs input_specs"):
     gpipe.PipeliningLayer.Params().set(partition_cost="flops", **common).instantiate()
+
+
+def test_variables_before_the_pipeline_are_refused(cpu_devices):
+  """They would get no gradient: the pipeline trains its cells and the head after it."""
+  model = model_params(gpipe.PipeliningLayer, num_cells=2,
+                       devices=cpu_devices[:2]).instantiate()
+  scale = tf.Variable(2.0, name="input_scale")
+
+  class ScaledInputs(train_step.StackWithLoss):
+    def stack_inputs(self, batch):
+      x, skip = batch["inputs"]
+      return x * scale, skip
+
+  x, skip, target = inputs()
+  wrapped = ScaledInputs(model, loss_head)
+  with pytest.raises(ValueError, match=r"pipeline's inputs are computed with variables "
+                                       r"\['input_scale:0'\]"):
+    with base_layer.step_context(training=True):
+      train_step.loss_and_gradients(wrapped, {"inputs": (x, skip), "target": target},
+                                    model.trainable_variables)
