@@ -25,9 +25,8 @@ import tensorflow as tf
 
 from lingvo_gpipe.core import base_layer
 from lingvo_gpipe.pipeline import executor, hybrid, timeline
+from lingvo_gpipe.pipeline.executor import Metrics
 from lingvo_gpipe.pipeline.layer import PipelineError, PipeliningLayer
-
-Metrics = dict[str, tuple[tf.Tensor, tf.Tensor]]
 
 
 @tf.autograph.experimental.do_not_convert  # plain Python on static values

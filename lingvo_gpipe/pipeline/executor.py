@@ -145,14 +145,13 @@ def run(cells: Sequence[CellFunctions], plan: PipelineSchedule, micro_inputs: Se
   for k, action in plan.execution_order():
     cell, m = cells[k], action.micro_batch
     with tf.device(cell.device):
-      scalars = (step, infos[m])
       span = timeline.SpanRecorder(ctx.schedule, k, m, action.phase, cell.device)
       if action.phase == FORWARD:
         x = micro_inputs[m] if k == 0 else handed_on.pop((k - 1, m))
         flat = span.begin(_gated(tf.nest.flatten(x), gate[k]))
         outputs, stats, saved[(k, m)] = cell.forward(
             tf.nest.pack_sequence_as(x, flat),
-            micro_head_inputs[m] if k == num_cells - 1 else None, *scalars)
+            micro_head_inputs[m] if k == num_cells - 1 else None, step, infos[m])
         if ctx.layer_stats is not None:
           ctx.layer_stats.extend(stats)
         flat_out = span.end(tf.nest.flatten(outputs))
@@ -172,7 +171,8 @@ def run(cells: Sequence[CellFunctions], plan: PipelineSchedule, micro_inputs: Se
         seeds = span.begin(_gated(seeds, gate[k]))
         if sums[k] is None:
           sums[k] = cell.zero_gradients()
-        input_grads, sums[k] = cell.backward(saved.pop((k, m)), seeds, sums[k], *scalars)
+        input_grads, sums[k] = cell.backward(saved.pop((k, m)), seeds, sums[k], step,
+                                                  infos[m])
         input_grads = span.end(input_grads, also_wait_for=sums[k])
         gate[k] = list(sums[k]) + ([span.end_stamp] if span.end_stamp is not None else [])
         if k > 0:

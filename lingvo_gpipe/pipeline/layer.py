@@ -22,6 +22,7 @@ without re-materialization or a schedule.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import tensorflow as tf
@@ -176,15 +177,18 @@ class PipeliningLayer(BaseLayer):
     return [tf.nest.pack_sequence_as(structure, [part[m] for part in parts])
             for m in range(len(sizes))]
 
-  def _micro_batches(self, structure: Any, num_micro_batches: int) -> list[int]:
+  def _micro_batches(self, structure: Any, num_micro_batches: int
+                     ) -> tuple[list[int], list[int]]:
+    """(sizes, offsets): each micro-batch's size and its first example's position."""
     batch = tf.nest.flatten(structure)[0].shape[0]
     if batch is None:
       raise PipelineError(f"{self.path}: the batch dimension must be static to split it into "
                           "micro-batches")
     try:
-      return micro_batch_sizes(batch, num_micro_batches)
+      sizes = micro_batch_sizes(batch, num_micro_batches)
     except PipelineError as e:
       raise PipelineError(f"{self.path}: {e}") from None
+    return sizes, [0, *itertools.accumulate(sizes[:-1])]
 
   def cell_functions(self, head: Head | None = None) -> list[CellFunctions]:
     """The traced-once functions of each cell; the last one ends in `head` (if given).
@@ -214,8 +218,7 @@ class PipeliningLayer(BaseLayer):
     the measured spans to its schedule.
     """
     cell_function.disable_call_specialization()
-    sizes = self._micro_batches(inputs, self.params.num_micro_batches)
-    offsets = [sum(sizes[:m]) for m in range(len(sizes))]
+    sizes, offsets = self._micro_batches(inputs, self.params.num_micro_batches)
     micro_inputs = self._split(inputs, sizes, self.cell_devices[0])
     micro_head_inputs = self._split(head_inputs, sizes, self.output_device)
     return executor.run(self.cell_functions(head), self.plan(), micro_inputs, micro_head_inputs,
@@ -242,11 +245,10 @@ class PipeliningLayer(BaseLayer):
         with tf.device(self.cell_devices[k]):
           x = call_layers(self.cell_layers(k), x)
       return x
-    sizes = self._micro_batches(structure, self.params.num_micro_batches)
+    sizes, offsets = self._micro_batches(structure, self.params.num_micro_batches)
     cells = self.cell_functions()
     step = tf.cast(ctx.step, tf.int64)
-    infos = executor.call_infos([sum(sizes[:m]) for m in range(len(sizes))],
-                                ctx.example_offset)
+    infos = executor.call_infos(offsets, ctx.example_offset)
     outputs = []
     for m, x in enumerate(self._split(structure, sizes, self.cell_devices[0])):
       for cell in cells:
