@@ -18,6 +18,7 @@ import importlib.util
 import os
 import pkgutil
 import sys
+import traceback
 import zlib
 from collections.abc import Iterable
 from pathlib import Path
@@ -36,16 +37,40 @@ class ModelNotFoundError(KeyError):
     return str(self.args[0])
 
 
+class ParamFileError(ImportError):
+  """A param file that cannot be loaded; the message names the file, line and error."""
+
+
+def _defined_in(cls: type) -> str:
+  module = sys.modules.get(cls.__module__)
+  return getattr(module, "__file__", None) or cls.__module__
+
+
 def register(cls: type) -> type:
-  """Class decorator: registers `cls` as `<file>.<ClassName>`."""
+  """Class decorator: registers `cls` as `<file>.<ClassName>`.
+
+  Two files of the same name defining the same class name would claim one key; the
+  second is refused rather than silently replacing the first (a user's `demo.py` must
+  not shadow the built-in `demo.TinyConvNet`).
+  """
   if not (isinstance(cls, type) and issubclass(cls, SingleTaskModelParams)):
     raise TypeError(f"{cls!r} must subclass SingleTaskModelParams to be registered")
   key = f"{cls.__module__.rsplit('.', 1)[-1]}.{cls.__name__}"
   existing = _REGISTRY.get(key)
-  if existing is not None and existing.__qualname__ != cls.__qualname__:
-    raise ValueError(f"model key {key!r} is registered twice")
+  if existing is not None and (existing.__module__, existing.__qualname__) != (
+      cls.__module__, cls.__qualname__):
+    raise ValueError(f"model key {key!r} is already defined by {_defined_in(existing)}; "
+                     "rename this file or this class")
   _REGISTRY[key] = cls
   return cls
+
+
+def _where(error: BaseException, path: Path) -> str:
+  """'line N' of `path` where `error` arose, or '' if not inside it."""
+  if isinstance(error, SyntaxError) and error.lineno:
+    return f"line {error.lineno}"
+  frames = [f for f in traceback.extract_tb(error.__traceback__) if f.filename == str(path)]
+  return f"line {frames[-1].lineno}" if frames else ""
 
 
 def _load_file(path: Path) -> None:
@@ -62,6 +87,12 @@ def _load_file(path: Path) -> None:
   sys.modules[name] = module
   try:
     spec.loader.exec_module(module)
+  except Exception as e:
+    del sys.modules[name]
+    where = _where(e, path)
+    message = e.msg if isinstance(e, SyntaxError) else str(e)
+    raise ParamFileError(f"param file {path}{', ' + where if where else ''} does not "
+                         f"load: {type(e).__name__}: {message}") from e
   except BaseException:
     del sys.modules[name]
     raise

@@ -1,8 +1,8 @@
 """Train and eval loops: steps, TensorBoard summaries, checkpoints, resumption.
 
 Layout of a logdir:
-  <logdir>/params.txt           the full params text of the run
-  <logdir>/train/ckpt-<step>.*  checkpoints (tf.train.latest_checkpoint(<logdir>/train))
+  <logdir>/params.txt           the full params text of the run (see logdirs.py)
+  <logdir>/train/ckpt-<step>.*  checkpoints, found from the files (see checkpoints.py)
   <logdir>/train/events.*       loss, metrics, learning rate, gradient norm, examples/sec;
                                 for a pipelined model, the measured schedule (an image
                                 and per-cell busy fractions, measured vs theoretical bubble)
@@ -15,6 +15,10 @@ optimizer update on each variable's device → batch-norm moving statistics from
 whole batch → global step + 1. If the loss or the gradient norm is not finite,
 nothing is updated and the Python loop stops with NonFiniteLossError, so the last
 checkpoint on disk is the last good state.
+
+Nothing is written to the logdir before the run has been checked: the newest readable
+checkpoint restored (or none found), the training step built; only then are damaged
+checkpoints set aside, the index repaired and params.txt written.
 """
 
 from __future__ import annotations
@@ -22,15 +26,17 @@ from __future__ import annotations
 import datetime
 import os
 import re
+import threading
 import time
 from collections.abc import Callable
 
 import tensorflow as tf
 
-from lingvo_gpipe import train_step
+from lingvo_gpipe import checkpoints, logdirs, train_step
 from lingvo_gpipe.core import base_layer, cluster
 from lingvo_gpipe.core.hyperparams import Params
 from lingvo_gpipe.pipeline import hybrid, timeline
+from lingvo_gpipe.pipeline.layer import PipelineError
 
 
 class TrainerError(RuntimeError):
@@ -45,20 +51,8 @@ class CheckpointMismatchError(TrainerError):
   pass
 
 
-class LogdirError(TrainerError):
+class TrainingInterrupted(TrainerError):
   pass
-
-
-def check_logdir_writable(logdir: str) -> None:
-  """Creates <logdir>/train and proves it writable, or raises LogdirError."""
-  try:
-    os.makedirs(os.path.join(logdir, "train"), exist_ok=True)
-    probe = os.path.join(logdir, "train", f".write_probe_{os.getpid()}")
-    with open(probe, "w") as f:
-      f.write("ok")
-    os.remove(probe)
-  except OSError as e:
-    raise LogdirError(f"logdir {logdir!r} is not writable: {e.strerror or e}") from None
 
 
 def _format_eta(seconds: float) -> str:
@@ -118,6 +112,11 @@ class Trainer:
     self.eval_dir = os.path.join(logdir, "eval")
     self.log = log
     train_p = params.task.train
+    # The input first, so that missing data is reported before a large model is built.
+    # Its position is checkpointed too, so a resumed run sees the batches the
+    # uninterrupted run would have seen (no repeats, no skips).
+    self.train_input = params.train_input.instantiate()
+    self.train_iterator = iter(self.train_input.dataset())
     # One task per data-parallel replica (task.pipeline.num_replicas); replica 0 is the
     # one checkpointed, evaluated and decoded. Each replica has its own optimizer (slots
     # live with their variables).
@@ -130,26 +129,44 @@ class Trainer:
     self.variables = self.replicas.trainable_variables[0]
     self.global_step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step")
     self.train_step = train_step.TrainStep(self.replicas, self.optimizers, self.global_step)
-    # The input position is checkpointed too, so a resumed run sees the batches the
-    # uninterrupted run would have seen (no repeats, no skips).
-    self.train_input = params.train_input.instantiate()
-    self.train_iterator = iter(self.train_input.dataset())
+    self._check_batch_splits()
     self.checkpoint = tf.train.Checkpoint(task=self.task, optimizer=self.optimizer,
                                           global_step=self.global_step,
                                           train_input_position=self.train_iterator)
-    self.manager = tf.train.CheckpointManager(
-        self.checkpoint, self.train_dir, max_to_keep=train_p.max_checkpoints_to_keep,
-        checkpoint_name="ckpt")
+    self.checkpoints = checkpoints.CheckpointStore(
+        self.checkpoint, self.train_dir, train_p.max_checkpoints_to_keep, self.restore,
+        CheckpointMismatchError, log)
+    # Set from another thread (tools/trainer.py's Ctrl-C handler): the loop stops
+    # after the step in flight.
+    self.stop_requested = threading.Event()
+
+  def _check_batch_splits(self) -> None:
+    """Refuses, before anything is built or written, a batch that cannot be split into
+    the replicas and micro-batches the params ask for (hybrid.HybridError,
+    layer.PipelineError: both ValueErrors naming the keys)."""
+    batch = self.train_input.params.batch_size
+    num_replicas = self.replicas.num_replicas
+    if batch % num_replicas:
+      raise hybrid.HybridError(
+          f"train_input.batch_size={batch} is not divisible by task.pipeline.num_replicas="
+          f"{num_replicas}; use a multiple of {num_replicas}")
+    if self.task.pipeline is None:
+      return
+    num_micro_batches = self.task.pipeline.params.num_micro_batches
+    per_replica = batch // num_replicas
+    if not 1 <= num_micro_batches <= per_replica:
+      shared = f" / {num_replicas} replicas" if num_replicas > 1 else ""
+      raise PipelineError(
+          f"task.pipeline.num_micro_batches={num_micro_batches} does not fit a batch of "
+          f"{per_replica} (train_input.batch_size={batch}{shared}); valid: 1..{per_replica}")
 
   # -- checkpoints -----------------------------------------------------------------
 
   def restore_latest(self) -> int | None:
-    """Restores the newest checkpoint in <logdir>/train, if any; returns its step."""
-    path = self.manager.latest_checkpoint
-    if path is None:
-      return None
-    self.restore(path)
-    return int(self.global_step.numpy())
+    """Restores the newest readable checkpoint in <logdir>/train, if any, and returns
+    its step; writes nothing (an unreadable newer one is only named in a warning)."""
+    found = self.checkpoints.find_restorable()
+    return None if found.step is None else int(self.global_step.numpy())
 
   def restore(self, path: str) -> None:
     """Restores `path`, raising CheckpointMismatchError if it is not this model's."""
@@ -167,7 +184,7 @@ class Trainer:
     self.replicas.copy_from_first(self.optimizers)
 
   def save(self) -> str:
-    return self.manager.save(checkpoint_number=int(self.global_step.numpy()))
+    return self.checkpoints.save(int(self.global_step.numpy()))
 
   # -- steps -------------------------------------------------------------------------
 
@@ -191,20 +208,23 @@ class Trainer:
     <logdir>/train (TensorBoard's profile tab).
     """
     train_p = self.params.task.train
-    start = self.restore_latest()
-    if start is not None:
-      self.log(f"Resuming from checkpoint {self.manager.latest_checkpoint} at step {start}")
+    found = self.checkpoints.find_restorable()
+    if found.step is not None:
+      start = int(self.global_step.numpy())
+      self.log(f"Resuming from checkpoint {found.path} at step {start}")
     else:
       start = 0
       self.log("No checkpoint found; starting from step 0")
-    with open(os.path.join(self.logdir, "params.txt"), "w") as f:
-      f.write(self.params.to_text())
     if start >= max_steps:
       self.log(f"Global step {start} >= max_steps {max_steps}; nothing to train")
       return {}
 
     batch_size = self.train_input.params.batch_size
     step_fn = self._build_train_step()
+    # The run is checked: from here on it writes.
+    os.makedirs(self.train_dir, exist_ok=True)
+    self.checkpoints.repair(found)
+    logdirs.write_params(self.logdir, self.params, start)
     writer = tf.summary.create_file_writer(self.train_dir)
     with writer.as_default():
       tf.summary.text("params", "```\n" + self.params.to_text() + "```", step=start)
@@ -219,12 +239,12 @@ class Trainer:
       outputs, schedule = step_fn(batch)
       values = {k: v.numpy() for k, v in outputs.items()}
       profiler.after(step + 1)
+      step += 1  # the global step this update would make (as the progress lines count)
       if not values["finite"]:
-        last = self.manager.latest_checkpoint or "none"
+        last = self.checkpoints.latest or "none"
         raise NonFiniteLossError(
             f"non-finite loss ({values['loss']}) or gradient norm ({values['grad_norm']}) "
             f"at step {step}; stopped without applying it. Last good checkpoint: {last}")
-      step += 1
       if step == start + 1:
         # The first call also builds the executable graph and warms the cells up.
         self.log(f"First step done in {time.perf_counter() - run_start:.1f} s")
@@ -254,9 +274,13 @@ class Trainer:
         eval_fn()
       if step >= max_steps:
         break
+      if self.stop_requested.is_set():
+        raise TrainingInterrupted(
+            f"interrupted at step {step}; the last checkpoint is "
+            f"{self.checkpoints.latest or 'none'}: rerun the same command to resume from it")
     profiler.stop()
     writer.flush()
-    self.log(f"Saved {self.manager.latest_checkpoint}")
+    self.log(f"Saved {self.checkpoints.latest}")
     return values
 
   def _build_train_step(self) -> Callable:

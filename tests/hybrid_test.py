@@ -144,7 +144,6 @@ def demo_trainer(logdir, overrides: str):
   for name, value in hyperparams.parse_overrides(
       "task.train.save_interval_steps=3;task.pipeline.num_cells=2;" + overrides):
     params.set_from_text(name, value)
-  trainer.check_logdir_writable(str(logdir))  # creates it, as the binary does
   return trainer.Trainer(params.freeze(), str(logdir), log=lambda _: None)
 
 

@@ -3,10 +3,12 @@
   python tools/trainer.py --model=demo.TinyConvNet --logdir=/tmp/run --max_steps=200
 
 Modes: train, eval, train_and_eval, inspect_params, inspect_model, list_models.
-Exit codes: 0 success; 2 bad input (unknown model, bad override, unwritable logdir,
-bad device spec, a checkpoint of another model), reported before anything is
-written; 1 a run that failed (a non-finite loss, a worker that died or became
-unreachable; the last checkpoint is kept and a rerun with the same logdir resumes).
+Exit codes: 0 success; 2 bad input (unknown model, a param file that does not load,
+bad override, unwritable logdir, bad device or cluster spec, missing TFDS data, a
+checkpoint of another model, params its checkpoints cannot follow), reported before
+anything is written; 1 a run that failed (a non-finite loss, a worker that died, froze
+or became unreachable, a checkpoint that could not be saved; the last good checkpoint
+is kept and a rerun with the same logdir resumes); 130 interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import contextlib
 import json
 import os
 import sys
+import threading
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -48,11 +51,24 @@ class UsageFailure(Exception):
   """Bad input: reported on stderr with exit code 2."""
 
 
+class Interrupted(Exception):
+  """Ctrl-C: reported on stderr with exit code 130."""
+
+
+# The trainer being run, for the Ctrl-C handler (which runs in the main thread while
+# _run runs in another).
+_current: dict = {}
+
+
 @contextlib.contextmanager
 def _bad_params_are_usage_errors():
   """Building layers from params raises ValueError for a bad value: exit code 2."""
+  from lingvo_gpipe.inputs.tfds_inputs import MissingDataError
+
   try:
     yield
+  except MissingDataError as e:
+    raise UsageFailure(str(e)) from None
   except ValueError as e:
     raise UsageFailure(f"bad model params: {e}") from None
 
@@ -112,25 +128,35 @@ def _inspect_model(params) -> None:
   print(json.dumps(summary))
 
 
-def _lost_worker_message(task: int, address: str) -> str:
-  latest = None
-  if FLAGS.logdir:
-    import tensorflow as tf
+def _latest_checkpoint() -> str | None:
+  from lingvo_gpipe import checkpoints
 
-    latest = tf.train.latest_checkpoint(os.path.join(FLAGS.logdir, "train"))
+  found = checkpoints.find(os.path.join(FLAGS.logdir, "train")) if FLAGS.logdir else []
+  return found[0][1] if found else None
+
+
+def _lost_worker_message(task: int, address: str, why: str) -> str:
+  latest = _latest_checkpoint()
   resume = (f"the last checkpoint is {latest}; restart the worker and rerun this command "
             "(same --logdir) to resume from it" if latest else "no checkpoint was written yet")
-  return f"worker /job:worker/task:{task} at {address} does not answer; stopped training: {resume}"
+  return f"worker /job:worker/task:{task} at {address} {why}; stopped training: {resume}"
+
+
+def _exit_now(message: str, code: int) -> None:
+  """Prints `message` and ends the process at once, whatever its threads are doing (a
+  step waiting on a dead or frozen worker never returns)."""
+  sys.stdout.flush()
+  print(f"error: {message}", file=sys.stderr, flush=True)
+  os._exit(code)
 
 
 def _watch_workers(addresses: list[str]):
-  """Exits the process (code 1) soon after a worker dies: a step waiting on a dead
-  worker would otherwise wait forever, so the watchdog cannot wait for it to return."""
+  """Exits the process (code 1) soon after a worker dies, freezes or becomes
+  unreachable: the step waiting on it cannot be waited for."""
   from lingvo_gpipe.core import cluster
 
-  def on_failure(task: int, address: str) -> None:
-    print(f"error: {_lost_worker_message(task, address)}", file=sys.stderr, flush=True)
-    os._exit(1)
+  def on_failure(task: int, address: str, why: str) -> None:
+    _exit_now(_lost_worker_message(task, address, why), 1)
 
   return cluster.WorkerWatchdog(addresses, on_failure).start()
 
@@ -142,7 +168,7 @@ def _run() -> int:
   watchdog = None
   try:
     model_registry.load_param_files(FLAGS.params_path)
-  except FileNotFoundError as e:
+  except (FileNotFoundError, model_registry.ParamFileError) as e:
     raise UsageFailure(f"--params_path: {e}") from None
   if FLAGS.mode == "list_models":
     print("\n".join(model_registry.keys()))
@@ -155,9 +181,13 @@ def _run() -> int:
     if FLAGS.cluster_spec:
       spec = (cluster.cluster_spec_from_tf_config() if FLAGS.cluster_spec == "tf_config"
               else cluster.parse_cluster_spec(FLAGS.cluster_spec))
-      cluster.wait_for_servers(spec.get("worker", []), timeout_s=60.0)
+      cluster.wait_for_servers(spec.get("worker", []), timeout_s=60.0,
+                               log=lambda line: print(line, flush=True))
+      spec.setdefault("client", [f"localhost:{cluster.free_port()}"])
       devices = cluster.connect_to_cluster(spec)
       print(f"Joined cluster; cells go to {', '.join(devices)}")
+      print(cluster.exposure_warning(spec["client"][0].rpartition(":")[2]), file=sys.stderr,
+            flush=True)
       watchdog = _watch_workers(spec.get("worker", []))
     else:
       cluster.configure_devices(FLAGS.devices)
@@ -171,6 +201,7 @@ def _run() -> int:
 
   import tensorflow as tf
 
+  from lingvo_gpipe import checkpoints, logdirs
   from lingvo_gpipe import trainer as trainer_lib
 
   if not FLAGS.logdir:
@@ -182,11 +213,17 @@ def _run() -> int:
   except ValueError as e:
     raise UsageFailure(str(e)) from None
   try:
-    trainer_lib.check_logdir_writable(FLAGS.logdir)
-  except trainer_lib.LogdirError as e:
+    logdirs.check_writable(FLAGS.logdir)
+    changed = (logdirs.check_resumable(FLAGS.logdir, params) if FLAGS.mode != "eval"
+               else [])
+  except logdirs.LogdirError as e:
     raise UsageFailure(str(e)) from None
+  if changed:
+    print(f"Note: params that differ from {os.path.join(FLAGS.logdir, 'params.txt')} "
+          f"(fine for its checkpoints): {logdirs.ParamsChange.describe(changed)}")
   with _bad_params_are_usage_errors():
     trainer = trainer_lib.Trainer(params, FLAGS.logdir)
+  _current["trainer"] = trainer
   try:
     if FLAGS.mode == "eval":
       if trainer.restore_latest() is None:
@@ -198,7 +235,19 @@ def _run() -> int:
     if eval_fn is not None:
       trainer.evaluate()
   except trainer_lib.CheckpointMismatchError as e:
-    raise UsageFailure(str(e)) from None
+    differing = (logdirs.compare_params(FLAGS.logdir, params)
+                 or logdirs.ParamsChange([], []))
+    keys = [key for key, _, _ in differing.fine + differing.incompatible]
+    shown = f" (params that differ from params.txt: {', '.join(keys)})" if keys else ""
+    raise UsageFailure(f"{e}{shown}") from None
+  except checkpoints.CheckpointError as e:
+    raise trainer_lib.TrainerError(str(e)) from None
+  except trainer_lib.TrainingInterrupted as e:
+    raise Interrupted(str(e)) from None
+  except OSError as e:
+    raise trainer_lib.TrainerError(
+        f"cannot write to {FLAGS.logdir}: {e.strerror or e} ({e.filename}); the last "
+        f"good checkpoint is {_latest_checkpoint() or 'none'}") from None
   except tf.errors.OpError as e:
     # A remote call that failed because its worker went away: name the worker.
     lost = watchdog.unreachable() if watchdog is not None else []
@@ -206,6 +255,40 @@ def _run() -> int:
       raise trainer_lib.TrainerError(_lost_worker_message(*lost[0])) from e
     raise
   return 0
+
+
+def _run_interruptibly() -> int:
+  """Runs _run in a thread so that Ctrl-C is heard at once (a main thread blocked in a
+  TensorFlow call does not run Python's signal handler until the call returns: never,
+  for a step waiting on a frozen worker). Ctrl-C asks the loop to stop after the step in
+  flight, waits up to 3 s for it, then exits with code 130; an interrupted save leaves
+  only a ckpt-N_temp/ directory, removed at the next start."""
+  outcome: dict = {}
+
+  def target() -> None:
+    try:
+      outcome["code"] = _run()
+    except BaseException as e:  # noqa: BLE001 - re-raised in the main thread
+      outcome["error"] = e
+
+  thread = threading.Thread(target=target, name="trainer", daemon=True)
+  thread.start()
+  try:
+    while thread.is_alive():
+      thread.join(0.2)
+  except KeyboardInterrupt:
+    trainer = _current.get("trainer")
+    if trainer is not None:
+      trainer.stop_requested.set()
+    with contextlib.suppress(KeyboardInterrupt):
+      thread.join(3.0)
+    latest = _latest_checkpoint()
+    _exit_now(f"interrupted (Ctrl-C); the last checkpoint is {latest}: rerun the same "
+              "command to resume from it" if latest else
+              "interrupted (Ctrl-C) before the first checkpoint was written", 130)
+  if "error" in outcome:
+    raise outcome["error"]
+  return outcome["code"]
 
 
 def main(argv: list[str]) -> None:
@@ -219,13 +302,16 @@ def main(argv: list[str]) -> None:
   tf.get_logger().setLevel("WARNING")
   logging.set_verbosity(logging.WARNING)
   try:
-    code = _run()
+    code = _run_interruptibly()
   except UsageFailure as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
   except trainer_lib.TrainerError as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(1)
+  except Interrupted as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(130)
   sys.exit(code)
 
 

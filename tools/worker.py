@@ -10,6 +10,10 @@ sequential accelerator, start it with one inter-op and one intra-op thread:
 (a ConfigProto passed to the server does not govern eager remote execution; the
 environment does). The trainer joins with --cluster_spec and places cell k on
 /job:worker/task:k. The server runs until killed.
+
+TensorFlow's server listens on every network interface and authenticates nobody (it
+has no bind-address or TLS option); the worker says so in one warning line at start.
+Run it on a private network (README: Security).
 """
 
 from __future__ import annotations
@@ -57,8 +61,10 @@ def main(argv: list[str]) -> None:
       sys.exit(2)
   server = tf.distribute.Server(tf.train.ClusterSpec(spec), job_name=FLAGS.job,
                                 task_index=FLAGS.task, protocol="grpc", start=True)
-  print(f"worker /job:{FLAGS.job}/task:{FLAGS.task} serving at {address} ({server.target})",
-        flush=True)
+  port = address.rpartition(":")[2]
+  print(f"worker /job:{FLAGS.job}/task:{FLAGS.task} of {address} serving gRPC on port {port} "
+        f"of every network interface ({server.target})", flush=True)
+  print(cluster.exposure_warning(port), file=sys.stderr, flush=True)
   if FLAGS.memory_log:
     device = "GPU:0" if tf.config.list_physical_devices("GPU") else "CPU:0"
     threading.Thread(target=cluster.log_device_memory, args=(FLAGS.memory_log, device),

@@ -116,6 +116,10 @@ def parse_cluster_spec(text: str) -> dict[str, list[str]]:
       if not _ADDRESS.match(address):
         raise DeviceSpecError(f"bad address {address!r} in cluster spec {text!r}; "
                               "expected HOST:PORT")
+      port = int(address.rpartition(":")[2])
+      if not 1 <= port <= 65535:
+        raise DeviceSpecError(f"bad port {port} in address {address!r} of cluster spec "
+                              f"{text!r}; valid ports: 1..65535")
     if job in spec:
       raise DeviceSpecError(f"job {job!r} appears twice in cluster spec {text!r}")
     spec[job] = hosts
@@ -143,6 +147,14 @@ def task_address(spec: dict[str, list[str]], job: str, task: int) -> str:
     raise DeviceSpecError(f"task {task} is out of range for job {job!r} "
                           f"({len(spec[job])} tasks: 0..{len(spec[job]) - 1})")
   return spec[job][task]
+
+
+def exposure_warning(port: int | str) -> str:
+  """The one line a process that serves TensorFlow's gRPC port prints (README: Security)."""
+  return (f"warning: port {port} is open on all network interfaces with no "
+          "authentication: anyone who reaches it can run any TensorFlow op in this process "
+          "(read and write files, start programs); use a private network or a firewall that "
+          "admits only the cluster's hosts (README: Security)")
 
 
 def free_port() -> int:
@@ -177,42 +189,61 @@ def connect_to_cluster(spec: dict[str, list[str]], worker_job: str = "worker",
   return devices
 
 
-def server_answers(address: str, timeout_s: float = 1.0) -> bool:
-  """Whether HOST:PORT accepts a TCP connection within `timeout_s`."""
-  host, _, port = address.rpartition(":")
-  try:
-    with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
-      return True
-  except OSError:
-    return False
+def worker_status(address: str, timeout_s: float = 2.0) -> str | None:
+  """None if the TensorFlow server at HOST:PORT answers a status call within
+  `timeout_s`; else why not ('does not reply within 2 s' for a process that is frozen
+  or overloaded, 'cannot be reached: ...' for one that is gone).
+
+  The call is the worker service's own GetStatus RPC (an empty request; TensorFlow's
+  gRPC server answers it on its own threads, also while the worker computes). A TCP
+  connect is not enough: a stopped process's kernel still accepts connections.
+  """
+  import grpc  # TensorFlow's own dependency
+
+  with grpc.insecure_channel(address) as channel:
+    get_status = channel.unary_unary("/tensorflow.WorkerService/GetStatus")
+    try:
+      get_status(b"", timeout=timeout_s, wait_for_ready=False)
+      return None
+    except grpc.RpcError as e:
+      if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return f"does not reply within {timeout_s:g} s (frozen or overloaded)"
+      return f"cannot be reached ({e.code().name.lower()})"
 
 
-def wait_for_servers(addresses: list[str], timeout_s: float = 60.0) -> None:
-  """Waits until every HOST:PORT accepts TCP connections; raises naming the first that
-  does not within `timeout_s` (a worker that failed to start, or a wrong address)."""
+def wait_for_servers(addresses: list[str], timeout_s: float = 60.0,
+                     log: Callable[[str], None] | None = None) -> None:
+  """Waits until every TensorFlow server at HOST:PORT answers a status call; raises
+  naming the first that does not within `timeout_s` (a worker that failed to start, a
+  wrong address, a frozen process). `log` hears once which ones it waits for."""
   deadline = time.monotonic() + timeout_s
+  announced = False
   for address in addresses:
-    while not server_answers(address):
+    while (why := worker_status(address, timeout_s=1.0)) is not None:
       if time.monotonic() > deadline:
-        raise DeviceSpecError(f"no server answers at {address} after {timeout_s:.0f} s; "
-                              "is tools/worker.py running there?")
+        raise DeviceSpecError(f"no TensorFlow server answers at {address} after "
+                              f"{timeout_s:.0f} s (it {why}); is tools/worker.py running "
+                              "there?")
+      if log is not None and not announced:
+        log(f"Waiting up to {timeout_s:.0f} s for the workers at {', '.join(addresses)} "
+            f"({address} {why}) ...")
+        announced = True
       time.sleep(0.2)
 
 
 class WorkerWatchdog:
-  """Notices, within a bounded time, a worker that dies or becomes unreachable.
+  """Notices, within a bounded time, a worker that dies, freezes or becomes unreachable.
 
-  A training step whose worker has died can wait on it indefinitely: the client's
-  remote calls are not bounded by a deadline. This thread probes every worker's
-  port every `interval_s`; once one has failed `max_failures` probes in a row it calls
-  `on_failure(task, address)` (once). Time to notice: at most about
-  interval_s · max_failures + probe_timeout_s (8 s with the defaults).
-
-  A probe is a TCP connect: it notices a process that died, a host that went away
-  or a network that dropped, not a process that hangs while its port stays open.
+  A training step whose worker has died or stopped can wait on it forever: the
+  client's remote calls have no deadline, and TensorFlow's own liveness check blocks
+  on a stopped worker too. This thread asks every worker for its status (gRPC, with a
+  deadline: `worker_status`) every `interval_s`; once one has failed `max_failures`
+  calls in a row it calls `on_failure(task, address, why)` (once). Time to notice: at
+  most about max_failures · (interval_s + probe_timeout_s) (12 s with the defaults;
+  measured on loopback: docs in README, *When a worker fails*).
   """
 
-  def __init__(self, addresses: list[str], on_failure: Callable[[int, str], None],
+  def __init__(self, addresses: list[str], on_failure: Callable[[int, str, str], None],
                interval_s: float = 2.0, max_failures: int = 3,
                probe_timeout_s: float = 2.0):
     self.addresses = list(addresses)
@@ -229,19 +260,24 @@ class WorkerWatchdog:
   def stop(self) -> None:
     self._stop.set()
 
-  def unreachable(self) -> list[tuple[int, str]]:
-    """(task, address) of each worker that does not answer now."""
-    return [(task, address) for task, address in enumerate(self.addresses)
-            if not server_answers(address, self.probe_timeout_s)]
+  def unreachable(self) -> list[tuple[int, str, str]]:
+    """(task, address, why) of each worker that does not answer now."""
+    found = []
+    for task, address in enumerate(self.addresses):
+      why = worker_status(address, self.probe_timeout_s)
+      if why is not None:
+        found.append((task, address, why))
+    return found
 
   def _watch(self) -> None:
     failures = [0] * len(self.addresses)
     while not self._stop.wait(self.interval_s):
       for task, address in enumerate(self.addresses):
-        failures[task] = 0 if server_answers(address, self.probe_timeout_s) else failures[task] + 1
+        why = worker_status(address, self.probe_timeout_s)
+        failures[task] = 0 if why is None else failures[task] + 1
         if failures[task] >= self.max_failures and not self._stop.is_set():
           self._stop.set()
-          self.on_failure(task, address)
+          self.on_failure(task, address, why)
           return
 
 

@@ -1,0 +1,219 @@
+"""Checkpoints found from the files on disk, restored newest-readable-first, never lost.
+
+TensorFlow's `CheckpointManager` learns which checkpoints exist from one small text
+file, `<dir>/checkpoint` (the index). If that file is missing or garbled it reports no
+checkpoint at all, and a trainer trusting it would start from step 0 and overwrite
+every `ckpt-N` on disk. Here the files themselves are the truth:
+
+- `find(directory)` lists every `ckpt-N` whose `.index` file exists (TensorFlow writes
+  a checkpoint's `.index` last, after its data), newest first;
+- `CheckpointStore.find_restorable` tries them newest first; one that cannot be read
+  (a truncated or corrupt data file, a damaged `.index`) is reported and the next older
+  one is tried; a checkpoint of another model (`CheckpointMismatchError`, raised by the
+  caller's restore function) stops the search: that is the user's mistake, not damage.
+  Nothing on disk changes during the search;
+- `CheckpointStore.repair` then, once the caller has checked the whole run, moves the
+  unreadable checkpoints into `<dir>/unreadable/` (kept, not deleted, and no longer in
+  the way of a save at the same step), removes `ckpt-N_temp/` directories that an
+  interrupted save left, and rewrites the index so that it lists the checkpoints that
+  are on disk (so `max_to_keep` rotates them, oldest first, as before);
+- `CheckpointStore.save` turns a failed save (a full disk, say) into one
+  `CheckpointSaveError` line naming the error and the last good checkpoint, and removes
+  the half-written files of that save.
+
+Only `max_to_keep` rotation ever deletes a checkpoint, and only ones older than the
+checkpoint that was restored (newer ones, readable or not, do not survive the search).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import re
+import shutil
+from collections.abc import Callable
+
+import tensorflow as tf
+
+CHECKPOINT_NAME = "ckpt"
+UNREADABLE_DIR = "unreadable"
+_CHECKPOINT_INDEX = re.compile(rf"^{CHECKPOINT_NAME}-(\d+)\.index$")
+_INTERRUPTED_SAVE = re.compile(rf"^{CHECKPOINT_NAME}-\d+_temp$")
+
+
+class CheckpointError(RuntimeError):
+  """A checkpoint problem the run cannot go on with; the message says which and why."""
+
+
+class CheckpointSaveError(CheckpointError):
+  pass
+
+
+class NoReadableCheckpointError(CheckpointError):
+  pass
+
+
+def find(directory: str) -> list[tuple[int, str]]:
+  """(step, prefix) of every `ckpt-<step>` in `directory` with an `.index` file, newest
+  first. The prefix is what `tf.train.Checkpoint.restore` takes."""
+  try:
+    names = os.listdir(directory)
+  except FileNotFoundError:
+    return []
+  found = [(int(m.group(1)), os.path.join(directory, f"{CHECKPOINT_NAME}-{m.group(1)}"))
+           for m in map(_CHECKPOINT_INDEX.match, names) if m]
+  return sorted(found, reverse=True)
+
+
+def interrupted_saves(directory: str) -> list[str]:
+  """The `ckpt-N_temp` directories of saves that never finished (a kill or a full disk
+  while writing); TensorFlow writes a checkpoint there and moves it into place last."""
+  try:
+    names = os.listdir(directory)
+  except FileNotFoundError:
+    return []
+  return sorted(os.path.join(directory, n) for n in names if _INTERRUPTED_SAVE.match(n))
+
+
+@contextlib.contextmanager
+def _tensorflow_warnings_off():
+  """TensorFlow's own logger at ERROR: `get_checkpoint_state` logs a ParseError for a
+  damaged index and `update_checkpoint_state` a deprecation notice (it is the public
+  way to write an index that CheckpointManager reads); the store says what happened
+  in its own words instead."""
+  logger = tf.get_logger()
+  level = logger.level
+  logger.setLevel("ERROR")
+  try:
+    yield
+  finally:
+    logger.setLevel(level)
+
+
+def _first_line(error: BaseException) -> str:
+  """The error's first line without TensorFlow's '{{function_node ...}}' and
+  '[Op:SaveV2]' decorations."""
+  text = getattr(error, "message", None) or str(error) or type(error).__name__
+  text = re.sub(r"\{\{[^}]*\}\}\s*", "", text.strip().split("\n")[0])
+  return re.sub(r"\s*\[Op:\w+\]$", "", text)
+
+
+@dataclasses.dataclass
+class Restorable:
+  """What `find_restorable` found: the checkpoint to use and the newer ones that failed."""
+  step: int | None                    # None: no checkpoint on disk at all
+  path: str | None
+  unreadable: list[tuple[str, str]]   # (prefix, why), newest first
+  index_names: str | None             # what the index calls newest (None: missing/damaged)
+
+
+class CheckpointStore:
+  """The checkpoints of one directory: restore the newest readable one, save, rotate.
+
+  `restore_fn(prefix)` restores one checkpoint into the model; it raises
+  `CheckpointMismatchError` (any exception type passed as `mismatch_error`) for a
+  checkpoint of another model, and anything else counts as "cannot be read".
+  """
+
+  def __init__(self, checkpoint: tf.train.Checkpoint, directory: str, max_to_keep: int,
+               restore_fn: Callable[[str], None], mismatch_error: type[Exception],
+               log: Callable[[str], None] = print):
+    self.checkpoint = checkpoint
+    self.directory = directory
+    self.max_to_keep = max_to_keep
+    self.restore_fn = restore_fn
+    self.mismatch_error = mismatch_error
+    self.log = log
+    self._manager: tf.train.CheckpointManager | None = None
+
+  # -- restoring (reads only) --------------------------------------------------------
+
+  def find_restorable(self) -> Restorable:
+    """Restores the newest checkpoint that can be read; changes nothing on disk.
+
+    Raises `NoReadableCheckpointError` if checkpoints exist and none can be read (the
+    run must not start from step 0 over them), and the caller's mismatch error for a
+    checkpoint of another model.
+    """
+    with _tensorflow_warnings_off():
+      state = tf.train.get_checkpoint_state(self.directory)
+    index_names = state.model_checkpoint_path if state else None
+    unreadable: list[tuple[str, str]] = []
+    for step, prefix in find(self.directory):
+      try:
+        self.restore_fn(prefix)
+      except self.mismatch_error:
+        raise
+      except Exception as e:  # noqa: BLE001 - every other failure means "cannot be read"
+        unreadable.append((prefix, _first_line(e)))
+        self.log(f"warning: checkpoint {prefix} cannot be read ({_first_line(e)}); "
+                 "trying the next older one")
+        continue
+      return Restorable(step, prefix, unreadable, index_names)
+    if unreadable:
+      listed = "; ".join(f"{p}: {why}" for p, why in unreadable)
+      raise NoReadableCheckpointError(
+          f"none of the {len(unreadable)} checkpoints in {self.directory} can be read "
+          f"({listed}); not starting from step 0 over them: move them elsewhere or use "
+          "a new --logdir")
+    return Restorable(None, None, [], index_names)
+
+  # -- making the directory consistent (writes) ----------------------------------------
+
+  def repair(self, found: Restorable) -> None:
+    """Sets aside what `find_restorable` could not read, removes interrupted saves and
+    makes the index list the checkpoints on disk; then saves may begin."""
+    for prefix, _ in found.unreadable:
+      aside = os.path.join(self.directory, UNREADABLE_DIR)
+      os.makedirs(aside, exist_ok=True)
+      for name in os.listdir(self.directory):
+        if name.startswith(os.path.basename(prefix) + "."):
+          os.replace(os.path.join(self.directory, name), os.path.join(aside, name))
+      self.log(f"Moved the unreadable checkpoint {prefix} to {aside}/ (kept, not used)")
+    for leftover in interrupted_saves(self.directory):
+      shutil.rmtree(leftover, ignore_errors=True)
+      self.log(f"Removed {leftover}, left by a save that did not finish")
+    on_disk = sorted(find(self.directory))
+    if on_disk and found.index_names != on_disk[-1][1]:
+      index = os.path.join(self.directory, "checkpoint")
+      was = ("damaged" if os.path.exists(index) and found.index_names is None
+             else "missing" if found.index_names is None
+             else f"naming {found.index_names}")
+      prefixes = [prefix for _, prefix in on_disk]
+      with _tensorflow_warnings_off():
+        tf.compat.v1.train.update_checkpoint_state(
+            self.directory, prefixes[-1], all_model_checkpoint_paths=prefixes,
+            all_model_checkpoint_timestamps=[os.path.getmtime(p + ".index")
+                                             for p in prefixes])
+      self.log(f"Rewrote the checkpoint index {index} (it was {was}) from the files on "
+               f"disk: {len(prefixes)} checkpoints, newest {prefixes[-1]}")
+    self._manager = tf.train.CheckpointManager(
+        self.checkpoint, self.directory, max_to_keep=self.max_to_keep,
+        checkpoint_name=CHECKPOINT_NAME)
+
+  # -- saving ----------------------------------------------------------------------------
+
+  @property
+  def latest(self) -> str | None:
+    """The newest complete checkpoint on disk."""
+    on_disk = find(self.directory)
+    return on_disk[0][1] if on_disk else None
+
+  def save(self, step: int) -> str:
+    """Writes `ckpt-<step>`; a failure removes its partial files and raises one line."""
+    if self._manager is None:
+      raise CheckpointError("save() before repair(): the directory was not checked")
+    prefix = os.path.join(self.directory, f"{CHECKPOINT_NAME}-{step}")
+    before = set(os.listdir(self.directory)) if os.path.isdir(self.directory) else set()
+    try:
+      return self._manager.save(checkpoint_number=step)
+    except (tf.errors.OpError, OSError) as e:
+      for name in set(os.listdir(self.directory)) - before:
+        if name.startswith(os.path.basename(prefix)):
+          path = os.path.join(self.directory, name)
+          shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+      raise CheckpointSaveError(
+          f"could not write checkpoint {prefix}: {_first_line(e)}; the last good "
+          f"checkpoint is {self.latest or 'none (nothing was saved yet)'}; rerun the same "
+          "command to resume from it once the cause is fixed") from None
