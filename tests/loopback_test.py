@@ -2,6 +2,7 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -52,7 +53,9 @@ def test_cluster_specs_parse_and_bad_ones_are_named(monkeypatch):
 
 def test_an_absent_server_is_named_within_the_timeout():
   address = f"localhost:{cluster.free_port()}"
-  with pytest.raises(cluster.DeviceSpecError, match=f"no server answers at {address}"):
+  with pytest.raises(cluster.DeviceSpecError,
+                     match=f"no TensorFlow server answers at {address} after 0 s "
+                     r"\(it cannot be reached \(unavailable\)\)"):
     cluster.wait_for_servers([address], timeout_s=0.5)
 
 
@@ -122,3 +125,64 @@ def test_a_dead_worker_stops_training_in_bounded_time_and_a_restart_resumes(tmp_
   for name in names:
     np.testing.assert_allclose(got.get_tensor(name), want.get_tensor(name), rtol=1e-4,
                                atol=1e-5, err_msg=name)
+
+
+def _start_trainer(logdir: Path, spec: str, model: list[str]) -> subprocess.Popen:
+  return subprocess.Popen(
+      [sys.executable, str(REPO / "tools" / "trainer.py"), *model, f"--logdir={logdir}",
+       f"--cluster_spec={spec}", "--max_steps=1000000"], stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE, text=True, cwd=REPO, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+
+
+def _wait_for_checkpoint_after(logdir: Path, step: int, trainer: subprocess.Popen) -> None:
+  deadline = time.monotonic() + 180
+  while trainer.poll() is None and time.monotonic() < deadline:
+    latest = _latest_checkpoint(logdir)
+    if latest is not None and int(latest.rsplit("-", 1)[1]) > step:
+      return
+    time.sleep(0.2)
+  raise AssertionError(f"no checkpoint after step {step} within 180 s: {trainer.poll()}")
+
+
+def test_a_frozen_worker_is_named_within_30_s_and_ctrl_c_is_heard_while_it_hangs(tmp_path):
+  """kill -STOP: the worker's port still accepts connections but nothing answers. A
+  trainer waiting on it hears Ctrl-C (exit 130 within 5 s), and one left alone names the
+  frozen worker within 30 s (exit 1); the checkpoints stay readable throughout."""
+  spec, workers = cluster.start_local_workers(2, single_thread=False)
+  logdir = tmp_path / "run"
+  model = ["--model=demo.TinyConvNet", "--params_override=task.pipeline.num_cells=2;"
+           "task.pipeline.num_micro_batches=2;task.train.save_interval_steps=5"]
+  try:
+    cluster.wait_for_servers(cluster.parse_cluster_spec(spec)["worker"])
+    trainer = _start_trainer(logdir, spec, model)
+    _wait_for_checkpoint_after(logdir, 0, trainer)
+    workers[1].send_signal(signal.SIGSTOP)
+    time.sleep(1.0)  # the step in flight now waits on the stopped worker
+    trainer.send_signal(signal.SIGINT)
+    interrupted = time.monotonic()
+    _, stderr = trainer.communicate(timeout=60)
+    assert time.monotonic() - interrupted < 5, stderr
+    assert trainer.returncode == 130, stderr
+    latest = _latest_checkpoint(logdir)
+    assert f"interrupted (Ctrl-C); the last checkpoint is {latest}" in stderr, stderr
+    assert "warning: port " in stderr and "no authentication" in stderr
+    tf.train.load_checkpoint(latest)  # intact
+
+    workers[1].send_signal(signal.SIGCONT)
+    trainer = _start_trainer(logdir, spec, model)
+    _wait_for_checkpoint_after(logdir, int(latest.rsplit("-", 1)[1]), trainer)
+    workers[1].send_signal(signal.SIGSTOP)
+    frozen = time.monotonic()
+    _, stderr = trainer.communicate(timeout=120)
+    noticed_after = time.monotonic() - frozen
+    assert trainer.returncode == 1, stderr[-3000:]
+    assert noticed_after < 30, f"the frozen worker was noticed only after {noticed_after:.0f} s"
+    latest = _latest_checkpoint(logdir)
+    assert (f"worker /job:worker/task:1 at {cluster.parse_cluster_spec(spec)['worker'][1]} "
+            "does not reply within 2 s (frozen or overloaded); stopped training: the last "
+            f"checkpoint is {latest}") in stderr, stderr
+    tf.train.load_checkpoint(latest)
+  finally:
+    for worker in workers:
+      worker.send_signal(signal.SIGCONT)
+      worker.kill()

@@ -2,14 +2,18 @@
 
 import hashlib
 import json
+import os
 import re
+import resource
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import run_trainer
+from conftest import REPO, run_trainer
 
 from lingvo_gpipe import model_registry
 
@@ -64,20 +68,93 @@ def test_train_resume_eval_and_summaries(tmp_path):
   assert "eval at step 60: accuracy" in third.stdout
 
 
-def test_resumed_run_equals_uninterrupted_run(tmp_path):
-  straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+def files(directory: Path) -> dict[str, str]:
+  """{relative path: sha256} of every file under `directory`."""
+  return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+          for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+EVERY_10 = FAST + ";task.train.save_interval_steps=10"
+
+
+def test_a_damaged_logdir_resumes_from_the_newest_readable_checkpoint_losing_nothing(tmp_path):
+  """Index file lost, newest checkpoint truncated, a save interrupted: the run resumes
+  from the newest checkpoint that reads, keeps the unreadable one aside, and ends where
+  an uninterrupted run ends."""
+  straight, damaged = tmp_path / "straight", tmp_path / "damaged"
   assert run_trainer(MODEL, f"--logdir={straight}", "--max_steps=30",
-                     f"--params_override={FAST}").returncode == 0
-  for steps in (10, 30):
-    assert run_trainer(MODEL, f"--logdir={resumed}", f"--max_steps={steps}",
-                       f"--params_override={FAST}").returncode == 0
+                     f"--params_override={EVERY_10}").returncode == 0
+  assert run_trainer(MODEL, f"--logdir={damaged}", "--max_steps=20",
+                     f"--params_override={EVERY_10}").returncode == 0
+  train_dir = damaged / "train"
+  (train_dir / "checkpoint").unlink()
+  os.truncate(train_dir / "ckpt-20.data-00000-of-00001", 1000)
+  truncated = {name: digest for name, digest in files(train_dir).items()
+               if name.startswith("ckpt-20.")}
+  (train_dir / "ckpt-25_temp").mkdir()
+
+  resumed = run_trainer(MODEL, f"--logdir={damaged}", "--max_steps=30",
+                        f"--params_override={EVERY_10}")
+  assert resumed.returncode == 0, resumed.stderr
+  assert (f"warning: checkpoint {train_dir / 'ckpt-20'} cannot be read (Read less bytes than "
+          "requested)") in resumed.stdout
+  assert f"Resuming from checkpoint {train_dir / 'ckpt-10'} at step 10" in resumed.stdout
+  assert "(it was missing)" in resumed.stdout
+  assert files(train_dir / "unreadable") == truncated  # kept byte for byte
+  assert not (train_dir / "ckpt-25_temp").exists()
+  assert tf.train.latest_checkpoint(str(train_dir)) == str(train_dir / "ckpt-30")
   a = tf.train.load_checkpoint(str(straight / "train" / "ckpt-30"))
-  b = tf.train.load_checkpoint(str(resumed / "train" / "ckpt-30"))
+  b = tf.train.load_checkpoint(str(train_dir / "ckpt-30"))
   names = [n for n in a.get_variable_to_shape_map() if n.startswith(("task/", "optimizer/"))]
-  assert len(names) >= 20  # 12 task variables and 8 momentum slots
+  assert len(names) == 20  # 12 task variables (batch-norm statistics too), 8 momentum slots
   for name in names:
     np.testing.assert_allclose(a.get_tensor(name), b.get_tensor(name), rtol=1e-5, atol=1e-6,
                                err_msg=name)
+
+
+def run_with_file_size_limit(limit_bytes: int, *args: str):
+  """run_trainer where no file may grow past `limit_bytes` (RLIMIT_FSIZE): a write past
+  it fails with EFBIG, as a write to a full disk fails with ENOSPC."""
+  def limit():
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, limit_bytes))
+  return subprocess.run([sys.executable, str(REPO / "tools" / "trainer.py"), *args],
+                        capture_output=True, text=True, timeout=300, cwd=REPO,
+                        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"), preexec_fn=limit)
+
+
+def test_a_resumed_run_is_checked_before_it_writes_and_a_failed_save_loses_nothing(tmp_path):
+  logdir = tmp_path / "run"
+  assert run_trainer(MODEL, f"--logdir={logdir}", "--max_steps=10",
+                     f"--params_override={EVERY_10}").returncode == 0
+  before = files(logdir)
+
+  other_input = run_trainer(MODEL, f"--logdir={logdir}", "--max_steps=20",
+                            f"--params_override={EVERY_10};train_input.batch_size=16")
+  assert other_input.returncode == 2
+  assert "train_input.batch_size: 8 -> 16" in other_input.stderr, other_input.stderr
+  assert other_input.stderr.count("\n") == 1 and "Resuming" not in other_input.stdout
+  too_many = run_trainer(MODEL, f"--logdir={logdir}", "--max_steps=20", "--devices=cpu:2",
+                         f"--params_override={EVERY_10};{PIPELINE};"
+                         "task.pipeline.num_micro_batches=9")
+  assert too_many.returncode == 2
+  assert ("task.pipeline.num_micro_batches=9 does not fit a batch of 8 "
+          "(train_input.batch_size=8); valid: 1..8") in too_many.stderr, too_many.stderr
+  assert files(logdir) == before
+
+  # A fine change goes on (noted); the save at step 20 fails: one line, exit 1.
+  full = run_with_file_size_limit(64 * 1024, MODEL, f"--logdir={logdir}", "--max_steps=20",
+                                  f"--params_override={EVERY_10};task.train.log_interval_steps=5")
+  assert full.returncode == 1, full.stderr
+  assert "Note: params that differ" in full.stdout and "log_interval_steps: 10 -> 5" in full.stdout
+  assert full.stderr.count("\n") == 1, full.stderr
+  assert f"could not write checkpoint {logdir / 'train' / 'ckpt-20'}" in full.stderr
+  assert "File too large" in full.stderr
+  assert f"the last good checkpoint is {logdir / 'train' / 'ckpt-10'}" in full.stderr
+  assert not list((logdir / "train").glob("ckpt-20*"))
+  for name, digest in before.items():
+    if name.startswith("train/ckpt-"):
+      assert files(logdir)[name] == digest, name
+  assert (logdir / "params.before_step_10.txt").exists()  # the params ckpt-10 was written with
 
 
 def test_inspect_model_json_counts_the_real_variables():
@@ -111,6 +188,39 @@ def test_bad_input_exits_2_with_a_named_error(args, message):
   result = run_trainer(*args)
   assert result.returncode == 2, result.stderr
   assert re.search(message, result.stderr), result.stderr
+
+
+SHADOWING_PARAM_FILE = """
+from lingvo_gpipe import model_registry
+from lingvo_gpipe_params import demo
+
+@model_registry.register
+class TinyConvNet(demo.TinyConvNet):
+  pass
+"""
+
+
+@pytest.mark.parametrize("args, file_text, message", [
+    ([], "def broken(:\n", r"param file .*broken\.py, line 1 does not load: SyntaxError"),
+    ([], "import no_such_module_here\n",
+     r"broken\.py, line 1 does not load: ModuleNotFoundError: No module named"),
+    ([], None, r"demo\.py, line 5 does not load: ValueError: model key 'demo\.TinyConvNet' is "
+     r"already defined by .*params/demo\.py; rename this file or this class"),
+    (["--cluster_spec=worker=localhost:99999"], "",
+     r"--cluster_spec: bad port 99999 .* valid ports: 1\.\.65535"),
+    (["--model=image.AmoebaNetD_18_208", "--data_dir={tmp}/no_data"], "",
+     r"TFDS dataset 'imagenet2012' is not prepared in .*/no_data; nothing is downloaded here"),
+])
+def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, args, file_text, message):
+  param_file = tmp_path / ("demo.py" if file_text is None else "broken.py")
+  param_file.write_text(SHADOWING_PARAM_FILE if file_text is None else file_text)
+  logdir = tmp_path / "run"
+  model = [] if any(a.startswith("--model") for a in args) else [MODEL]
+  result = run_trainer(*model, *[a.format(tmp=tmp_path) for a in args],
+                       f"--params_path={param_file}", f"--logdir={logdir}", "--max_steps=5")
+  assert result.returncode == 2, result.stderr
+  assert result.stderr.count("\n") == 1 and re.search(message, result.stderr), result.stderr
+  assert not logdir.exists() and not (tmp_path / "no_data").exists()
 
 
 def test_unwritable_logdir_exits_2_before_training(tmp_path):
@@ -154,7 +264,8 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
   before = digest(logdir / "train")
   result = run_trainer(*args, "--max_steps=60")
   assert result.returncode == 1
-  assert "non-finite loss" in result.stderr and "at step 25" in result.stderr
+  # Batch 26 (examples 200..207) is poisoned: the update that would make step 26.
+  assert "non-finite loss" in result.stderr and "at step 26" in result.stderr
   assert f"Last good checkpoint: {logdir / 'train' / 'ckpt-20'}" in result.stderr
   assert digest(logdir / "train") == before
   assert tf.train.latest_checkpoint(str(logdir / "train")).endswith("ckpt-20")

@@ -8,6 +8,8 @@ is computed from the params, so a model can be inspected without any data.
 
 from __future__ import annotations
 
+import os
+
 import tensorflow as tf
 
 from lingvo_gpipe.inputs import vocabulary
@@ -32,6 +34,8 @@ def _load(name: str, split: str, data_dir: str | None, shuffle_files: bool) -> t
   import tensorflow_datasets as tfds
 
   try:
+    if data_dir and not os.path.isdir(os.path.join(data_dir, name)):
+      raise AssertionError("could not find data")  # without TFDS's own warnings first
     return tfds.load(name, split=split, data_dir=data_dir or None,
                      shuffle_files=shuffle_files, download=False)
   except AssertionError as e:  # TFDS's "Dataset X: could not find data in DIR"
