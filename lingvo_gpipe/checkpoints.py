@@ -169,7 +169,10 @@ class CheckpointStore:
       os.makedirs(aside, exist_ok=True)
       for name in os.listdir(self.directory):
         if name.startswith(os.path.basename(prefix) + "."):
-          os.replace(os.path.join(self.directory, name), os.path.join(aside, name))
+          target = os.path.join(aside, name)
+          while os.path.exists(target):  # set aside before, at the same step
+            target += ".again"
+          os.replace(os.path.join(self.directory, name), target)
       self.log(f"Moved the unreadable checkpoint {prefix} to {aside}/ (kept, not used)")
     for leftover in interrupted_saves(self.directory):
       shutil.rmtree(leftover, ignore_errors=True)

@@ -234,52 +234,54 @@ class Trainer:
     window_start, window_steps = time.perf_counter(), 0
     run_start = time.perf_counter()
     profiler = _StepProfiler(profile_steps, self.train_dir, self.log, start, max_steps)
-    for batch in self.train_iterator:
-      profiler.before(step + 1)
-      outputs, schedule = step_fn(batch)
-      values = {k: v.numpy() for k, v in outputs.items()}
-      profiler.after(step + 1)
-      step += 1  # the global step this update would make (as the progress lines count)
-      if not values["finite"]:
-        last = self.checkpoints.latest or "none"
-        raise NonFiniteLossError(
-            f"non-finite loss ({values['loss']}) or gradient norm ({values['grad_norm']}) "
-            f"at step {step}; stopped without applying it. Last good checkpoint: {last}")
-      if step == start + 1:
-        # The first call also builds the executable graph and warms the cells up.
-        self.log(f"First step done in {time.perf_counter() - run_start:.1f} s")
-      if on_step is not None:
-        on_step(step, values)
-      window_steps += 1
-      elapsed = time.perf_counter() - window_start
-      examples_per_sec = window_steps * batch_size / max(elapsed, 1e-9)
-      if step % train_p.summary_interval_steps == 0 or step == max_steps:
-        with writer.as_default():
-          for name, value in values.items():
-            if name != "finite":
-              tf.summary.scalar(name, value, step=step)
-          tf.summary.scalar("examples_per_sec", examples_per_sec, step=step)
-          if schedule:
-            self._write_schedule(schedule, step)
-      if step % train_p.log_interval_steps == 0 or step == max_steps:
-        steps_per_sec = (step - start) / max(time.perf_counter() - run_start, 1e-9)
-        self.log(f"step {step}/{max_steps}  loss {values['loss']:.4f}  "
-                 f"examples/sec {examples_per_sec:.1f}  "
-                 f"eta {_format_eta((max_steps - step) / steps_per_sec)}")
-        window_start, window_steps = time.perf_counter(), 0
-      if step % train_p.save_interval_steps == 0 or step == max_steps:
-        self.save()
-      if (eval_fn is not None and train_p.eval_interval_steps
-          and step % train_p.eval_interval_steps == 0 and step != max_steps):
-        eval_fn()
-      if step >= max_steps:
-        break
-      if self.stop_requested.is_set():
-        raise TrainingInterrupted(
-            f"interrupted at step {step}; the last checkpoint is "
-            f"{self.checkpoints.latest or 'none'}: rerun the same command to resume from it")
-    profiler.stop()
-    writer.flush()
+    try:
+      for batch in self.train_iterator:
+        profiler.before(step + 1)
+        outputs, schedule = step_fn(batch)
+        values = {k: v.numpy() for k, v in outputs.items()}
+        profiler.after(step + 1)
+        step += 1  # the global step this update would make (as the progress lines count)
+        if not values["finite"]:
+          last = self.checkpoints.latest or "none"
+          raise NonFiniteLossError(
+              f"non-finite loss ({values['loss']}) or gradient norm ({values['grad_norm']}) "
+              f"at step {step}; stopped without applying it. Last good checkpoint: {last}")
+        if step == start + 1:
+          # The first call also builds the executable graph and warms the cells up.
+          self.log(f"First step done in {time.perf_counter() - run_start:.1f} s")
+        if on_step is not None:
+          on_step(step, values)
+        window_steps += 1
+        elapsed = time.perf_counter() - window_start
+        examples_per_sec = window_steps * batch_size / max(elapsed, 1e-9)
+        if step % train_p.summary_interval_steps == 0 or step == max_steps:
+          with writer.as_default():
+            for name, value in values.items():
+              if name != "finite":
+                tf.summary.scalar(name, value, step=step)
+            tf.summary.scalar("examples_per_sec", examples_per_sec, step=step)
+            if schedule:
+              self._write_schedule(schedule, step)
+        if step % train_p.log_interval_steps == 0 or step == max_steps:
+          steps_per_sec = (step - start) / max(time.perf_counter() - run_start, 1e-9)
+          self.log(f"step {step}/{max_steps}  loss {values['loss']:.4f}  "
+                   f"examples/sec {examples_per_sec:.1f}  "
+                   f"eta {_format_eta((max_steps - step) / steps_per_sec)}")
+          window_start, window_steps = time.perf_counter(), 0
+        if step % train_p.save_interval_steps == 0 or step == max_steps:
+          self.save()
+        if (eval_fn is not None and train_p.eval_interval_steps
+            and step % train_p.eval_interval_steps == 0 and step != max_steps):
+          eval_fn()
+        if step >= max_steps:
+          break
+        if self.stop_requested.is_set():
+          raise TrainingInterrupted(
+              f"interrupted at step {step}; the last checkpoint is "
+              f"{self.checkpoints.latest or 'none'}: rerun the same command to resume from it")
+    finally:  # also when stopped by an error or Ctrl-C: summaries reach the disk
+      profiler.stop()
+      writer.flush()
     self.log(f"Saved {self.checkpoints.latest}")
     return values
 

@@ -53,10 +53,13 @@ def test_cluster_specs_parse_and_bad_ones_are_named(monkeypatch):
 
 def test_an_absent_server_is_named_within_the_timeout():
   address = f"localhost:{cluster.free_port()}"
+  said = []
   with pytest.raises(cluster.DeviceSpecError,
                      match=f"no TensorFlow server answers at {address} after 0 s "
                      r"\(it cannot be reached \(unavailable\)\)"):
-    cluster.wait_for_servers([address], timeout_s=0.5)
+    cluster.wait_for_servers([address], timeout_s=0.5, log=said.append)
+  assert said == [f"Waiting up to 0 s for the workers at {address} ({address} cannot be "
+                  "reached (unavailable)) ..."]
 
 
 def test_a_worker_with_an_unwritable_memory_log_exits_2_naming_it(tmp_path):
@@ -68,6 +71,23 @@ def test_a_worker_with_an_unwritable_memory_log_exits_2_naming_it(tmp_path):
       env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
   assert result.returncode == 2, result.stderr[-2000:]
   assert f"--memory_log={bad} cannot be written" in result.stderr
+
+
+def test_a_worker_warns_that_it_serves_every_interface_unauthenticated():
+  port = cluster.free_port()
+  worker = cluster.start_local_worker(f"worker=localhost:{port}", 0, capture_output=True)
+  try:
+    said = worker.stdout.readline()
+    # TensorFlow's own start-up lines (oneDNN, absl) may come first.
+    warned = next((line for line in iter(worker.stderr.readline, "")
+                   if line.startswith("warning: port")), "")
+  finally:
+    worker.kill()
+    worker.wait()
+  assert f"serving on port {port} of every network interface" in said
+  assert warned.startswith(f"warning: port {port} is open on all network interfaces with no "
+                           "authentication"), warned
+  assert "README: Security" in warned
 
 
 def _latest_checkpoint(logdir: Path) -> str | None:

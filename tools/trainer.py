@@ -51,10 +51,6 @@ class UsageFailure(Exception):
   """Bad input: reported on stderr with exit code 2."""
 
 
-class Interrupted(Exception):
-  """Ctrl-C: reported on stderr with exit code 130."""
-
-
 # The trainer being run, for the Ctrl-C handler (which runs in the main thread while
 # _run runs in another).
 _current: dict = {}
@@ -242,12 +238,10 @@ def _run() -> int:
     raise UsageFailure(f"{e}{shown}") from None
   except checkpoints.CheckpointError as e:
     raise trainer_lib.TrainerError(str(e)) from None
-  except trainer_lib.TrainingInterrupted as e:
-    raise Interrupted(str(e)) from None
-  except OSError as e:
+  except OSError as e:  # e.g. params.txt on a full disk
     raise trainer_lib.TrainerError(
-        f"cannot write to {FLAGS.logdir}: {e.strerror or e} ({e.filename}); the last "
-        f"good checkpoint is {_latest_checkpoint() or 'none'}") from None
+        f"{e.strerror or e}: {e.filename}; the last good checkpoint is "
+        f"{_latest_checkpoint() or 'none'}") from None
   except tf.errors.OpError as e:
     # A remote call that failed because its worker went away: name the worker.
     lost = watchdog.unreachable() if watchdog is not None else []
@@ -261,8 +255,8 @@ def _run_interruptibly() -> int:
   """Runs _run in a thread so that Ctrl-C is heard at once (a main thread blocked in a
   TensorFlow call does not run Python's signal handler until the call returns: never,
   for a step waiting on a frozen worker). Ctrl-C asks the loop to stop after the step in
-  flight, waits up to 3 s for it, then exits with code 130; an interrupted save leaves
-  only a ckpt-N_temp/ directory, removed at the next start."""
+  flight (it flushes its summaries), waits up to 3 s for it, then exits with code 130;
+  an interrupted save leaves only a ckpt-N_temp/ directory, removed at the next start."""
   outcome: dict = {}
 
   def target() -> None:
@@ -309,9 +303,6 @@ def main(argv: list[str]) -> None:
   except trainer_lib.TrainerError as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(1)
-  except Interrupted as e:
-    print(f"error: {e}", file=sys.stderr)
-    sys.exit(130)
   sys.exit(code)
 
 

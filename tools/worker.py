@@ -62,8 +62,8 @@ def main(argv: list[str]) -> None:
   server = tf.distribute.Server(tf.train.ClusterSpec(spec), job_name=FLAGS.job,
                                 task_index=FLAGS.task, protocol="grpc", start=True)
   port = address.rpartition(":")[2]
-  print(f"worker /job:{FLAGS.job}/task:{FLAGS.task} of {address} serving gRPC on port {port} "
-        f"of every network interface ({server.target})", flush=True)
+  print(f"worker /job:{FLAGS.job}/task:{FLAGS.task} ({address} in the cluster spec) serving "
+        f"on port {port} of every network interface", flush=True)
   print(cluster.exposure_warning(port), file=sys.stderr, flush=True)
   if FLAGS.memory_log:
     device = "GPU:0" if tf.config.list_physical_devices("GPU") else "CPU:0"

@@ -282,11 +282,13 @@ class WorkerWatchdog:
 
 
 def start_local_worker(spec: str, task: int, single_thread: bool = True,
-                       memory_log: str | None = None) -> subprocess.Popen:
+                       memory_log: str | None = None,
+                       capture_output: bool = False) -> subprocess.Popen:
   """Starts task `task` of the cluster `spec` as a tools/worker.py process on this host.
 
   single_thread gives it one inter-op and one intra-op thread (a sequential device);
-  memory_log: a file it appends its device memory to (tools/worker.py --memory_log).
+  memory_log: a file it appends its device memory to (tools/worker.py --memory_log);
+  capture_output: its stdout and stderr are pipes (text) instead of discarded.
   """
   env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
   if single_thread:
@@ -295,8 +297,8 @@ def start_local_worker(spec: str, task: int, single_thread: bool = True,
   command = [sys.executable, str(worker), f"--cluster_spec={spec}", f"--task={task}"]
   if memory_log:
     command.append(f"--memory_log={memory_log}")
-  return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL,
-                          stderr=subprocess.DEVNULL)
+  output = subprocess.PIPE if capture_output else subprocess.DEVNULL
+  return subprocess.Popen(command, env=env, stdout=output, stderr=output, text=capture_output)
 
 
 def start_local_workers(num_workers: int, single_thread: bool = True,
