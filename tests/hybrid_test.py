@@ -196,3 +196,22 @@ def test_the_trainer_names_a_bad_replica_count(tmp_path):
     demo_trainer(tmp_path, "task.pipeline.num_replicas=0")
   with pytest.raises(hybrid.HybridError, match="3 replicas × 2 cells need 6 devices; 4 given"):
     demo_trainer(tmp_path, "task.pipeline.num_replicas=3")
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ("task.pipeline.num_micro_batches=9;train_input.batch_size=8",
+     r"task\.pipeline\.num_micro_batches=9 does not fit a batch of 8 "
+     r"\(train_input\.batch_size=8\); valid: 1\.\.8"),
+    ("task.pipeline.num_micro_batches=5;task.pipeline.num_replicas=2;train_input.batch_size=8",
+     r"num_micro_batches=5 does not fit a batch of 4 \(train_input\.batch_size=8 / 2 "
+     r"replicas\); valid: 1\.\.4"),
+    ("task.pipeline.num_replicas=2;train_input.batch_size=9",
+     r"train_input\.batch_size=9 is not divisible by task\.pipeline\.num_replicas=2"),
+])
+def test_a_batch_that_cannot_be_split_is_refused_before_anything_is_written(
+    tmp_path, overrides, message):
+  """A ValueError naming the keys (the trainer binary: exit 2), raised while the
+  Trainer is built, before it traces a step or writes to the logdir."""
+  with pytest.raises(ValueError, match=message):
+    demo_trainer(tmp_path / "run", overrides)
+  assert not (tmp_path / "run").exists()

@@ -46,6 +46,35 @@ def test_external_param_file_registers_under_its_file_name(tmp_path, monkeypatch
     model_registry.load_param_files([str(tmp_path / "nope.py")])
 
 
+def test_a_param_file_that_fails_to_load_is_named_with_its_line(tmp_path):
+  """(The trainer turns ParamFileError into exit 2: tests/trainer_test.py.)"""
+  broken = tmp_path / "needs_a_module.py"
+  broken.write_text("import os\nimport no_such_module_here\n")
+  with pytest.raises(model_registry.ParamFileError,
+                     match=f"param file {re.escape(str(broken))}, line 2 does not load: "
+                     "ModuleNotFoundError: No module named 'no_such_module_here'"):
+    model_registry.load_param_files([str(broken)])
+
+
+def test_a_user_file_cannot_shadow_a_builtin_key(tmp_path):
+  shadow = tmp_path / "demo.py"
+  shadow.write_text(textwrap.dedent("""
+      from lingvo_gpipe import model_registry
+      from lingvo_gpipe_params import demo
+
+      @model_registry.register
+      class TinyConvNet(demo.TinyConvNet):
+        pass
+      """))
+  builtin = model_registry.get_class("demo.TinyConvNet")
+  with pytest.raises(model_registry.ParamFileError,
+                     match=r"demo\.py, line 5 does not load: ValueError: model key "
+                     r"'demo\.TinyConvNet' is already defined by .*params/demo\.py; rename "
+                     "this file or this class"):
+    model_registry.load_param_files([str(shadow)])
+  assert model_registry.get_class("demo.TinyConvNet") is builtin
+
+
 def test_readme_param_file_example_registers_and_runs(tmp_path):
   readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
   code = re.search(r"```python\n# my_models.py\n(.*?)```", readme, re.S).group(1)

@@ -133,12 +133,6 @@ def test_a_resumed_run_is_checked_before_it_writes_and_a_failed_save_loses_nothi
   assert other_input.returncode == 2
   assert "train_input.batch_size: 8 -> 16" in other_input.stderr, other_input.stderr
   assert other_input.stderr.count("\n") == 1 and "Resuming" not in other_input.stdout
-  too_many = run_trainer(MODEL, f"--logdir={logdir}", "--max_steps=20", "--devices=cpu:2",
-                         f"--params_override={EVERY_10};{PIPELINE};"
-                         "task.pipeline.num_micro_batches=9")
-  assert too_many.returncode == 2
-  assert ("task.pipeline.num_micro_batches=9 does not fit a batch of 8 "
-          "(train_input.batch_size=8); valid: 1..8") in too_many.stderr, too_many.stderr
   assert files(logdir) == before
 
   # A fine change goes on (noted); the save at step 20 fails: one line, exit 1.
@@ -190,30 +184,18 @@ def test_bad_input_exits_2_with_a_named_error(args, message):
   assert re.search(message, result.stderr), result.stderr
 
 
-SHADOWING_PARAM_FILE = """
-from lingvo_gpipe import model_registry
-from lingvo_gpipe_params import demo
-
-@model_registry.register
-class TinyConvNet(demo.TinyConvNet):
-  pass
-"""
-
-
 @pytest.mark.parametrize("args, file_text, message", [
+    # Every ParamFileError (an import error, a key a built-in file has:
+    # model_registry_test) takes this path.
     ([], "def broken(:\n", r"param file .*broken\.py, line 1 does not load: SyntaxError"),
-    ([], "import no_such_module_here\n",
-     r"broken\.py, line 1 does not load: ModuleNotFoundError: No module named"),
-    ([], None, r"demo\.py, line 5 does not load: ValueError: model key 'demo\.TinyConvNet' is "
-     r"already defined by .*params/demo\.py; rename this file or this class"),
     (["--cluster_spec=worker=localhost:99999"], "",
      r"--cluster_spec: bad port 99999 .* valid ports: 1\.\.65535"),
     (["--model=image.AmoebaNetD_18_208", "--data_dir={tmp}/no_data"], "",
      r"TFDS dataset 'imagenet2012' is not prepared in .*/no_data; nothing is downloaded here"),
 ])
 def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, args, file_text, message):
-  param_file = tmp_path / ("demo.py" if file_text is None else "broken.py")
-  param_file.write_text(SHADOWING_PARAM_FILE if file_text is None else file_text)
+  param_file = tmp_path / "broken.py"
+  param_file.write_text(file_text)
   logdir = tmp_path / "run"
   model = [] if any(a.startswith("--model") for a in args) else [MODEL]
   result = run_trainer(*model, *[a.format(tmp=tmp_path) for a in args],
