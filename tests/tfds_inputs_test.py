@@ -104,3 +104,19 @@ def test_many_to_english_tags_sources_and_records_the_language(tmp_path):
 def test_bad_dataset_names_the_valid_ones():
   with pytest.raises(ValueError, match="dataset must be one of .*cifar10"):
     tfds_inputs.TfdsImages.Params().set(dataset="mnist").instantiate()
+
+
+@pytest.mark.parametrize("prepared_folder", [False, True])
+def test_missing_data_is_reported_and_never_downloaded(tmp_path, prepared_folder):
+  """With or without an (empty) dataset folder under data_dir: MissingDataError naming the
+  dataset, the directory and how to prepare it; TFDS is not asked to download."""
+  if prepared_folder:
+    (tmp_path / "cifar10").mkdir()
+  before = sorted(tmp_path.rglob("*"))
+  params = tfds_inputs.TfdsImages.Params().set(dataset="cifar10", split="train", batch_size=2,
+                                               data_dir=str(tmp_path))
+  with pytest.raises(tfds_inputs.MissingDataError,
+                     match=f"TFDS dataset 'cifar10' is not prepared in {tmp_path}; nothing is "
+                     f"downloaded here: .*`tfds build cifar10 --data_dir={tmp_path}`"):
+    params.instantiate().dataset()
+  assert sorted(tmp_path.rglob("*")) == before

@@ -191,8 +191,9 @@ def connect_to_cluster(spec: dict[str, list[str]], worker_job: str = "worker",
 
 def worker_status(address: str, timeout_s: float = 2.0) -> str | None:
   """None if the TensorFlow server at HOST:PORT answers a status call within
-  `timeout_s`; else why not ('does not reply within 2 s' for a process that is frozen
-  or overloaded, 'cannot be reached: ...' for one that is gone).
+  `timeout_s`; else why not: 'does not reply within 2 s (frozen or overloaded)' for a
+  process that is stopped or stuck, 'cannot be reached (unavailable)' for one that is
+  gone or whose host or network is.
 
   The call is the worker service's own GetStatus RPC (an empty request; TensorFlow's
   gRPC server answers it on its own threads, also while the worker computes). A TCP

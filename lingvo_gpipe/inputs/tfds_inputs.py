@@ -28,27 +28,31 @@ class MissingDataError(ValueError):
   """A TFDS dataset that is not prepared where the params say; never downloaded here."""
 
 
+def _missing(name: str, data_dir: str | None) -> MissingDataError:
+  where = data_dir or "TFDS's default directory (~/tensorflow_datasets)"
+  target = f" --data_dir={data_dir}" if data_dir else ""
+  manual = (f" ({name} needs its archives in <data_dir>/downloads/manual first)"
+            if name == "imagenet2012" else "")
+  return MissingDataError(
+      f"TFDS dataset {name!r} is not prepared in {where}; nothing is downloaded here: "
+      f"prepare it on a machine with network (`tfds build {name}{target}`){manual} and "
+      "copy it, or point --data_dir at the directory that holds it")
+
+
 def _load(name: str, split: str, data_dir: str | None, shuffle_files: bool) -> tf.data.Dataset:
   """The prepared split; raises MissingDataError instead of downloading (a training run
   reads prepared data: no network here, and a download would write into data_dir)."""
   import tensorflow_datasets as tfds
 
+  if data_dir and not os.path.isdir(os.path.join(data_dir, name)):
+    raise _missing(name, data_dir)  # before TFDS logs its own warnings about the folder
   try:
-    if data_dir and not os.path.isdir(os.path.join(data_dir, name)):
-      raise AssertionError("could not find data")  # without TFDS's own warnings first
     return tfds.load(name, split=split, data_dir=data_dir or None,
                      shuffle_files=shuffle_files, download=False)
   except AssertionError as e:  # TFDS's "Dataset X: could not find data in DIR"
     if "could not find data" not in str(e):
       raise
-    where = data_dir or "TFDS's default directory (~/tensorflow_datasets)"
-    target = f" --data_dir={data_dir}" if data_dir else ""
-    manual = (f" ({name} needs its archives in <data_dir>/downloads/manual first)"
-              if name == "imagenet2012" else "")
-    raise MissingDataError(
-        f"TFDS dataset {name!r} is not prepared in {where}; nothing is downloaded here: "
-        f"prepare it on a machine with network (`tfds build {name}{target}`){manual} and "
-        "copy it, or point --data_dir at the directory that holds it") from None
+    raise _missing(name, data_dir) from None
 
 
 class TfdsBase(BaseInputGenerator):
