@@ -22,7 +22,7 @@ train: install
 	  --mode=train_and_eval
 
 test: install
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n 2 --dist worksteal tests
 
 lint: install
 	$(VENV)/bin/ruff check .
