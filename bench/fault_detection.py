@@ -41,7 +41,7 @@ MODEL = ["--model=demo.TinyConvNet", "--params_override=task.pipeline.num_cells=
 
 
 def one_trial(fault: str, logdir: str) -> tuple[float, int, str]:
-  """(seconds from the fault to the trainer's exit, exit code, last stderr line)."""
+  """(seconds from the fault to the trainer's exit, exit code, its error line)."""
   spec, workers = cluster.start_local_workers(2, single_thread=False)
   try:
     cluster.wait_for_servers(cluster.parse_cluster_spec(spec)["worker"])
@@ -64,7 +64,8 @@ def one_trial(fault: str, logdir: str) -> tuple[float, int, str]:
       trainer.send_signal(signal.SIGINT)
     start = time.monotonic()
     _, stderr = trainer.communicate(timeout=300)
-    return time.monotonic() - start, trainer.returncode, stderr.strip().split("\n")[-1]
+    errors = [line for line in stderr.split("\n") if line.startswith("error:")]
+    return time.monotonic() - start, trainer.returncode, (errors or ["(no error line)"])[-1]
   finally:
     for worker in workers:
       if worker.poll() is None:

@@ -255,27 +255,31 @@ def _run_interruptibly() -> int:
   """Runs _run in a thread so that Ctrl-C is heard at once (a main thread blocked in a
   TensorFlow call does not run Python's signal handler until the call returns: never,
   for a step waiting on a frozen worker). Ctrl-C asks the loop to stop after the step in
-  flight (it flushes its summaries), waits up to 3 s for it, then exits with code 130;
+  flight (it flushes its summaries), waits up to 2 s for it, then exits with code 130;
   an interrupted save leaves only a ckpt-N_temp/ directory, removed at the next start."""
   outcome: dict = {}
+  # An Event, not Thread.join: a join interrupted by KeyboardInterrupt leaves the thread
+  # looking finished (Python 3.11), and the second wait would not wait.
+  done = threading.Event()
 
   def target() -> None:
     try:
       outcome["code"] = _run()
     except BaseException as e:  # noqa: BLE001 - re-raised in the main thread
       outcome["error"] = e
+    finally:
+      done.set()
 
-  thread = threading.Thread(target=target, name="trainer", daemon=True)
-  thread.start()
+  threading.Thread(target=target, name="trainer", daemon=True).start()
   try:
-    while thread.is_alive():
-      thread.join(0.2)
+    while not done.wait(0.2):
+      pass
   except KeyboardInterrupt:
     trainer = _current.get("trainer")
     if trainer is not None:
       trainer.stop_requested.set()
     with contextlib.suppress(KeyboardInterrupt):
-      thread.join(3.0)
+      done.wait(2.0)
     latest = _latest_checkpoint()
     _exit_now(f"interrupted (Ctrl-C); the last checkpoint is {latest}: rerun the same "
               "command to resume from it" if latest else
