@@ -36,6 +36,7 @@ setup(
         "numpy>=1.26",
         "tensorboard>=2.20",
         "sacrebleu>=2.4",  # BLEU of translation evals
+        "matplotlib>=3.8",  # the schedule chart in TensorBoard
     ],
     # pytest-xdist: `make test` runs two test processes (most tests wait on subprocesses
     # or trace Python on one core; the 2-core CI machine finishes in ~10 instead of ~15 min).

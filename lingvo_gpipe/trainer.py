@@ -35,7 +35,7 @@ import tensorflow as tf
 from lingvo_gpipe import checkpoints, logdirs, train_step
 from lingvo_gpipe.core import base_layer, cluster
 from lingvo_gpipe.core.hyperparams import Params
-from lingvo_gpipe.pipeline import hybrid, timeline
+from lingvo_gpipe.pipeline import hybrid, schedule_chart, timeline
 from lingvo_gpipe.pipeline.layer import PipelineError
 
 
@@ -309,10 +309,13 @@ class Trainer:
                                               self.train_step.span_keys)
     for name, value in measured.summary(self.train_step.plan).items():
       tf.summary.scalar(name, value, step=step)
-    tf.summary.image("pipeline/schedule", measured.image()[None], step=step,
-                     description="Cells top to bottom, time left to right; forward calls "
-                     "blue, backward (with recompute) orange, darker for later "
-                     "micro-batches; white is idle (the bubble).")
+    devices = self.task.pipeline.cell_devices if self.task.pipeline is not None else None
+    image = schedule_chart.chart(measured, devices, self.train_step.plan)
+    tf.summary.image("pipeline/schedule", image[None], step=step,
+                     description="Replica 0's cells top to bottom (with their devices), "
+                     "time in ms left to right; forward calls blue, backward (with "
+                     "recompute) orange, darker for later micro-batches; white is idle "
+                     "(the bubble).")
 
   def evaluate(self) -> dict[str, float]:
     """Runs the eval input once; writes and returns the example-weighted mean metrics."""

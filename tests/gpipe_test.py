@@ -9,8 +9,9 @@ import tensorflow as tf
 from lingvo_gpipe import train_step
 from lingvo_gpipe.core import base_layer, layers, optimizers
 from lingvo_gpipe.core.base_layer import BaseLayer
-from lingvo_gpipe.pipeline import hybrid, timeline
+from lingvo_gpipe.pipeline import hybrid
 from lingvo_gpipe.pipeline import layer as gpipe
+from lingvo_gpipe.pipeline.schedule import BACKWARD, FORWARD
 
 DIM = 8
 BATCH = 13  # no M > 1 of the grid divides it: every split is uneven
@@ -260,8 +261,8 @@ def test_each_hand_off_is_awaited_on_the_receiving_device(cpu_devices, schedule)
     return any(_device(op.device) == _device(device) and previous_end in _ancestors(op)
                for op in waited)
 
-  for cell, neighbour, phase in [(0, devices[1], timeline.FORWARD),
-                                 (1, devices[0], timeline.BACKWARD)]:
+  for cell, neighbour, phase in [(0, devices[1], FORWARD),
+                                 (1, devices[0], BACKWARD)]:
     actions = plan.actions[cell]
     for previous, following in zip(actions, actions[1:]):
       if previous.phase == phase:

@@ -1,5 +1,6 @@
 """The measured pipeline schedule: statistics against hand-built schedules, and the
-timestamps in a traced step (on every cell's device, not chained to one another)."""
+timestamps in a traced step (on every cell's device, not chained to one another), and
+the chart of a schedule."""
 
 import numpy as np
 import pytest
@@ -8,7 +9,8 @@ import tensorflow as tf
 from lingvo_gpipe import train_step
 from lingvo_gpipe.core import base_layer, layers
 from lingvo_gpipe.pipeline import layer as gpipe
-from lingvo_gpipe.pipeline import timeline
+from lingvo_gpipe.pipeline import schedule, schedule_chart, timeline
+from lingvo_gpipe.pipeline.schedule import BACKWARD, FORWARD
 
 
 def fill_drain(num_cells: int, num_micro: int, forward: float = 1.0, backward: float = 2.0):
@@ -16,12 +18,12 @@ def fill_drain(num_cells: int, num_micro: int, forward: float = 1.0, backward: f
   rows = []
   for m in range(num_micro):
     for k in range(num_cells):
-      rows.append((k, m, timeline.FORWARD, (m + k) * forward, (m + k + 1) * forward))
+      rows.append((k, m, FORWARD, (m + k) * forward, (m + k + 1) * forward))
   backward_start = (num_micro + num_cells - 1) * forward
   for m in range(num_micro):
     for k in reversed(range(num_cells)):
       slot = m + (num_cells - 1 - k)
-      rows.append((k, m, timeline.BACKWARD, backward_start + slot * backward,
+      rows.append((k, m, BACKWARD, backward_start + slot * backward,
                    backward_start + (slot + 1) * backward))
   return rows
 
@@ -44,23 +46,53 @@ def test_an_ideal_fill_drain_schedule_measures_the_theoretical_bubble(num_cells,
       (num_cells - 1) / (num_micro + num_cells - 1))
 
 
-def test_overlapping_calls_count_once_and_idle_time_shows_white():
-  rows = [(0, 0, timeline.FORWARD, 0.0, 2.0), (0, 1, timeline.FORWARD, 1.0, 3.0),
-          (1, 0, timeline.BACKWARD, 6.0, 8.0)]
+def test_overlapping_calls_count_once():
+  rows = [(0, 0, FORWARD, 0.0, 2.0), (0, 1, FORWARD, 1.0, 3.0),
+          (1, 0, BACKWARD, 6.0, 8.0)]
   measured = schedule_of(rows)
   assert measured.busy_fractions() == pytest.approx([3 / 8, 2 / 8])
-  image = measured.image(width=81, row_height=4, gap=2)
-  assert image.shape == (2 * (4 + 2) + 2, 81, 3) and image.dtype == np.uint8
-  top_row, bottom_row = image[2], image[8]
-  white = np.array([255, 255, 255])
-  assert (top_row[:30] != white).any(axis=1).all() and (top_row[31:] == white).all()
-  assert (bottom_row[:60] == white).all() and (bottom_row[60:80] != white).any(axis=1).all()
+
+
+def test_the_chart_labels_cells_devices_time_and_bubbles_and_leaves_idle_white():
+  rows = fill_drain(2, 4)  # seconds: F 1 s, B 2 s; 15 s in all; bubble 1/5
+  measured = schedule_of(rows)
+  devices = ["/job:worker/replica:0/task:0/device:CPU:0",
+             "/job:worker/replica:0/task:1/device:GPU:0"]
+  plan = schedule.gpipe(2, 4)
+  fig = schedule_chart.figure(measured, devices, plan)
+  axes = fig.axes[0]
+  assert [t.get_text() for t in axes.get_yticklabels()] == ["cell 0  task:0 CPU:0",
+                                                           "cell 1  task:1 GPU:0"]
+  assert axes.get_xlabel() == "time in the step (ms)" and axes.get_xlim() == (0, 15000)
+  assert axes.get_title() == ("2 cells × 4 micro-batches: bubble measured 20%, GPipe theory "
+                              f"20%, gpipe plan {plan.bubble():.0%}")
+  assert [t.get_text() for t in axes.get_legend().get_texts()] == [
+      "forward", "backward (with recompute)", "idle (bubble)"]
+  # Every call is one bar spanning its own milliseconds on its cell's row.
+  bars = [path.get_extents() for bar in axes.collections for path in bar.get_paths()]
+  assert sorted((round(b.x0), round(b.x1), round(b.y0 + 0.4)) for b in bars) == sorted(
+      (round(start * 1e3), round(end * 1e3), k) for k, _, _, start, end in rows)
+
+  pixels = schedule_chart.render(fig)
+  assert pixels.dtype == np.uint8 and pixels.ndim == 3 and pixels.shape[2] == 3
+  height = pixels.shape[0]
+
+  def pixel(ms: float, cell: int) -> np.ndarray:
+    x, y = axes.transData.transform((ms, cell))
+    return pixels[int(height - y), int(x)]
+
+  white = [255, 255, 255]
+  assert list(pixel(500, 1)) == white      # cell 1 waits for micro-batch 0: the bubble
+  assert list(pixel(500, 0)) != white      # cell 0 runs F0
+  assert list(pixel(1500, 1)) != white     # cell 1 runs F0
+  assert list(pixel(14500, 1)) == white    # cell 1 is done; cell 0 runs B3
+  assert list(pixel(14500, 0)) != white
 
 
 def test_fetched_rows_must_match_the_keys():
   with pytest.raises(ValueError, match="3 fetched spans for 2 keys"):
     timeline.Schedule.from_fetched([np.zeros((3, 2))],
-                                   [[timeline.SpanKey(0, 0, timeline.FORWARD)] * 2])
+                                   [[timeline.SpanKey(0, 0, FORWARD)] * 2])
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
@@ -100,7 +132,7 @@ def test_a_traced_step_stamps_every_cell_call_on_its_device_without_chaining(cpu
   measured = timeline.Schedule.from_fetched([t.numpy() for t in fetched], keys)
   assert sorted((k.cell, k.micro_batch, k.phase) for k in measured.keys) == sorted(
       (k, m, phase) for k in range(num_cells) for m in range(num_micro)
-      for phase in (timeline.FORWARD, timeline.BACKWARD))
+      for phase in (FORWARD, BACKWARD))
   assert (measured.times[:, 1] >= measured.times[:, 0]).all()
   # Each device ran its calls one at a time, in the order the schedule lists.
   assert measured.followed(model.plan()) == [True] * num_cells

@@ -10,8 +10,8 @@ per cell call and one [spans, 2] tensor per device fetched with the step's resul
 
 `fetches(spans)` stacks the timestamps of each device into one tensor (one transfer per
 device); `Schedule.from_fetched` turns the fetched numbers back into spans, and from
-them come each cell's busy fraction, the measured bubble beside GPipe's
-(K−1)/(M+K−1), and an image of the schedule for TensorBoard.
+them come each cell's busy fraction and the measured bubble beside GPipe's
+(K−1)/(M+K−1); `schedule_chart` draws them for TensorBoard.
 
 Timestamps are wall-clock seconds of the host running the device: cells on one host
 (logical devices, one worker process per device) share a clock; across hosts the
@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from lingvo_gpipe.pipeline.schedule import BACKWARD, FORWARD, Action, PipelineSchedule
+from lingvo_gpipe.pipeline.schedule import Action, PipelineSchedule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,25 +228,3 @@ class Schedule:
       out["pipeline/bubble_planned"] = plan.bubble()
       out["pipeline/cells_following_plan"] = float(np.mean(self.followed(plan)))
     return out
-
-  def image(self, width: int = 960, row_height: int = 28, gap: int = 6) -> np.ndarray:
-    """A Gantt chart of the step: uint8 [height, width, 3].
-
-    One row per cell (cell 0 on top), time left to right over the step. Forward calls
-    are blue, backward calls (recompute included) orange; the shade darkens with the
-    micro-batch index, and each call ends in a one-pixel dark edge so neighbours stay
-    apart. White is idle: the bubble.
-    """
-    num_cells, num_micro = self.num_cells, self.num_micro_batches
-    height = num_cells * (row_height + gap) + gap
-    canvas = np.full((height, width, 3), 255, np.uint8)
-    scale = (width - 1) / max(self.duration, 1e-12)
-    base = {FORWARD: np.array([66, 133, 244]), BACKWARD: np.array([244, 143, 66])}
-    for (start, end), key in zip(self.times, self.keys):
-      shade = 1.0 - 0.55 * key.micro_batch / max(num_micro - 1, 1)
-      color = (base[key.phase] * shade).astype(np.uint8)
-      top = gap + key.cell * (row_height + gap)
-      left, right = int(start * scale), max(int(end * scale), int(start * scale) + 1)
-      canvas[top:top + row_height, left:right] = color
-      canvas[top:top + row_height, right - 1] = (color * 0.4).astype(np.uint8)
-    return canvas
