@@ -1,1 +1,45 @@
-"""lingvo_gpipe: GPipe pipeline parallelism for TensorFlow 2."""
+"""lingvo_gpipe: GPipe pipeline parallelism for TensorFlow 2.
+
+The public API: what a model param file, a user's own layer or a training script needs.
+
+  import lingvo_gpipe as g
+
+  @g.register
+  class MyModel(g.SingleTaskModelParams):
+    def task(self):
+      p = g.ImageClassificationTask.Params()
+      p.body = g.layers.Sequential.Params().set(layers=[...])
+      ...
+
+Layers, optimizers and learning-rate schedules are modules (`g.layers.Linear`,
+`g.optimizers.Adam`, `g.schedules.LinearWarmupRsqrtDecay`); everything else is a name
+here. Deeper module paths keep working (and are what params.txt records).
+"""
+
+from lingvo_gpipe.base_model_params import SingleTaskModelParams
+from lingvo_gpipe.core import attention, layers, optimizers, schedules
+from lingvo_gpipe.core.base_layer import BaseLayer
+from lingvo_gpipe.core.cluster import configure_devices
+from lingvo_gpipe.core.hyperparams import InstantiableParams, Params
+from lingvo_gpipe.inputs.base_input import BaseInputGenerator
+from lingvo_gpipe.inputs.synthetic_images import SyntheticImages
+from lingvo_gpipe.inputs.synthetic_text import SyntheticLm, SyntheticTranslation
+from lingvo_gpipe.inputs.tfds_inputs import TfdsImages, TfdsLm, TfdsManyToEnglish
+from lingvo_gpipe.model_registry import register
+from lingvo_gpipe.pipeline.hybrid import ReplicatedPipeline
+from lingvo_gpipe.pipeline.layer import PipelineError, PipeliningLayer
+from lingvo_gpipe.tasks.base_task import BaseTask
+from lingvo_gpipe.tasks.image_classification import ImageClassificationTask
+from lingvo_gpipe.tasks.language_model import LanguageModelTask
+from lingvo_gpipe.tasks.translation import TranslationTask
+from lingvo_gpipe.train_step import TrainStep
+from lingvo_gpipe.trainer import Trainer
+
+__all__ = [
+    "BaseInputGenerator", "BaseLayer", "BaseTask", "ImageClassificationTask",
+    "InstantiableParams", "LanguageModelTask", "Params", "PipelineError", "PipeliningLayer",
+    "ReplicatedPipeline", "SingleTaskModelParams", "SyntheticImages", "SyntheticLm",
+    "SyntheticTranslation", "TfdsImages", "TfdsLm", "TfdsManyToEnglish", "TrainStep",
+    "Trainer", "TranslationTask", "attention", "configure_devices", "layers", "optimizers",
+    "register", "schedules",
+]

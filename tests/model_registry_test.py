@@ -66,6 +66,7 @@ def test_a_user_file_cannot_shadow_a_builtin_key(tmp_path):
       class TinyConvNet(demo.TinyConvNet):
         pass
       """))
+  model_registry.load_param_files()
   builtin = model_registry.get_class("demo.TinyConvNet")
   with pytest.raises(model_registry.ParamFileError,
                      match=r"demo\.py, line 5 does not load: ValueError: model key "
