@@ -1,7 +1,10 @@
 """The registered paper models: parameter counts from shapes against the GPipe paper's
-numbers, partition counts, and `--mode=inspect_model` end to end."""
+numbers and exactly as the README's table shows them, partition counts, and
+`--mode=inspect_model` end to end."""
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 from conftest import run_trainer
@@ -28,9 +31,35 @@ PAPER_MODELS = {
     "mt.Multilingual3B": (3e9, 0.08, 8),
     "mt.Multilingual128L6B": (6e9, 0.08, 16),
 }
+# GPipe's Table 2 configurations (no parameter count in the paper) and the tiny members.
+TABLE2_MODELS = ["image.AmoebaNetD_18_256", "lm.Transformer48"]
+TINY_MODELS = ["image.AmoebaNetTiny", "lm.TransformerTiny", "mt.MultilingualTiny"]
 
 
 model_registry.load_param_files()
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+_UNITS = {"k": 1e3, "M": 1e6, "B": 1e9}
+
+
+def readme_counts() -> dict[str, str]:
+  """{key: the params column} of the README's table of registered models."""
+  rows = re.findall(r"^\| `([\w.]+)` \| [^|]+ \| \d+ \| \d+ \| ([\d.]+[kMB]) \|",
+                    README.read_text(), flags=re.MULTILINE)
+  return dict(rows)
+
+
+def assert_readme_count(key: str, count: int) -> None:
+  """The README's figure is `count` rounded to the digits it shows."""
+  shown = readme_counts()[key]
+  number, unit = shown[:-1], _UNITS[shown[-1]]
+  decimals = len(number.partition(".")[2])
+  assert f"{count / unit:.{decimals}f}" == number, f"{key}: README says {shown}, counted {count:,}"
+
+
+def test_the_readme_table_lists_every_registered_paper_and_tiny_model():
+  listed = set(readme_counts())
+  assert set(PAPER_MODELS) | set(TABLE2_MODELS) | set(TINY_MODELS) == listed
 
 
 def build_shapes_only(key):
@@ -45,25 +74,26 @@ def test_paper_model_parameter_count_and_cells(key):
   params, task = build_shapes_only(key)
   total = task.num_params()
   assert abs(total / target - 1) <= tolerance, f"{key}: {total:,} vs the paper's {target:,.0f}"
+  assert_readme_count(key, total)
   stack = task.children()[0]
   assert len(stack.cells) == num_cells
   assert params.task.pipeline.num_micro_batches >= 4 * num_cells  # GPipe's M >= 4K
 
 
-def test_table2_models_are_registered():
-  for key in ("image.AmoebaNetD_18_256", "lm.Transformer48"):
-    _, task = build_shapes_only(key)
-    assert task.num_params() > 0
+@pytest.mark.parametrize("key", TABLE2_MODELS)
+def test_table2_models_have_the_counts_the_readme_shows(key):
+  _, task = build_shapes_only(key)
+  assert_readme_count(key, task.num_params())
 
 
-@pytest.mark.parametrize("key", ["image.AmoebaNetTiny", "lm.TransformerTiny",
-                                 "mt.MultilingualTiny"])
+@pytest.mark.parametrize("key", TINY_MODELS)
 def test_tiny_models_count_params_like_their_variables(key):
   params = model_registry.get_params(key).freeze()
   _, shapes_task = build_shapes_only(key)
   task = params.task.instantiate()
   assert sum(int(v.shape.num_elements()) for v in task.trainable_variables) == \
       shapes_task.num_params()
+  assert_readme_count(key, shapes_task.num_params())
 
 
 def test_inspect_model_reports_paper_count_and_cells():
@@ -71,5 +101,5 @@ def test_inspect_model_reports_paper_count_and_cells():
                        "--inspect_depth=1", timeout=600)
   assert result.returncode == 0, result.stderr
   summary = json.loads(result.stdout.strip().splitlines()[-1])
-  assert abs(summary["total_params"] / 542e6 - 1) <= 0.05
+  assert_readme_count("image.AmoebaNetD_18_544", summary["total_params"])
   assert len(summary["cells"]) == 2
