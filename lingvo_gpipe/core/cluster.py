@@ -294,8 +294,10 @@ def start_local_worker(spec: str, task: int, single_thread: bool = True,
   env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
   if single_thread:
     env.update(TF_NUM_INTEROP_THREADS="1", TF_NUM_INTRAOP_THREADS="1")
-  worker = Path(__file__).resolve().parents[2] / "tools" / "worker.py"
-  command = [sys.executable, str(worker), f"--cluster_spec={spec}", f"--task={task}"]
+  # The installed module (tools/ ships as lingvo_gpipe.tools), not a path next to this
+  # file: that exists only in a source checkout.
+  command = [sys.executable, "-m", "lingvo_gpipe.tools.worker", f"--cluster_spec={spec}",
+             f"--task={task}"]
   if memory_log:
     command.append(f"--memory_log={memory_log}")
   output = subprocess.PIPE if capture_output else subprocess.DEVNULL
