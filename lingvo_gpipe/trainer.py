@@ -125,12 +125,10 @@ class Trainer:
     self.optimizers = [train_p.optimizer.instantiate() for _ in self.replicas.replicas]
     for optimizer, variables in zip(self.optimizers, self.replicas.trainable_variables):
       optimizer.create_slots(variables)
-    self.optimizer = self.optimizers[0]
-    self.variables = self.replicas.trainable_variables[0]
     self.global_step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step")
     self.train_step = train_step.TrainStep(self.replicas, self.optimizers, self.global_step)
     self._check_batch_splits()
-    self.checkpoint = tf.train.Checkpoint(task=self.task, optimizer=self.optimizer,
+    self.checkpoint = tf.train.Checkpoint(task=self.task, optimizer=self.optimizers[0],
                                           global_step=self.global_step,
                                           train_input_position=self.train_iterator)
     self.checkpoints = checkpoints.CheckpointStore(
