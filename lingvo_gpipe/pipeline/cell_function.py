@@ -16,18 +16,16 @@ the global step, and `call_info` = int64 [micro-batch index, example offset] (se
 `executor.call_infos`); the step and the offset seed dropout exactly as in the
 unpartitioned model, so the recompute inside `backward` draws the forward's masks.
 
-TensorFlow behaviours that shape the engine (each measured here):
+TensorFlow behaviours that shape the engine (the ones beyond its documented API are
+listed, with the tests that pin them, in `tf_internals.py`):
 
-- The calls carry the function attribute `_noinline`. By default Grappler inlines
-  function calls and re-optimizes the flattened graph: the first step then costs
-  what the per-micro-batch traces cost before (measured 13 s against 1.9 s for 32
-  layers × 32 micro-batches), and common-subexpression elimination may merge the
-  recomputed forward into the forward, silently undoing re-materialization.
-- Grappler's function optimizer *specializes* calls: a call with a constant input
-  gets its own copy of the body, optimized on its own; and it examines every call
-  site, whose inputs include each variable the body reads, so its cost grows with
-  L·M (`disable_call_specialization`). The per-call scalars also come from a
-  PlaceholderWithDefault, which it never sees as constant (`executor.call_infos`).
+- The calls carry the function attribute `_noinline` (`tf_internals.NOT_INLINED`), so
+  Grappler neither inlines them into the step nor merges the recomputed forward into
+  the forward.
+- Grappler's function optimizer is off for the process
+  (`tf_internals.disable_function_specialization`): it would specialize a body copy
+  per call. The per-call scalars also come from a PlaceholderWithDefault, which it
+  never sees as constant (`executor.call_infos`).
 - A call op placed with `tf.device(d)` runs every op of its body that names no device
   on d; the traced outer graph does not show that, so placement is proven from the
   ops that executed (`tests/pipeline_placement_test.py`, TensorFlow's debug dump).
@@ -48,27 +46,11 @@ import tensorflow as tf
 
 from lingvo_gpipe.core import base_layer
 from lingvo_gpipe.core.base_layer import BaseLayer
+from lingvo_gpipe.pipeline.tf_internals import NOT_INLINED
 
 # Head(outputs of the last cell, head inputs of the micro-batch) → metrics
 # {name: (value, weight)}; metrics["loss"][0] is the mean loss over the weight.
 Head = Callable[[Any, Any], dict]
-
-NOT_INLINED = {"_noinline": True}
-
-
-def disable_call_specialization() -> None:
-  """Turns Grappler's function optimizer off, process-wide (TensorFlow has no
-  per-function switch), before a pipelined step is first run.
-
-  With it on, the first step of an 8-layer, 2-cell LM took 19.3 s to optimize and run
-  at M=32 against 5.1 s at M=4; off, 11.5 s against 4.1 s (steady steps unchanged).
-  What it would add here is nothing the engine wants: it would inline the cell calls
-  (they are marked `_noinline`) or specialize a body copy per call. Being process-wide,
-  it also stops Grappler from inlining or specializing nested calls in the process's
-  other tf.functions (not measured: the trainer runs only this step and eval).
-  """
-  tf.config.optimizer.set_experimental_options({"function_optimization": False})
-
 
 def call_layers(layers: Sequence[BaseLayer], x: Any) -> Any:
   """Runs `layers` in order; a tuple output is passed on as positional arguments."""

@@ -29,7 +29,7 @@ import tensorflow as tf
 
 from lingvo_gpipe.core import base_layer, cluster, model_stats
 from lingvo_gpipe.core.base_layer import BaseLayer
-from lingvo_gpipe.pipeline import cell_function, executor, partition, schedule
+from lingvo_gpipe.pipeline import executor, partition, schedule, tf_internals
 from lingvo_gpipe.pipeline.cell_function import CellFunctions, Head, call_layers
 
 RECOMPUTE_POLICIES = ("always", "except_last", "never")
@@ -217,7 +217,7 @@ class PipeliningLayer(BaseLayer):
     the cells and the head read. Batch statistics go to the StepContext's layer_stats,
     the measured spans to its schedule.
     """
-    cell_function.disable_call_specialization()
+    tf_internals.disable_function_specialization()
     sizes, offsets = self._micro_batches(inputs, self.params.num_micro_batches)
     micro_inputs = self._split(inputs, sizes, self.cell_devices[0])
     micro_head_inputs = self._split(head_inputs, sizes, self.output_device)

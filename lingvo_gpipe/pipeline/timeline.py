@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from lingvo_gpipe.pipeline import tf_internals
 from lingvo_gpipe.pipeline.schedule import Action, PipelineSchedule
 
 
@@ -42,29 +43,14 @@ class Span:
   end: tf.Tensor
 
 
-class _OutsideProgramOrder:
-  """Marks a timestamp op as exempt from tf.function's program-order chain.
-
-  tf.function's automatic control dependencies run every stateful op that touches
-  no resource in program order, across all devices (so that prints print in order).
-  `tf.timestamp` is such an op: chained, the stamps of cell 1 on micro-batch 0 would
-  wait for those of cell 0 on micro-batch 1, and since the cells wait for their
-  stamps, the chain would serialize the whole pipeline (measured: no overlap at all).
-  The chain skips ops inside a control-flow context; this minimal one (not a loop, no
-  outer context) is what it checks for. It changes nothing in the GraphDef.
-  """
-
-  outer_context = None
-
-  @staticmethod
-  def IsWhileContext() -> bool:  # noqa: N802 (TensorFlow's control-flow context API)
-    return False
-
-
 def _timestamp() -> tf.Tensor:
+  """tf.timestamp() outside tf.function's program-order chain: chained, the stamps of
+  cell 1 on micro-batch 0 would wait for those of cell 0 on micro-batch 1, and since
+  the cells wait for their stamps, the whole pipeline would serialize
+  (`tf_internals.exempt_from_program_order`)."""
   stamp = tf.timestamp()
   if not tf.executing_eagerly():
-    stamp.op._set_control_flow_context(_OutsideProgramOrder())  # noqa: SLF001
+    tf_internals.exempt_from_program_order(stamp.op)
   return stamp
 
 
