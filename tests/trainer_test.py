@@ -166,8 +166,15 @@ def test_inspect_model_json_counts_the_real_variables():
 def test_list_models_and_inspect_params():
   listed = run_trainer("--mode=list_models")
   assert listed.returncode == 0 and "demo.TinyConvNet" in listed.stdout.split()
-  shown = run_trainer(MODEL, "--mode=inspect_params", "--params_override=task.train.max_steps=7")
+  # As a user runs it (no TF_CPP_MIN_LOG_LEVEL of the test's own): no TensorFlow start-up
+  # lines on stderr unless --verbosity asks for them.
+  shown = subprocess.run(
+      [sys.executable, str(REPO / "tools" / "trainer.py"), MODEL, "--mode=inspect_params",
+       "--params_override=task.train.max_steps=7"], capture_output=True, text=True,
+      timeout=300, cwd=REPO,
+      env={k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"})
   assert shown.returncode == 0 and "task.train.max_steps : 7" in shown.stdout
+  assert shown.stderr == ""
 
 
 @pytest.mark.parametrize("args, message", [

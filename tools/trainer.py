@@ -289,16 +289,27 @@ def _run_interruptibly() -> int:
   return outcome["code"]
 
 
+def _set_log_levels() -> None:
+  """Quiet by default: TensorFlow's C++ log at errors only (TF_CPP_MIN_LOG_LEVEL=2) and
+  Python logging at warnings. absl's --verbosity, when given, is obeyed: at 0 (INFO)
+  or more TensorFlow's C++ info lines (oneDNN, CPU features) are shown too. Runs
+  before TensorFlow is first imported, which reads the environment variable."""
+  verbose = FLAGS["verbosity"].present
+  if verbose and FLAGS.verbosity >= logging.INFO:  # absl: INFO is 0, DEBUG 1
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "0"
+  import tensorflow as tf
+
+  if not verbose:
+    tf.get_logger().setLevel("WARNING")
+    logging.set_verbosity(logging.WARNING)
+
+
 def main(argv: list[str]) -> None:
   if len(argv) > 1:
     print(f"error: unexpected arguments {argv[1:]}", file=sys.stderr)
     sys.exit(2)
-  import tensorflow as tf
-
+  _set_log_levels()
   from lingvo_gpipe import trainer as trainer_lib
-
-  tf.get_logger().setLevel("WARNING")
-  logging.set_verbosity(logging.WARNING)
   try:
     code = _run_interruptibly()
   except UsageFailure as e:
