@@ -142,7 +142,7 @@ class StackWithLoss(tf.Module):
 
   def __call__(self, batch: dict[str, Any]) -> Metrics:
     inputs = self.stack_inputs(batch)
-    outputs = self.stack(*inputs) if isinstance(inputs, tuple) else self.stack(inputs)
+    outputs = base_layer.call_with(self.stack, inputs)
     return self.head(outputs, self.head_inputs(batch))
 
   def walk(self):

@@ -36,7 +36,7 @@ from lingvo_gpipe import checkpoints, logdirs, train_step
 from lingvo_gpipe.core import base_layer, cluster
 from lingvo_gpipe.core.hyperparams import Params
 from lingvo_gpipe.pipeline import hybrid, schedule_chart, timeline
-from lingvo_gpipe.pipeline.layer import PipelineError
+from lingvo_gpipe.pipeline.layer import PipelineError, requested_cells
 
 
 class TrainerError(RuntimeError):
@@ -88,7 +88,7 @@ def _build_replicas(task_params: Params) -> hybrid.Replicas:
   if num_replicas == 1:
     task = task_params.instantiate()
     return hybrid.Replicas([task], [task.input_device])
-  num_cells = len(pipeline.splits) or pipeline.num_cells
+  num_cells = requested_cells(pipeline)
   if not num_cells:
     raise hybrid.HybridError(f"task.pipeline.num_replicas={num_replicas} needs pipelining: "
                              "set task.pipeline.num_cells (or splits)")

@@ -345,6 +345,14 @@ class BaseLayer(tf.Module):
     return []
 
 
+def call_with(layer: Callable[..., Any], inputs: Any) -> Any:
+  """`layer` on `inputs`; a tuple is passed as positional arguments. The one rule by
+  which layer stacks pass tuple outputs on (e.g. AmoebaNet's (previous,
+  previous-previous)): Sequential, cells, the pipeline, tasks and the partitioner's
+  cost probes all call their layers through it."""
+  return layer(*inputs) if isinstance(inputs, tuple) else layer(inputs)
+
+
 def apply_layer_stats(layer_stats: list[tuple[BaseLayer, Any]]) -> None:
   """Calls `update_from_stats` once per layer with everything it reported."""
   by_layer: dict[int, tuple[BaseLayer, list]] = {}

@@ -477,7 +477,7 @@ class Sequential(BaseLayer):
   def fprop(self, *inputs: Any) -> Any:
     outputs: Any = inputs
     for layer in self.layers:
-      outputs = layer(*outputs) if isinstance(outputs, tuple) else layer(outputs)
+      outputs = base_layer.call_with(layer, outputs)
     return outputs
 
 

@@ -55,7 +55,7 @@ Head = Callable[[Any, Any], dict]
 def call_layers(layers: Sequence[BaseLayer], x: Any) -> Any:
   """Runs `layers` in order; a tuple output is passed on as positional arguments."""
   for layer in layers:
-    x = layer(*x) if isinstance(x, tuple) else layer(x)
+    x = base_layer.call_with(layer, x)
   return x
 
 

@@ -28,7 +28,7 @@ import tensorflow as tf
 
 from lingvo_gpipe.core import base_layer, cluster
 from lingvo_gpipe.core.hyperparams import Params
-from lingvo_gpipe.pipeline.layer import PipeliningLayer
+from lingvo_gpipe.pipeline.layer import PipeliningLayer, requested_cells
 
 
 class HybridError(ValueError):
@@ -217,7 +217,7 @@ class ReplicatedPipeline(Replicas):
 
   def __init__(self, pipeline_params: Params, num_replicas: int,
                devices: Sequence[str] | None = None):
-    num_cells = len(pipeline_params.splits) or pipeline_params.num_cells or 1
+    num_cells = requested_cells(pipeline_params) or 1
     slices = replica_device_slices(num_replicas, num_cells,
                                    devices or cluster.default_devices())
     replicas: list[PipeliningLayer] = [

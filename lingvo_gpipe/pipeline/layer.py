@@ -27,7 +27,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from lingvo_gpipe.core import base_layer, cluster, model_stats
+from lingvo_gpipe.core import base_layer, cluster, hyperparams, model_stats
 from lingvo_gpipe.core.base_layer import BaseLayer
 from lingvo_gpipe.pipeline import executor, partition, schedule, tf_internals
 from lingvo_gpipe.pipeline.cell_function import CellFunctions, Head, call_layers
@@ -49,6 +49,12 @@ def micro_batch_sizes(batch_size: int, num_micro_batches: int) -> list[int]:
                         f"size {batch_size}; use at most {batch_size} micro-batches")
   base, extra = divmod(batch_size, num_micro_batches)
   return [base + (1 if m < extra else 0) for m in range(num_micro_batches)]
+
+
+def requested_cells(p: hyperparams.Params) -> int:
+  """K that pipeline params (PipeliningLayer's, or a task's `pipeline`) ask for:
+  len(splits) when splits are given, else num_cells; 0 means no pipelining."""
+  return len(p.splits) or p.num_cells
 
 
 class PipeliningLayer(BaseLayer):

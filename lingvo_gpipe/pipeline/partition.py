@@ -173,7 +173,7 @@ def profile_layer_costs(layer_params: Sequence[Any], input_specs: Any, steps: in
       with base_layer.step_context(training=True, layer_stats=[]):
         with tf.GradientTape() as tape:
           tape.watch(tf.nest.flatten(x))
-          out = layer(*x) if isinstance(x, tuple) else layer(x)
+          out = base_layer.call_with(layer, x)
           total = tf.add_n([tf.reduce_sum(t) for t in tf.nest.flatten(out)
                             if t.dtype.is_floating])
         tape.gradient(total, layer.trainable_variables)

@@ -25,7 +25,7 @@ import tensorflow as tf
 
 from lingvo_gpipe.core import base_layer, layers, optimizers
 from lingvo_gpipe.core.hyperparams import InstantiableParams, Params
-from lingvo_gpipe.pipeline.layer import PipeliningLayer
+from lingvo_gpipe.pipeline.layer import PipeliningLayer, requested_cells
 
 Metrics = dict[str, tuple[tf.Tensor, tf.Tensor]]
 
@@ -45,13 +45,17 @@ def train_params() -> Params:
 
 
 def pipeline_params() -> Params:
-  """GPipe settings of a task; pipelining is on when num_cells > 0 or splits is set."""
+  """GPipe settings of a task; pipelining is on when num_cells > 0 or splits is set.
+
+  Every param PipeliningLayer defines beyond a layer's own (name, dtype, init, seed)
+  and its `layers` (the task's main stack), so a new pipeline param is exposed here
+  without a list to keep in step."""
   defaults = PipeliningLayer.Params()
+  own = {name for name, _ in base_layer.BaseLayer.Params().iter_params()} | {"layers"}
   p = Params()
-  for name in ("num_cells", "num_micro_batches", "splits", "devices", "round_robin_devices",
-               "recompute", "schedule", "partition_cost", "input_specs", "layer_costs",
-               "memory_cap_bytes", "bytes_per_param"):
-    p.define(name, defaults.get(name), defaults.description(name))
+  for name, value in defaults.iter_params():
+    if name not in own:
+      p.define(name, value, defaults.description(name))
   p.define("num_replicas", 1, "R: data-parallel replicas of the pipeline, replica r's cells "
            "on devices r·K … r·K+K−1, gradients averaged by collective all-reduce "
            "(pipeline/hybrid.py); the batch is split into R equal shards.")
@@ -74,7 +78,7 @@ class BaseTask(base_layer.BaseLayer):
 
   @property
   def pipelined(self) -> bool:
-    return bool(self.params.pipeline.num_cells or self.params.pipeline.splits)
+    return requested_cells(self.params.pipeline) > 0
 
   def create_stack(self, name: str, params: InstantiableParams) -> base_layer.BaseLayer:
     """Creates the task's main layer stack: as given, or pipelined per params.pipeline.
@@ -128,6 +132,5 @@ class BaseTask(base_layer.BaseLayer):
 
   def fprop(self, batch: dict[str, tf.Tensor]) -> Metrics:
     inputs = self.stack_inputs(batch)
-    stack = self.main_stack
-    outputs = stack(*inputs) if isinstance(inputs, tuple) else stack(inputs)
+    outputs = base_layer.call_with(self.main_stack, inputs)
     return self.head(outputs, self.head_inputs(batch))
