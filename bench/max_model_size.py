@@ -3,7 +3,8 @@
 The family is the paper's Transformer-L: an embedding, L Transformer layers (pre-norm,
 causal self-attention, feed-forward) and a softmax, trained with Adam. Each device is
 one tools/worker.py process on loopback with one inter-op and one intra-op thread
-(a sequential device, DESIGN.md), and three ways of running the same model compete
+(a sequential device: the environment variables govern a server's eager executor,
+a ConfigProto passed to it does not; see tools/worker.py), and three ways of running the same model compete
 for the same per-device budget:
 
   naive        every layer on worker 0, one Sequential: no micro-batches, no

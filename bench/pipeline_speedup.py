@@ -2,7 +2,8 @@
 
 Starts `--max_workers` TensorFlow servers (tools/worker.py), each with one inter-op
 and one intra-op thread so that each behaves like one sequential accelerator
-(DESIGN.md), joins them as a client, and times training steps (forward, recomputed
+(tools/worker.py says why the environment, not a ConfigProto, sets that), joins them
+as a client, and times training steps (forward, recomputed
 forward, backward, SGD update) at a fixed global batch:
 
   K = 1: every cell on worker 0 (one "accelerator", re-materialized, M micro-batches);

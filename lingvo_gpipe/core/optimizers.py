@@ -2,7 +2,8 @@
 
 GPipe's memory argument needs each device to hold only its own cells' weights *and*
 their optimizer state. Keras 3 optimizers create slot variables on the default
-device (DESIGN.md), so these optimizers create every slot inside
+device, not their variable's (`tests/optimizers_test.py` checks ours do the
+latter), so these optimizers create every slot inside
 `tf.device(variable.device)` and compute every update there too.
 
 SGD, momentum, RMSProp and Adam apply TensorFlow's fused training kernels
