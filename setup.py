@@ -23,6 +23,7 @@ setup(
         "lingvo_gpipe.inputs",
         "lingvo_gpipe.models",
         "lingvo_gpipe.pipeline",
+        "lingvo_gpipe.runtime",
         "lingvo_gpipe.tasks",
         "lingvo_gpipe.tools",
         "lingvo_gpipe_params",

@@ -33,7 +33,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from lingvo_gpipe.core import cluster  # noqa: E402
+from lingvo_gpipe.runtime import cluster  # noqa: E402
+from lingvo_gpipe.runtime.local_workers import start_local_workers  # noqa: E402
 
 FAULTS = ("killed", "frozen", "ctrl_c")
 MODEL = ["--model=demo.TinyConvNet", "--params_override=task.pipeline.num_cells=2;"
@@ -42,7 +43,7 @@ MODEL = ["--model=demo.TinyConvNet", "--params_override=task.pipeline.num_cells=
 
 def one_trial(fault: str, logdir: str) -> tuple[float, int, str]:
   """(seconds from the fault to the trainer's exit, exit code, its error line)."""
-  spec, workers = cluster.start_local_workers(2, single_thread=False)
+  spec, workers = start_local_workers(2, single_thread=False)
   try:
     cluster.wait_for_servers(cluster.parse_cluster_spec(spec)["worker"])
     trainer = subprocess.Popen(

@@ -4,8 +4,8 @@ The family is the paper's Transformer-L: an embedding, L Transformer layers (pre
 causal self-attention, feed-forward) and a softmax, trained with Adam. Each device is
 one tools/worker.py process on loopback with one inter-op and one intra-op thread
 (a sequential device: the environment variables govern a server's eager executor,
-a ConfigProto passed to it does not; see tools/worker.py), and three ways of running the same model compete
-for the same per-device budget:
+a ConfigProto passed to it does not; see tools/worker.py), and three ways of running
+the same model compete for the same per-device budget:
 
   naive        every layer on worker 0, one Sequential: no micro-batches, no
                re-materialization (the activations of every layer for the whole
@@ -66,14 +66,16 @@ def probe(args, mode: str, num_layers: int) -> dict:
   import tensorflow as tf
 
   from lingvo_gpipe import train_step
-  from lingvo_gpipe.core import cluster, layers, optimizers
+  from lingvo_gpipe.core import layers, optimizers
   from lingvo_gpipe.models import transformer
   from lingvo_gpipe.pipeline import hybrid
   from lingvo_gpipe.pipeline import layer as gpipe
+  from lingvo_gpipe.runtime.local_workers import local_cluster
+  from lingvo_gpipe.runtime.memory_log import memory_log_path, read_memory_log
 
   cells = num_cells(mode)
   log_dir = tempfile.mkdtemp(prefix="max_model_size_")
-  with cluster.local_cluster(max(cells, 1), memory_log_dir=log_dir) as (devices, procs):
+  with local_cluster(max(cells, 1), memory_log_dir=log_dir) as (devices, procs):
     stack = transformer.lm_stack(vocab_size=args.vocab, model_dim=args.dim,
                                  hidden_dim=args.hidden, num_heads=args.heads,
                                  num_layers=num_layers)
@@ -111,7 +113,7 @@ def probe(args, mode: str, num_layers: int) -> dict:
     loss = float(run(batch).numpy())
     seconds = time.perf_counter() - start
     time.sleep(2.0)  # the workers log their memory every 0.5 s
-    per_device = [cluster.read_memory_log(cluster.memory_log_path(log_dir, task))
+    per_device = [read_memory_log(memory_log_path(log_dir, task))
                   ["peak_bytes_in_use"] for task in range(len(procs))]
   shutil.rmtree(log_dir)
   return {"mode": mode, "layers": num_layers,

@@ -115,9 +115,9 @@ def main() -> None:
   micro_batches = [int(m) for m in args.micro_batches.split(",")]
   worker_counts = [k for k in (2, 4, 8) if k <= args.max_workers]
 
-  from lingvo_gpipe.core import cluster
+  from lingvo_gpipe.runtime.local_workers import local_cluster
 
-  with cluster.local_cluster(args.max_workers) as (devices, _):
+  with local_cluster(args.max_workers) as (devices, _):
     import tensorflow as tf
 
     results: dict = {}

@@ -41,9 +41,10 @@ os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
 import tensorflow as tf  # noqa: E402
 
 from lingvo_gpipe import train_step  # noqa: E402
-from lingvo_gpipe.core import cluster, layers, optimizers  # noqa: E402
+from lingvo_gpipe.core import layers, optimizers  # noqa: E402
 from lingvo_gpipe.pipeline import hybrid, memory  # noqa: E402
 from lingvo_gpipe.pipeline.layer import PipeliningLayer  # noqa: E402
+from lingvo_gpipe.runtime.devices import configure_devices
 
 # name → (cells or None for naive, micro-batches, schedule, recompute)
 CONFIGS = {
@@ -103,7 +104,7 @@ def main() -> None:
   parser.add_argument("--configs", default=",".join(CONFIGS),
                       help=f"comma-separated subset of {list(CONFIGS)}")
   args = parser.parse_args()
-  devices = cluster.configure_devices("cpu:4")
+  devices = configure_devices("cpu:4")
   names = args.configs.split(",")
   unknown = [n for n in names if n not in CONFIGS]
   if unknown:

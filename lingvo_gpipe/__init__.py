@@ -19,7 +19,6 @@ here. Deeper module paths keep working (and are what params.txt records).
 from lingvo_gpipe.base_model_params import SingleTaskModelParams
 from lingvo_gpipe.core import attention, layers, optimizers, schedules
 from lingvo_gpipe.core.base_layer import BaseLayer
-from lingvo_gpipe.core.cluster import configure_devices
 from lingvo_gpipe.core.hyperparams import InstantiableParams, Params
 from lingvo_gpipe.inputs.base_input import BaseInputGenerator
 from lingvo_gpipe.inputs.synthetic_images import SyntheticImages
@@ -28,6 +27,7 @@ from lingvo_gpipe.inputs.tfds_inputs import TfdsImages, TfdsLm, TfdsManyToEnglis
 from lingvo_gpipe.model_registry import register
 from lingvo_gpipe.pipeline.hybrid import ReplicatedPipeline
 from lingvo_gpipe.pipeline.layer import PipelineError, PipeliningLayer
+from lingvo_gpipe.runtime.devices import configure_devices
 from lingvo_gpipe.tasks.base_task import BaseTask
 from lingvo_gpipe.tasks.image_classification import ImageClassificationTask
 from lingvo_gpipe.tasks.language_model import LanguageModelTask

@@ -33,10 +33,11 @@ from collections.abc import Callable
 import tensorflow as tf
 
 from lingvo_gpipe import checkpoints, logdirs, train_step
-from lingvo_gpipe.core import base_layer, cluster
+from lingvo_gpipe.core import base_layer
 from lingvo_gpipe.core.hyperparams import Params
 from lingvo_gpipe.pipeline import hybrid, schedule_chart, timeline
 from lingvo_gpipe.pipeline.layer import PipelineError, requested_cells
+from lingvo_gpipe.runtime.devices import default_devices
 
 
 class TrainerError(RuntimeError):
@@ -94,7 +95,7 @@ def _build_replicas(task_params: Params) -> hybrid.Replicas:
                              "set task.pipeline.num_cells (or splits)")
   try:
     slices = hybrid.replica_device_slices(num_replicas, num_cells,
-                                          pipeline.devices or cluster.default_devices())
+                                          pipeline.devices or default_devices())
   except hybrid.HybridError as e:
     raise hybrid.HybridError(f"task.pipeline.num_replicas: {e}") from None
   tasks = [task_params.copy().set(**{"pipeline.devices": devices}).freeze().instantiate()

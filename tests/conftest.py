@@ -9,12 +9,12 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from lingvo_gpipe.core import cluster  # noqa: E402
+from lingvo_gpipe.runtime.devices import configure_devices
 
 REPO = Path(__file__).resolve().parent.parent
 NUM_LOGICAL_CPUS = 4
 
-cluster.configure_devices(f"cpu:{NUM_LOGICAL_CPUS}")
+configure_devices(f"cpu:{NUM_LOGICAL_CPUS}")
 tf.get_logger().setLevel("ERROR")
 
 

@@ -16,10 +16,11 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 
 def main() -> None:
-  from lingvo_gpipe.core import cluster
+  from lingvo_gpipe.runtime.local_workers import local_cluster
+  from lingvo_gpipe.runtime.memory_log import memory_log_path, read_memory_log
 
   log_dir = tempfile.mkdtemp(prefix="loopback_memory_")
-  with cluster.local_cluster(2, single_thread=False, memory_log_dir=log_dir) as (devices, _):
+  with local_cluster(2, single_thread=False, memory_log_dir=log_dir) as (devices, _):
     import numpy as np
     import tensorflow as tf
 
@@ -60,13 +61,13 @@ def main() -> None:
       worst[schedule] = max(float(np.max(np.abs(g - w)) / max(np.max(np.abs(w)), 1e-12))
                             for g, w in zip(got, want))
     # Worker 1's memory log sees a 4 MiB variable created there.
-    log = cluster.memory_log_path(log_dir, 1)
+    log = memory_log_path(log_dir, 1)
     time.sleep(1.0)
-    before = cluster.read_memory_log(log)
+    before = read_memory_log(log)
     with tf.device(devices[1]):
       block = tf.Variable(tf.zeros([1024, 1024]))
     time.sleep(1.5)
-    after = cluster.read_memory_log(log)
+    after = read_memory_log(log)
     print(json.dumps({"devices": remote.cell_devices, "variable_devices":
                       [v.device for v in remote.trainable_variables],
                       "max_relative_difference": worst,

@@ -13,7 +13,9 @@ import pytest
 import tensorflow as tf
 from conftest import REPO, run_trainer
 
-from lingvo_gpipe.core import cluster
+from lingvo_gpipe.runtime import cluster
+from lingvo_gpipe.runtime.devices import DeviceSpecError
+from lingvo_gpipe.runtime.local_workers import start_local_worker, start_local_workers
 
 
 def test_two_worker_processes_give_the_unpartitioned_gradients():
@@ -41,20 +43,20 @@ def test_cluster_specs_parse_and_bad_ones_are_named(monkeypatch):
       "worker": ["h1:2222", "h2:2223"], "ps": ["h3:1"]}
   for bad, message in [("worker", "bad cluster spec"), ("worker=h1", "bad address 'h1'"),
                        ("worker=h:1;worker=h:2", "appears twice"), ("", "empty cluster spec")]:
-    with pytest.raises(cluster.DeviceSpecError, match=message):
+    with pytest.raises(DeviceSpecError, match=message):
       cluster.parse_cluster_spec(bad)
   monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": {"worker": ["a:1", "b:2"]},
                                               "task": {"type": "worker", "index": 1}}))
   spec = cluster.cluster_spec_from_tf_config()
   assert cluster.task_address(spec, "worker", 1) == "b:2"
-  with pytest.raises(cluster.DeviceSpecError, match="task 2 is out of range"):
+  with pytest.raises(DeviceSpecError, match="task 2 is out of range"):
     cluster.task_address(spec, "worker", 2)
 
 
 def test_an_absent_server_is_named_within_the_timeout():
   address = f"localhost:{cluster.free_port()}"
   said = []
-  with pytest.raises(cluster.DeviceSpecError,
+  with pytest.raises(DeviceSpecError,
                      match=f"no TensorFlow server answers at {address} after 0 s "
                      r"\(it cannot be reached \(unavailable\)\)"):
     cluster.wait_for_servers([address], timeout_s=0.5, log=said.append)
@@ -75,7 +77,7 @@ def test_a_worker_with_an_unwritable_memory_log_exits_2_naming_it(tmp_path):
 
 def test_a_worker_warns_that_it_serves_every_interface_unauthenticated():
   port = cluster.free_port()
-  worker = cluster.start_local_worker(f"worker=localhost:{port}", 0, capture_output=True)
+  worker = start_local_worker(f"worker=localhost:{port}", 0, capture_output=True)
   try:
     said = worker.stdout.readline()
     # TensorFlow's own start-up lines (oneDNN, absl) may come first.
@@ -95,7 +97,7 @@ def _latest_checkpoint(logdir: Path) -> str | None:
 
 
 def test_a_dead_worker_stops_training_in_bounded_time_and_a_restart_resumes(tmp_path):
-  spec, workers = cluster.start_local_workers(2, single_thread=False)
+  spec, workers = start_local_workers(2, single_thread=False)
   try:
     cluster.wait_for_servers(cluster.parse_cluster_spec(spec)["worker"])
     logdir = tmp_path / "run"
@@ -121,7 +123,7 @@ def test_a_dead_worker_stops_training_in_bounded_time_and_a_restart_resumes(tmp_
     assert f"the last checkpoint is {latest}" in stderr
     saved_step = int(latest.rsplit("-", 1)[1])
 
-    workers[1] = cluster.start_local_worker(spec, 1, single_thread=False)
+    workers[1] = start_local_worker(spec, 1, single_thread=False)
     cluster.wait_for_servers(cluster.parse_cluster_spec(spec)["worker"])
     final_step = saved_step + 5
     resumed = run_trainer(*model, f"--logdir={logdir}", f"--cluster_spec={spec}",
@@ -169,7 +171,7 @@ def test_a_frozen_worker_is_named_within_30_s_and_ctrl_c_is_heard_while_it_hangs
   """kill -STOP: the worker's port still accepts connections but nothing answers. A
   trainer waiting on it hears Ctrl-C (exit 130 within 5 s), and one left alone names the
   frozen worker within 30 s (exit 1); the checkpoints stay readable throughout."""
-  spec, workers = cluster.start_local_workers(2, single_thread=False)
+  spec, workers = start_local_workers(2, single_thread=False)
   logdir = tmp_path / "run"
   model = ["--model=demo.TinyConvNet", "--params_override=task.pipeline.num_cells=2;"
            "task.pipeline.num_micro_batches=2;task.train.save_interval_steps=5"]

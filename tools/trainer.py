@@ -149,17 +149,18 @@ def _exit_now(message: str, code: int) -> None:
 def _watch_workers(addresses: list[str]):
   """Exits the process (code 1) soon after a worker dies, freezes or becomes
   unreachable: the step waiting on it cannot be waited for."""
-  from lingvo_gpipe.core import cluster
+  from lingvo_gpipe.runtime.watchdog import WorkerWatchdog
 
   def on_failure(task: int, address: str, why: str) -> None:
     _exit_now(_lost_worker_message(task, address, why), 1)
 
-  return cluster.WorkerWatchdog(addresses, on_failure).start()
+  return WorkerWatchdog(addresses, on_failure).start()
 
 
 def _run() -> int:
   from lingvo_gpipe import model_registry
-  from lingvo_gpipe.core import cluster
+  from lingvo_gpipe.runtime import cluster
+  from lingvo_gpipe.runtime.devices import DeviceSpecError, configure_devices
 
   watchdog = None
   try:
@@ -186,8 +187,8 @@ def _run() -> int:
             flush=True)
       watchdog = _watch_workers(spec.get("worker", []))
     else:
-      cluster.configure_devices(FLAGS.devices)
-  except cluster.DeviceSpecError as e:
+      configure_devices(FLAGS.devices)
+  except DeviceSpecError as e:
     flag = "--cluster_spec" if FLAGS.cluster_spec else "--devices"
     raise UsageFailure(f"{flag}: {e}") from None
   if FLAGS.mode == "inspect_model":

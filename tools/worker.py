@@ -43,13 +43,15 @@ def main(argv: list[str]) -> None:
     os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")  # before TensorFlow starts
   import tensorflow as tf
 
-  from lingvo_gpipe.core import cluster
+  from lingvo_gpipe.runtime import cluster
+  from lingvo_gpipe.runtime.devices import DeviceSpecError
+  from lingvo_gpipe.runtime.memory_log import log_device_memory
 
   try:
     spec = cluster.parse_cluster_spec(FLAGS.cluster_spec) if FLAGS.cluster_spec \
         else cluster.cluster_spec_from_tf_config()
     address = cluster.task_address(spec, FLAGS.job, FLAGS.task)
-  except cluster.DeviceSpecError as e:
+  except DeviceSpecError as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
   if FLAGS.memory_log:
@@ -67,7 +69,7 @@ def main(argv: list[str]) -> None:
   print(cluster.exposure_warning(port), file=sys.stderr, flush=True)
   if FLAGS.memory_log:
     device = "GPU:0" if tf.config.list_physical_devices("GPU") else "CPU:0"
-    threading.Thread(target=cluster.log_device_memory, args=(FLAGS.memory_log, device),
+    threading.Thread(target=log_device_memory, args=(FLAGS.memory_log, device),
                      name="memory-log", daemon=True).start()
   server.join()
 

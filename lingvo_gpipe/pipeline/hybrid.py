@@ -26,9 +26,10 @@ from typing import Any
 
 import tensorflow as tf
 
-from lingvo_gpipe.core import base_layer, cluster
+from lingvo_gpipe.core import base_layer
 from lingvo_gpipe.core.hyperparams import Params
 from lingvo_gpipe.pipeline.layer import PipeliningLayer, requested_cells
+from lingvo_gpipe.runtime.devices import default_devices
 
 
 class HybridError(ValueError):
@@ -219,7 +220,7 @@ class ReplicatedPipeline(Replicas):
                devices: Sequence[str] | None = None):
     num_cells = requested_cells(pipeline_params) or 1
     slices = replica_device_slices(num_replicas, num_cells,
-                                   devices or cluster.default_devices())
+                                   devices or default_devices())
     replicas: list[PipeliningLayer] = [
         pipeline_params.copy().set(devices=d).instantiate() for d in slices]
     super().__init__(replicas, [rep.cell_devices[0] for rep in replicas])

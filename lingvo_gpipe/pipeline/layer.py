@@ -27,10 +27,11 @@ from typing import Any
 
 import tensorflow as tf
 
-from lingvo_gpipe.core import base_layer, cluster, hyperparams, model_stats
+from lingvo_gpipe.core import base_layer, hyperparams, model_stats
 from lingvo_gpipe.core.base_layer import BaseLayer
 from lingvo_gpipe.pipeline import executor, partition, schedule, tf_internals
 from lingvo_gpipe.pipeline.cell_function import CellFunctions, Head, call_layers
+from lingvo_gpipe.runtime.devices import default_devices
 
 RECOMPUTE_POLICIES = ("always", "except_last", "never")
 PARTITION_COSTS = ("params", "flops", "given")
@@ -155,7 +156,7 @@ class PipeliningLayer(BaseLayer):
 
   def _assign_devices(self, num_cells: int) -> list[str]:
     p = self.params
-    devices = list(p.devices) or cluster.default_devices()
+    devices = list(p.devices) or default_devices()
     if num_cells > len(devices) and not p.round_robin_devices:
       raise PipelineError(
           f"{self.path}: {num_cells} cells but only {len(devices)} device(s) {devices}; "
