@@ -12,12 +12,12 @@ The public API: what a model param file, a user's own layer or a training script
       ...
 
 Layers, optimizers and learning-rate schedules are modules (`g.layers.Linear`,
-`g.optimizers.Adam`, `g.schedules.LinearWarmupRsqrtDecay`); everything else is a name
+`g.optimizers.Adam`, `g.lr_schedules.LinearWarmupRsqrtDecay`); everything else is a name
 here. Deeper module paths keep working (and are what params.txt records).
 """
 
 from lingvo_gpipe.base_model_params import SingleTaskModelParams
-from lingvo_gpipe.core import attention, layers, optimizers, schedules
+from lingvo_gpipe.core import attention, layers, lr_schedules, optimizers
 from lingvo_gpipe.core.base_layer import BaseLayer
 from lingvo_gpipe.core.hyperparams import InstantiableParams, Params
 from lingvo_gpipe.inputs.base_input import BaseInputGenerator
@@ -41,5 +41,5 @@ __all__ = [
     "ReplicatedPipeline", "SingleTaskModelParams", "SyntheticImages", "SyntheticLm",
     "SyntheticTranslation", "TfdsImages", "TfdsLm", "TfdsManyToEnglish", "TrainStep",
     "Trainer", "TranslationTask", "attention", "configure_devices", "layers", "optimizers",
-    "register", "schedules",
+    "register", "lr_schedules",
 ]

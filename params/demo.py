@@ -2,7 +2,7 @@
 
 from lingvo_gpipe import model_registry
 from lingvo_gpipe.base_model_params import SingleTaskModelParams
-from lingvo_gpipe.core import layers, optimizers, schedules
+from lingvo_gpipe.core import layers, lr_schedules, optimizers
 from lingvo_gpipe.inputs.synthetic_images import SyntheticImages
 from lingvo_gpipe.tasks.image_classification import ImageClassificationTask
 
@@ -33,7 +33,7 @@ class TinyConvNet(SingleTaskModelParams):
     p.softmax.set(input_dim=32, num_classes=self.NUM_CLASSES)
     p.train.optimizer = optimizers.SGD.Params().set(
         learning_rate=0.05, momentum=0.9,
-        lr_schedule=schedules.CosineDecay.Params().set(warmup_steps=10, total_steps=200))
+        lr_schedule=lr_schedules.CosineDecay.Params().set(warmup_steps=10, total_steps=200))
     p.train.set(max_steps=200, save_interval_steps=50, summary_interval_steps=10,
                 log_interval_steps=20)
     return p

@@ -9,7 +9,7 @@ decay, label smoothing 0.1, drop-path, an auxiliary head, M ≥ 4K micro-batches
 
 from lingvo_gpipe import model_registry
 from lingvo_gpipe.base_model_params import SingleTaskModelParams
-from lingvo_gpipe.core import optimizers, schedules
+from lingvo_gpipe.core import lr_schedules, optimizers
 from lingvo_gpipe.inputs.synthetic_images import SyntheticImages
 from lingvo_gpipe.inputs.tfds_inputs import TfdsImages
 from lingvo_gpipe.models import amoeba_net
@@ -47,7 +47,7 @@ class AmoebaNetImageNet(SingleTaskModelParams):
     steps_per_epoch = IMAGENET_TRAIN_EXAMPLES // self.BATCH_SIZE
     p.train.optimizer = optimizers.RMSProp.Params().set(
         learning_rate=0.016 * self.BATCH_SIZE / 64, decay=0.9, momentum=0.9, epsilon=1.0,
-        lr_schedule=schedules.ExponentialDecay.Params().set(
+        lr_schedule=lr_schedules.ExponentialDecay.Params().set(
             decay_rate=0.97, decay_steps=int(2.4 * steps_per_epoch)))
     p.train.set(max_steps=self.MAX_STEPS, save_interval_steps=1000, summary_interval_steps=100,
                 log_interval_steps=100)
@@ -134,7 +134,7 @@ class AmoebaNetTiny(SingleTaskModelParams):
     p.pipeline.set(num_cells=2, num_micro_batches=4, round_robin_devices=True)
     p.train.optimizer = optimizers.RMSProp.Params().set(
         learning_rate=0.01, decay=0.9, momentum=0.9, epsilon=1.0,
-        lr_schedule=schedules.CosineDecay.Params().set(warmup_steps=20, total_steps=300))
+        lr_schedule=lr_schedules.CosineDecay.Params().set(warmup_steps=20, total_steps=300))
     p.train.set(max_steps=300, save_interval_steps=100, summary_interval_steps=10,
                 log_interval_steps=25)
     return p

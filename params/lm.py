@@ -9,7 +9,7 @@ feed-forward initialization scaled down by depth, clipped logits, M ≥ 4K.
 
 from lingvo_gpipe import model_registry
 from lingvo_gpipe.base_model_params import SingleTaskModelParams
-from lingvo_gpipe.core import optimizers, schedules
+from lingvo_gpipe.core import lr_schedules, optimizers
 from lingvo_gpipe.inputs.synthetic_text import SyntheticLm
 from lingvo_gpipe.inputs.tfds_inputs import TfdsLm
 from lingvo_gpipe.models import transformer
@@ -46,7 +46,7 @@ class TransformerLm(SingleTaskModelParams):
     return p
 
   def _optimizer(self):
-    schedule = schedules.LinearWarmupRsqrtDecay.Params().set(warmup_steps=4000)
+    schedule = lr_schedules.LinearWarmupRsqrtDecay.Params().set(warmup_steps=4000)
     if self.OPTIMIZER == "adafactor":
       return optimizers.Adafactor.Params().set(learning_rate=0.01, lr_schedule=schedule)
     return optimizers.Adam.Params().set(learning_rate=1e-3, beta1=0.9, beta2=0.98,
@@ -121,7 +121,7 @@ class TransformerTiny(SingleTaskModelParams):
     p.pipeline.set(num_cells=2, num_micro_batches=4, round_robin_devices=True)
     p.train.optimizer = optimizers.Adam.Params().set(
         learning_rate=3e-3, beta1=0.9, beta2=0.98, epsilon=1e-9,
-        lr_schedule=schedules.CosineDecay.Params().set(warmup_steps=20, total_steps=300))
+        lr_schedule=lr_schedules.CosineDecay.Params().set(warmup_steps=20, total_steps=300))
     p.train.set(max_steps=300, save_interval_steps=100, summary_interval_steps=10,
                 log_interval_steps=25)
     return p

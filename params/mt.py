@@ -11,7 +11,7 @@ optimizer with warmup, label smoothing 0.1, M ≥ 4K.
 
 from lingvo_gpipe import model_registry
 from lingvo_gpipe.base_model_params import SingleTaskModelParams
-from lingvo_gpipe.core import optimizers, schedules
+from lingvo_gpipe.core import lr_schedules, optimizers
 from lingvo_gpipe.inputs.synthetic_text import SyntheticTranslation
 from lingvo_gpipe.inputs.tfds_inputs import TfdsManyToEnglish
 from lingvo_gpipe.models import transformer
@@ -50,7 +50,7 @@ class MultilingualTransformer(SingleTaskModelParams):
                    round_robin_devices=True)
     p.train.optimizer = optimizers.Adafactor.Params().set(
         learning_rate=0.01,
-        lr_schedule=schedules.LinearWarmupRsqrtDecay.Params().set(warmup_steps=4000))
+        lr_schedule=lr_schedules.LinearWarmupRsqrtDecay.Params().set(warmup_steps=4000))
     p.train.set(max_steps=500000, save_interval_steps=1000, summary_interval_steps=100,
                 log_interval_steps=100)
     return p
@@ -111,7 +111,7 @@ class MultilingualTiny(SingleTaskModelParams):
     p.pipeline.set(num_cells=2, num_micro_batches=4, round_robin_devices=True)
     p.train.optimizer = optimizers.Adam.Params().set(
         learning_rate=3e-3, beta1=0.9, beta2=0.98, epsilon=1e-9,
-        lr_schedule=schedules.CosineDecay.Params().set(warmup_steps=30, total_steps=600))
+        lr_schedule=lr_schedules.CosineDecay.Params().set(warmup_steps=30, total_steps=600))
     p.train.set(max_steps=600, save_interval_steps=200, summary_interval_steps=20,
                 log_interval_steps=50)
     return p

@@ -1,4 +1,5 @@
-"""Optimizers and schedules against numpy references; slots live with their variable."""
+"""Optimizers and learning-rate schedules against numpy references; slots live with their
+variable."""
 
 import math
 
@@ -6,7 +7,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from lingvo_gpipe.core import optimizers, schedules
+from lingvo_gpipe.core import lr_schedules, optimizers
 
 RNG = np.random.RandomState(1)
 
@@ -143,22 +144,29 @@ def test_slots_and_updates_live_on_the_variable_device(params, cpu_devices):
 
 def test_schedules_match_their_formulas():
   steps = np.arange(0, 120)
-  rsqrt = schedules.LinearWarmupRsqrtDecay.Params().set(warmup_steps=10).instantiate()
+  rsqrt = lr_schedules.LinearWarmupRsqrtDecay.Params().set(warmup_steps=10).instantiate()
   s = np.maximum(steps, 1)
   np.testing.assert_allclose(rsqrt.value(steps).numpy(),
                              np.minimum(s / 10, np.sqrt(10 / s)), rtol=1e-6)
   # Cosine without warmup against Keras' own implementation (computed another way).
-  cosine = schedules.CosineDecay.Params().set(total_steps=100, min_ratio=0.1).instantiate()
+  cosine = lr_schedules.CosineDecay.Params().set(total_steps=100, min_ratio=0.1).instantiate()
   keras = tf.keras.optimizers.schedules.CosineDecay(1.0, decay_steps=100, alpha=0.1)
   np.testing.assert_allclose(cosine.value(steps).numpy(),
                              [float(keras(int(t))) for t in steps], rtol=1e-5, atol=1e-6)
-  warm = schedules.CosineDecay.Params().set(warmup_steps=10, total_steps=110).instantiate()
+  warm = lr_schedules.CosineDecay.Params().set(warmup_steps=10, total_steps=110).instantiate()
   np.testing.assert_allclose(warm.value(steps[:10]).numpy(), (steps[:10] + 1) / 10, rtol=1e-6)
   np.testing.assert_allclose(warm.value(60).numpy(), 0.5, rtol=1e-5)
-  expo = schedules.ExponentialDecay.Params().set(decay_rate=0.97, decay_steps=24).instantiate()
+  expo = lr_schedules.ExponentialDecay.Params().set(decay_rate=0.97, decay_steps=24).instantiate()
   np.testing.assert_allclose(expo.value(steps).numpy(), 0.97 ** (steps // 24), rtol=1e-6)
-  smooth = schedules.ExponentialDecay.Params().set(decay_rate=0.5, decay_steps=10,
+  smooth = lr_schedules.ExponentialDecay.Params().set(decay_rate=0.5, decay_steps=10,
                                                    staircase=False).instantiate()
   np.testing.assert_allclose(smooth.value(steps).numpy(), 0.5 ** (steps / 10), rtol=1e-5)
   with pytest.raises(ValueError, match="total_steps must be >= 11"):
-    schedules.CosineDecay.Params().set(warmup_steps=10, total_steps=10).instantiate()
+    lr_schedules.CosineDecay.Params().set(warmup_steps=10, total_steps=10).instantiate()
+
+
+def test_the_old_class_paths_of_schedules_still_load():
+  """params.txt files written before the rename name lingvo_gpipe.core.schedules.*."""
+  p = optimizers.SGD.Params()
+  p.set_from_text("lr_schedule.cls", "lingvo_gpipe.core.schedules.CosineDecay")
+  assert p.lr_schedule.cls is lr_schedules.CosineDecay

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 
 import tensorflow as tf
 
-from lingvo_gpipe.core import schedules
+from lingvo_gpipe.core import lr_schedules
 from lingvo_gpipe.core.hyperparams import InstantiableParams
 
 
@@ -45,7 +45,7 @@ class Optimizer(tf.Module):
   def Params(cls) -> InstantiableParams:  # noqa: N802
     p = InstantiableParams(cls)
     p.define("learning_rate", 0.1, "Base learning rate; the schedule multiplies it.")
-    p.define("lr_schedule", schedules.Constant.Params(), "Learning-rate schedule params.")
+    p.define("lr_schedule", lr_schedules.Constant.Params(), "Learning-rate schedule params.")
     p.define("clip_gradient_norm", 0.0,
              "If > 0, gradients are scaled so their global norm is at most this.")
     return p
