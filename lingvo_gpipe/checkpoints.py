@@ -54,26 +54,33 @@ class NoReadableCheckpointError(CheckpointError):
   pass
 
 
+def _names(directory: str) -> list[str]:
+  """The entries of `directory`; none if it does not exist (yet)."""
+  try:
+    return os.listdir(directory)
+  except FileNotFoundError:
+    return []
+
+
 def find(directory: str) -> list[tuple[int, str]]:
   """(step, prefix) of every `ckpt-<step>` in `directory` with an `.index` file, newest
   first. The prefix is what `tf.train.Checkpoint.restore` takes."""
-  try:
-    names = os.listdir(directory)
-  except FileNotFoundError:
-    return []
   found = [(int(m.group(1)), os.path.join(directory, f"{CHECKPOINT_NAME}-{m.group(1)}"))
-           for m in map(_CHECKPOINT_INDEX.match, names) if m]
+           for m in map(_CHECKPOINT_INDEX.match, _names(directory)) if m]
   return sorted(found, reverse=True)
+
+
+def latest(directory: str) -> str | None:
+  """The prefix of the newest complete checkpoint in `directory`, or None."""
+  on_disk = find(directory)
+  return on_disk[0][1] if on_disk else None
 
 
 def interrupted_saves(directory: str) -> list[str]:
   """The `ckpt-N_temp` directories of saves that never finished (a kill or a full disk
   while writing); TensorFlow writes a checkpoint there and moves it into place last."""
-  try:
-    names = os.listdir(directory)
-  except FileNotFoundError:
-    return []
-  return sorted(os.path.join(directory, n) for n in names if _INTERRUPTED_SAVE.match(n))
+  return sorted(os.path.join(directory, n) for n in _names(directory)
+                if _INTERRUPTED_SAVE.match(n))
 
 
 @contextlib.contextmanager
@@ -200,19 +207,18 @@ class CheckpointStore:
   @property
   def latest(self) -> str | None:
     """The newest complete checkpoint on disk."""
-    on_disk = find(self.directory)
-    return on_disk[0][1] if on_disk else None
+    return latest(self.directory)
 
   def save(self, step: int) -> str:
     """Writes `ckpt-<step>`; a failure removes its partial files and raises one line."""
     if self._manager is None:
       raise CheckpointError("save() before repair(): the directory was not checked")
     prefix = os.path.join(self.directory, f"{CHECKPOINT_NAME}-{step}")
-    before = set(os.listdir(self.directory)) if os.path.isdir(self.directory) else set()
+    before = set(_names(self.directory))
     try:
       return self._manager.save(checkpoint_number=step)
     except (tf.errors.OpError, OSError) as e:
-      for name in set(os.listdir(self.directory)) - before:
+      for name in set(_names(self.directory)) - before:
         if name.startswith(os.path.basename(prefix)):
           path = os.path.join(self.directory, name)
           shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)

@@ -127,8 +127,7 @@ def _inspect_model(params) -> None:
 def _latest_checkpoint() -> str | None:
   from lingvo_gpipe import checkpoints
 
-  found = checkpoints.find(os.path.join(FLAGS.logdir, "train")) if FLAGS.logdir else []
-  return found[0][1] if found else None
+  return checkpoints.latest(os.path.join(FLAGS.logdir, "train")) if FLAGS.logdir else None
 
 
 def _lost_worker_message(task: int, address: str, why: str) -> str:
