@@ -65,7 +65,10 @@ def model_layers(name: str):
 
 
 def make_step(model_name: str, num_cells: int, num_micro_batches: int, devices: list[str],
-              schedule: str = "gpipe"):
+              schedule: str = "gpipe", weight_gradient_group: int = 1):
+  """A traced, warmed-up training step of `model_name`: run() → (seconds, measured
+  schedule); run.graph_def is the traced step's GraphDef, its function library holding
+  the cells' forward and backward bodies."""
   import tensorflow as tf
 
   from lingvo_gpipe import train_step
@@ -78,7 +81,8 @@ def make_step(model_name: str, num_cells: int, num_micro_batches: int, devices: 
   model = gpipe.PipeliningLayer.Params().set(
       name=model_name, layers=stack, num_cells=num_cells, num_micro_batches=num_micro_batches,
       devices=devices[:num_cells] if num_cells > 1 else devices[:1], recompute="always",
-      schedule=schedule, random_seed=1).instantiate()
+      schedule=schedule, weight_gradient_group=weight_gradient_group,
+      random_seed=1).instantiate()
 
   def mean_square(outputs, _):
     out = tf.nest.flatten(outputs)[0]
@@ -102,13 +106,28 @@ def make_step(model_name: str, num_cells: int, num_micro_batches: int, devices: 
                                                    step.span_keys)
 
   run()  # trace and warm up
+  run.graph_def = step_fn.get_concrete_function(batch).graph.as_graph_def()
   return run
+
+
+def _groups(spec: str, m: int) -> list[int]:
+  """--weight_gradient_groups ('1,M': per micro-batch, and all M at once) at M=m."""
+  groups = [m if g.strip() == "M" else min(int(g), m) for g in spec.split(",")]
+  return sorted(set(groups))
+
+
+def _config_name(model_name: str, k: int, m: int, schedule: str, group: int) -> str:
+  return (f"{model_name}_k{k}_m{m}" + ("_1f1b" if schedule == "1f1b" else "")
+          + (f"_g{group}" if group > 1 else ""))
 
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--max_workers", type=int, default=2)
   parser.add_argument("--micro_batches", default="1,2,4,8,16")
+  parser.add_argument("--weight_gradient_groups", default="1,M",
+                      help="G values of PipeliningLayer.weight_gradient_group; M: all "
+                      "micro-batches at once")
   parser.add_argument("--steps", type=int, default=15, help="timed steps per configuration")
   parser.add_argument("--models", default="mlp,transformer")
   args = parser.parse_args()
@@ -121,13 +140,20 @@ def main() -> None:
     import tensorflow as tf
 
     results: dict = {}
+    single: dict = {}  # config name → K=1 median step, every M and G
     for model_name in args.models.split(","):
+      rows = []
       for m in micro_batches:
-        # K=1 is the single-device baseline; each K>1 runs with both schedules.
-        runners = {(1, "gpipe"): make_step(model_name, 1, m, devices)}
-        for k in worker_counts:
-          for schedule in ("gpipe", "1f1b"):
-            runners[(k, schedule)] = make_step(model_name, k, m, devices, schedule)
+        # K=1 is the single-device run (at every M and G a user could pick); each K>1
+        # runs with both schedules. All alternate, step by step.
+        runners = {}
+        for group in _groups(args.weight_gradient_groups, m):
+          runners[(1, "gpipe", group)] = make_step(model_name, 1, m, devices,
+                                                   weight_gradient_group=group)
+          for k in worker_counts:
+            for schedule in ("gpipe", "1f1b"):
+              runners[(k, schedule, group)] = make_step(model_name, k, m, devices, schedule,
+                                                        group)
         times: dict = {key: [] for key in runners}
         schedules: dict = {key: [] for key in runners}
         for _ in range(args.steps):
@@ -136,15 +162,17 @@ def main() -> None:
             times[key].append(seconds)
             schedules[key].append(measured)
         medians = {key: statistics.median(v) for key, v in times.items()}
-        base = medians[(1, "gpipe")]
-        for (k, schedule) in runners:
+        for (k, schedule, group), step_k in medians.items():
+          name = _config_name(model_name, k, m, schedule, group)
           if k == 1:
+            single[name] = step_k
+            results[name] = {"step_seconds": round(step_k, 4)}
+            print(f"{name:30s} K=1 {step_k:.4f} s", flush=True)
             continue
-          name = f"{model_name}_k{k}_m{m}" + ("" if schedule == "gpipe" else "_1f1b")
-          runs = schedules[(k, schedule)]
+          base = medians[(1, "gpipe", group)]
+          runs = schedules[(k, schedule, group)]
           busy = [statistics.median(s.busy_fractions()[c] for s in runs) for c in range(k)]
           bubble = statistics.median(s.bubble() for s in runs)
-          step_k = medians[(k, schedule)]
           results[name] = {"step_seconds_k1": round(base, 4),
                            f"step_seconds_k{k}": round(step_k, 4),
                            "speedup": round(base / step_k, 3),
@@ -152,9 +180,20 @@ def main() -> None:
                            "bubble_measured": round(bubble, 3),
                            "bubble_theoretical": round((k - 1) / (m + k - 1), 3),
                            "busy_fractions": [round(b, 3) for b in busy]}
-          print(f"{name:27s} K=1 {base:.4f} s  K={k} {step_k:.4f} s  "
+          rows.append((name, step_k))
+          print(f"{name:30s} K=1 {base:.4f} s  K={k} {step_k:.4f} s  "
                 f"speedup {base / step_k:.2f}  (bound {k * m / (m + k - 1):.2f})  "
                 f"bubble {bubble:.2f} (theory {(k - 1) / (m + k - 1):.2f})", flush=True)
+      # What a user would run instead of the pipeline: the fastest single-device step.
+      model_single = {n: t for n, t in single.items() if n.startswith(f"{model_name}_k1_")}
+      best_name = min(model_single, key=model_single.get)
+      for name, step_k in rows:
+        results[name]["best_single"] = best_name
+        results[name]["speedup_vs_best_single"] = round(model_single[best_name] / step_k, 3)
+      print(f"{model_name}: best single-device step {best_name} "
+            f"{model_single[best_name]:.4f} s; vs it: " + ", ".join(
+                f"{n} {results[n]['speedup_vs_best_single']:.2f}" for n, _ in rows),
+            flush=True)
     summary = {
         "bench": "pipeline_speedup",
         "machine": f"{platform.machine()} {os.cpu_count()} cores, TF {tf.__version__}",
@@ -162,10 +201,19 @@ def main() -> None:
         "onednn": os.environ["TF_ENABLE_ONEDNN_OPTS"],
         "results": results,
     }
+    for model_name in args.models.split(","):
+      for suffix in ("", "_1f1b", "_g8", "_1f1b_g8"):
+        name = f"{model_name}_k2_m8{suffix}"
+        if name in results:
+          summary[f"speedup_vs_best_single_{name}"] = results[name]["speedup_vs_best_single"]
     if "mlp_k2_m8" in results:
       summary["speedup_k2_m8"] = results["mlp_k2_m8"]["speedup"]
       summary["speedup_k2_m8_1f1b"] = results["mlp_k2_m8_1f1b"]["speedup"]
       summary["bubble_bound_k2_m8"] = results["mlp_k2_m8"]["bubble_bound"]
+    if "mlp_k1_m1" in single and "mlp_k1_m8" in single:
+      summary["k1_m8_over_m1"] = round(single["mlp_k1_m8"] / single["mlp_k1_m1"], 3)
+      if "mlp_k1_m8_g8" in single:
+        summary["k1_m8_g8_over_m1"] = round(single["mlp_k1_m8_g8"] / single["mlp_k1_m1"], 3)
     print(json.dumps(summary))
 
 

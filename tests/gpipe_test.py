@@ -78,10 +78,10 @@ def with_loss(model):
   return train_step.StackWithLoss(model, loss_head)
 
 
-def pipelined_loss_and_grads(model):
+def pipelined_loss_and_grads(model, wrapped=None):
   """The engine: scheduled cell calls, the loss per micro-batch, summed gradients."""
   x, skip, target = inputs()
-  wrapped = with_loss(model)
+  wrapped = wrapped or with_loss(model)
 
   @tf.function
   def step():
@@ -303,6 +303,29 @@ def test_batch_norm_moving_stats_come_from_the_whole_batch_once(cpu_devices, sch
   np.testing.assert_allclose(bn.moving_variance.numpy(), 0.9 + 0.1 * h.var(0), rtol=1e-5)
 
 
+@pytest.mark.parametrize("schedule, num_cells, num_micro_batches, group, recompute", [
+    ("gpipe", 1, 4, 4, "always"),     # one group: every weight gradient in one product
+    ("gpipe", 2, 8, 3, "always"),     # groups of 3, 3, 2 (uneven micro-batches, too)
+    ("1f1b", 4, 8, 2, "always"),
+    ("gpipe", 2, 3, 8, "except_last"),  # G > M; the last cell computes them per call
+    ("1f1b", 2, 4, 2, "never"),       # no recompute: nothing is deferred
+])
+def test_weight_gradients_over_groups_of_micro_batches_equal_unpartitioned(
+    reference, cpu_devices, schedule, num_cells, num_micro_batches, group, recompute):
+  model = model_params(gpipe.PipeliningLayer, num_cells=num_cells, schedule=schedule,
+                       num_micro_batches=num_micro_batches, recompute=recompute,
+                       weight_gradient_group=group,
+                       devices=cpu_devices[:num_cells]).instantiate()
+  wrapped = with_loss(model)
+  assert_matches_reference(pipelined_loss_and_grads(model, wrapped), reference)
+  cells = model.cell_functions(wrapped.head)
+  deferring = [c.defers_weight_gradients for c in cells]
+  assert deferring == [model._recompute_cell(k) for k in range(num_cells)]
+  for cell in cells:
+    if cell.defers_weight_gradients:  # one deferred product per PairLayer's Linear
+      assert len(cell.product_variables) == len(cell.layers)
+
+
 # -- bad input -----------------------------------------------------------------------
 
 
@@ -318,6 +341,7 @@ def test_batch_norm_moving_stats_come_from_the_whole_batch_once(cpu_devices, sch
      r"4 cells but only 2 device\(s\)"),
     (dict(recompute="sometimes"), "recompute must be one of"),
     (dict(schedule="zigzag"), r"schedule must be one of \['1f1b', 'gpipe'\], got 'zigzag'"),
+    (dict(weight_gradient_group=0), "weight_gradient_group must be an int >= 1, got 0"),
 ])
 def test_bad_pipeline_params_are_named(settings, message):
   with pytest.raises(ValueError, match=message):

@@ -107,6 +107,11 @@ class StepContext:
       a list of (layer, stats) pairs, or None to not collect (e.g. in a recompute).
     schedule: where pipelines record the timestamps of each cell call, forward and
       backward (a list of `timeline.Span`), or None to not record.
+    weight_products: where `layers.project` records each product x·W with a trainable
+      variable W (a `WeightProducts`) and keeps the gradient from reaching W through
+      it, so that the caller computes that part of W's gradient itself (a pipeline's
+      backward pass computes it over several micro-batches at once); None (the
+      default): an ordinary product.
   """
   training: bool = False
   step: Any = 0
@@ -114,6 +119,33 @@ class StepContext:
   example_offset: Any = 0
   layer_stats: list | None = None
   schedule: list | None = None
+  weight_products: WeightProducts | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightProduct:
+  """outputs = inputs · variable, recorded in a StepContext's weight_products.
+
+  inputs: [n, I], outputs: [n, O] (the 2-D matmul's operands, whatever rank the
+  layer's input had); the variable's gradient is inputsᵀ · (gradient of outputs).
+  """
+  variable: Any
+  inputs: Any
+  outputs: Any
+
+
+class WeightProducts:
+  """The weight products of a pass differentiated by `tape`, in the order made."""
+
+  def __init__(self, tape: Any):
+    self.tape = tape
+    self.products: list[WeightProduct] = []
+
+  def record(self, variable: Any, inputs: Any, outputs: Any) -> None:
+    # Watched, so that the tape can give the outputs' gradient even where nothing
+    # the product was made from is watched (a first layer's input).
+    self.tape.watch(outputs)
+    self.products.append(WeightProduct(variable, inputs, outputs))
 
 
 _STATE = threading.local()

@@ -46,6 +46,18 @@ def shape_list(x: tf.Tensor) -> list[int | tf.Tensor]:
   return [dynamic[i] if d is None else d for i, d in enumerate(static)]
 
 
+def _matmul(inputs: tf.Tensor, weight: tf.Tensor) -> tf.Tensor:
+  """[n, I] · [I, O]; where the StepContext collects weight products (and the weight
+  is a variable), the product is recorded and no gradient reaches the variable through
+  it: the caller computes that part of the variable's gradient (StepContext)."""
+  products = base_layer.current_context().weight_products
+  if products is None or not isinstance(weight, tf.Variable) or not weight.trainable:
+    return tf.matmul(inputs, weight)
+  out = tf.matmul(inputs, tf.stop_gradient(weight.read_value()))
+  products.record(weight, inputs, out)
+  return out
+
+
 def project(inputs: tf.Tensor, weight: tf.Tensor) -> tf.Tensor:
   """[..., I] · [I, O] → [..., O] as one 2-D matmul.
 
@@ -54,9 +66,9 @@ def project(inputs: tf.Tensor, weight: tf.Tensor) -> tf.Tensor:
   per 256×1024 layer at 1024 tokens).
   """
   if inputs.shape.rank == 2:
-    return tf.matmul(inputs, weight)
+    return _matmul(inputs, weight)
   dims = shape_list(inputs)
-  out = tf.matmul(tf.reshape(inputs, [-1, dims[-1]]), weight)
+  out = _matmul(tf.reshape(inputs, [-1, dims[-1]]), weight)
   out = tf.reshape(out, dims[:-1] + [weight.shape[-1]])
   if inputs.shape.is_fully_defined():
     return out

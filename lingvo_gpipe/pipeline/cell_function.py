@@ -52,6 +52,12 @@ from lingvo_gpipe.pipeline.tf_internals import NOT_INLINED
 # {name: (value, weight)}; metrics["loss"][0] is the mean loss over the weight.
 Head = Callable[[Any, Any], dict]
 
+# Name scopes of the ops in the traced bodies: profiles tell the phases apart by them
+# (bench/micro_batch_profile.py). TensorFlow names the gradient ops of the recomputed
+# forward "gradient_tape/recompute/...".
+FORWARD_SCOPE, RECOMPUTE_SCOPE, ACCUMULATE_SCOPE = "forward", "recompute", "accumulate"
+WEIGHT_SCOPE = "weight_gradient"  # deferred weight gradients (weight_gradient_group > 1)
+
 def call_layers(layers: Sequence[BaseLayer], x: Any) -> Any:
   """Runs `layers` in order; a tuple output is passed on as positional arguments."""
   for layer in layers:
@@ -68,6 +74,28 @@ def _dense(g: Any) -> Any:
   the running sum stays one table-sized buffer instead of growing by every
   micro-batch's rows."""
   return tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
+
+
+def _accumulate(sums: Sequence[tf.Tensor], grads: Sequence[Any]) -> list[tf.Tensor]:
+  """sums + grads; a None gradient leaves its sum as it is."""
+  with tf.name_scope(ACCUMULATE_SCOPE):
+    return [s if g is None else s + _dense(g) for s, g in zip(sums, grads)]
+
+
+def _zeros_for_none(grads: Sequence[Any], like: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+  return [tf.zeros_like(t) if g is None else g for g, t in zip(grads, like)]
+
+
+def _concat(tensors: Sequence[tf.Tensor]) -> tf.Tensor:
+  return tensors[0] if len(tensors) == 1 else tf.concat(list(tensors), axis=0)
+
+
+@dataclasses.dataclass
+class DeferredWeightGradient:
+  """What one backward call leaves for `CellFunctions.weight_gradients`: per deferred
+  weight product, its inputs [n, I] and the gradient of its outputs [n, O]."""
+  inputs: list[tf.Tensor]
+  output_grads: list[tf.Tensor]
 
 
 @dataclasses.dataclass
@@ -89,13 +117,17 @@ class CellFunctions:
   """
 
   def __init__(self, layers: Sequence[BaseLayer], device: str | None, index: int,
-               recompute: bool, head: Head | None = None, needs_input_grads: bool = True):
+               recompute: bool, head: Head | None = None, needs_input_grads: bool = True,
+               weight_gradient_group: int = 1):
     self.layers = list(layers)
     self.device = device
     self.index = index
     self.recompute = recompute
     self.head = head
     self.needs_input_grads = needs_input_grads
+    # G > 1 (re-materialized cells only): the projections' weight gradients are left
+    # out of the backward call and computed by `weight_gradients` over G micro-batches.
+    self.weight_gradient_group = weight_gradient_group if recompute else 1
     # Python structure of a call, fixed by the layers (the same for every shape);
     # recorded when a body is traced.
     self.input_structure: Any = None
@@ -103,18 +135,27 @@ class CellFunctions:
     self.output_structure: Any = None
     self.stats_structure: list[tuple[BaseLayer, Any]] | None = None
     self.variables: list[tf.Variable] | None = None
+    # Per deferred weight product (in the order the layers make them): the position of
+    # its variable in self.variables.
+    self.product_variables: list[int] | None = None
     self._forward_fn = tf.function(self._forward_body, experimental_attributes=NOT_INLINED,
                                    autograph=False)
     self._backward_fn = tf.function(self._backward_body, experimental_attributes=NOT_INLINED,
                                     autograph=False)
+    self._weight_fn = tf.function(self._weight_body, experimental_attributes=NOT_INLINED,
+                                  autograph=False)
+
+  @property
+  def defers_weight_gradients(self) -> bool:
+    return self.weight_gradient_group > 1
 
   # -- traced bodies ------------------------------------------------------------------
 
-  def _run(self, flat_inputs, flat_head_inputs, step, call_info, stats):
+  def _run(self, flat_inputs, flat_head_inputs, step, call_info, stats, products=None):
     micro_batch, example_offset = tf.unstack(call_info)
     with base_layer.step_context(training=True, step=step, micro_batch=micro_batch,
                                  example_offset=example_offset, layer_stats=stats,
-                                 schedule=None):
+                                 schedule=None, weight_products=products):
       outputs = call_layers(self.layers,
                             tf.nest.pack_sequence_as(self.input_structure, flat_inputs))
       if self.head is not None:
@@ -124,7 +165,8 @@ class CellFunctions:
 
   def _forward_body(self, flat_inputs, flat_head_inputs, step, call_info):
     stats: list = []
-    with tf.GradientTape() as tape:  # only to learn which variables the cell reads
+    with tf.GradientTape() as tape, tf.name_scope(FORWARD_SCOPE):
+      # (the tape only learns which variables the cell reads)
       outputs = self._run(flat_inputs, flat_head_inputs, step, call_info, stats)
     self._record_variables(tape.watched_variables())
     self.output_structure = outputs
@@ -133,19 +175,61 @@ class CellFunctions:
 
   def _backward_body(self, flat_inputs, flat_head_inputs, output_grads, sums, step,
                      call_info):
+    """→ input gradients, sums + variable gradients, and for each deferred weight
+    product its inputs [n, I] and the gradient of its outputs [n, O] (empty lists
+    unless weight gradients are deferred)."""
     float_inputs = [t for t in flat_inputs if _is_float(t)]
     with tf.GradientTape() as tape:
+      products = (base_layer.WeightProducts(tape) if self.defers_weight_gradients
+                  else None)
       if self.needs_input_grads:
         tape.watch(float_inputs)
-      outputs = self._run(flat_inputs, flat_head_inputs, step, call_info,
-                          stats=None)  # statistics are reported by the forward only
+      with tf.name_scope(RECOMPUTE_SCOPE):
+        outputs = self._run(flat_inputs, flat_head_inputs, step, call_info,
+                            stats=None,  # statistics are reported by the forward only
+                            products=products)
       differentiated = self.differentiable_outputs(tf.nest.flatten(outputs))
     variables = self._record_variables(tape.watched_variables())
-    sources = (float_inputs if self.needs_input_grads else []) + variables
-    grads = tape.gradient(differentiated, sources, output_gradients=list(output_grads),
-                          unconnected_gradients=tf.UnconnectedGradients.ZERO)
-    num = len(sources) - len(variables)
-    return grads[:num], [s + _dense(g) for s, g in zip(sums, grads[num:])]
+    products = self._record_products(products.products if products else [])
+    input_sources = float_inputs if self.needs_input_grads else []
+    product_outputs = [p.outputs for p in products]
+    # NONE, not ZERO: a variable reached only through deferred products gets no
+    # gradient here, and its sum is passed on without adding zeros.
+    grads = tape.gradient(differentiated, input_sources + variables + product_outputs,
+                          output_gradients=list(output_grads),
+                          unconnected_gradients=tf.UnconnectedGradients.NONE)
+    input_grads = _zeros_for_none(grads[:len(input_sources)], input_sources)
+    variable_grads = grads[len(input_sources):len(input_sources) + len(variables)]
+    product_grads = _zeros_for_none(grads[len(input_sources) + len(variables):],
+                                    product_outputs)
+    return (input_grads, _accumulate(sums, variable_grads), [p.inputs for p in products],
+            product_grads)
+
+  def _weight_body(self, sums, group_inputs, group_output_grads):
+    """sums + the deferred weight products' gradients over a group of micro-batches.
+
+    group_inputs[i][g]: product i's inputs [n_g, I] in the group's g-th micro-batch;
+    group_output_grads[i][g]: the gradient of its outputs [n_g, O]. One product
+    concat(inputs)ᵀ · concat(output gradients) per product: [I, O].
+    """
+    grads: dict[int, tf.Tensor] = {}
+    with tf.name_scope(WEIGHT_SCOPE):
+      for i, (inputs, output_grads) in enumerate(zip(group_inputs, group_output_grads)):
+        grad = tf.matmul(_concat(inputs), _concat(output_grads), transpose_a=True)
+        v = self.product_variables[i]
+        grads[v] = grad if v not in grads else grads[v] + grad
+    return _accumulate(sums, [grads.get(v) for v in range(len(sums))])
+
+  def _record_products(self, products: list[base_layer.WeightProduct]
+                       ) -> list[base_layer.WeightProduct]:
+    positions = {v.ref(): i for i, v in enumerate(self.variables)}
+    products = [p for p in products if p.variable.ref() in positions]  # trainable ones
+    indices = [positions[p.variable.ref()] for p in products]
+    if self.product_variables is None:
+      self.product_variables = indices
+    elif indices != self.product_variables:
+      raise RuntimeError(f"cell {self.index}: a second trace made other weight products")
+    return products
 
   def _record_variables(self, watched: Sequence[tf.Variable]) -> list[tf.Variable]:
     variables = list(watched)
@@ -200,14 +284,16 @@ class CellFunctions:
 
   def backward(self, saved: Saved, output_grads: Sequence[tf.Tensor],
                sums: Sequence[tf.Tensor], step: tf.Tensor, call_info: tf.Tensor
-               ) -> tuple[list[tf.Tensor | None], list[tf.Tensor]]:
+               ) -> tuple[list[tf.Tensor | None], list[tf.Tensor], DeferredWeightGradient]:
     """One backward call: gradients of the differentiable outputs (seeded with
     output_grads) with respect to the floating inputs (None for the others, and for
-    all when the cell needs no input gradients), and `sums` (aligned with
-    self.variables) plus this call's variable gradients."""
+    all when the cell needs no input gradients), `sums` (aligned with self.variables)
+    plus this call's variable gradients, and what `weight_gradients` needs for the
+    deferred weight products (empty unless defers_weight_gradients)."""
+    deferred = DeferredWeightGradient([], [])
     with tf.device(self.device):
       if self.recompute:
-        input_grads, new_sums = self._backward_fn(
+        input_grads, new_sums, deferred.inputs, deferred.output_grads = self._backward_fn(
             saved.inputs, saved.head_inputs, list(output_grads), list(sums), step, call_info)
       else:
         float_inputs = [t for t in saved.inputs if _is_float(t)]
@@ -217,13 +303,22 @@ class CellFunctions:
                                     unconnected_gradients=tf.UnconnectedGradients.ZERO)
         num = len(sources) - len(self.variables)
         input_grads = grads[:num]
-        new_sums = [s + _dense(g) for s, g in zip(sums, grads[num:])]
+        new_sums = _accumulate(sums, grads[num:])
     full_input_grads: list[tf.Tensor | None] = []
     remaining = list(input_grads)
     for t in saved.inputs:
       full_input_grads.append(remaining.pop(0) if _is_float(t) and self.needs_input_grads
                               else None)
-    return full_input_grads, list(new_sums)
+    return full_input_grads, list(new_sums), deferred
+
+  def weight_gradients(self, group: Sequence[DeferredWeightGradient],
+                       sums: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+    """One call: `sums` plus the deferred weight gradients of a group of micro-batches
+    (what their backward calls returned), each a single product over the group."""
+    with tf.device(self.device):
+      return list(self._weight_fn(
+          list(sums), [[d.inputs[i] for d in group] for i in range(len(group[0].inputs))],
+          [[d.output_grads[i] for d in group] for i in range(len(group[0].inputs))]))
 
   def _unflatten_stats(self, flat_stats: list[tf.Tensor]) -> list[tuple[BaseLayer, Any]]:
     structure = self.stats_structure or []
@@ -234,4 +329,5 @@ class CellFunctions:
     """How many times the forward and backward bodies were traced (once per distinct
     micro-batch shape each, whatever M is)."""
     return (self._forward_fn.experimental_get_tracing_count()
-            + self._backward_fn.experimental_get_tracing_count())
+            + self._backward_fn.experimental_get_tracing_count()
+            + self._weight_fn.experimental_get_tracing_count())

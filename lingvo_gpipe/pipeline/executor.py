@@ -33,7 +33,7 @@ import tensorflow as tf
 from lingvo_gpipe.core import base_layer
 from lingvo_gpipe.pipeline import timeline
 from lingvo_gpipe.pipeline.cell_function import CellFunctions
-from lingvo_gpipe.pipeline.schedule import FORWARD, PipelineSchedule
+from lingvo_gpipe.pipeline.schedule import FORWARD, WEIGHT_GRADIENT, PipelineSchedule
 
 Metrics = dict[str, tuple[tf.Tensor, tf.Tensor]]
 
@@ -142,6 +142,8 @@ def run(cells: Sequence[CellFunctions], plan: PipelineSchedule, micro_inputs: Se
   metrics: list[Metrics | None] = [None] * len(micro_inputs)
   sums: list[list[tf.Tensor] | None] = [None] * num_cells
   gate: list[list[tf.Tensor]] = [[] for _ in cells]
+  deferred: list[list[Any]] = [[] for _ in cells]  # backwards since the last weight call
+  backwards_left = [plan.num_micro_batches] * num_cells
   for k, action in plan.execution_order():
     cell, m = cells[k], action.micro_batch
     with tf.device(cell.device):
@@ -171,13 +173,26 @@ def run(cells: Sequence[CellFunctions], plan: PipelineSchedule, micro_inputs: Se
         seeds = span.begin(_gated(seeds, gate[k]))
         if sums[k] is None:
           sums[k] = cell.zero_gradients()
-        input_grads, sums[k] = cell.backward(saved.pop((k, m)), seeds, sums[k], step,
-                                                  infos[m])
+        input_grads, sums[k], weight_inputs = cell.backward(saved.pop((k, m)), seeds, sums[k],
+                                                            step, infos[m])
         input_grads = span.end(input_grads, also_wait_for=sums[k])
         gate[k] = list(sums[k]) + ([span.end_stamp] if span.end_stamp is not None else [])
         if k > 0:
           grads_handed_back[(k, m)] = arrived(input_grads, devices[k - 1])
           gate[k] += [g for g in grads_handed_back[(k, m)] if g is not None]
+        backwards_left[k] -= 1
+        if cell.defers_weight_gradients:
+          deferred[k].append(weight_inputs)
+          if len(deferred[k]) == cell.weight_gradient_group or not backwards_left[k]:
+            # After the backward's input gradients have left: they are what the
+            # previous cell waits for; the weight gradients are only summed.
+            weight_span = timeline.SpanRecorder(ctx.schedule, k, m, WEIGHT_GRADIENT,
+                                                cell.device)
+            sums_in = weight_span.begin(_gated(sums[k], gate[k]))
+            sums[k] = weight_span.end(cell.weight_gradients(deferred[k], sums_in))
+            deferred[k] = []
+            gate[k] = list(sums[k]) + ([weight_span.end_stamp]
+                                       if weight_span.end_stamp is not None else [])
   with tf.device(devices[-1]):
     batch_metrics = weighted_mean(metrics)
     inverse_weight = tf.math.divide_no_nan(1.0, tf.add_n(

@@ -80,6 +80,12 @@ class PipeliningLayer(BaseLayer):
     p.define("schedule", "gpipe", "Order of each cell's forward and backward calls: "
              f"{sorted(schedule.SCHEDULES)} (pipeline/schedule.py). 1f1b has GPipe's bubble "
              "but holds at most K micro-batches per cell in flight instead of M.")
+    p.define("weight_gradient_group", 1, "G: re-materialized cells compute the weight "
+             "gradients of their projections (layers.project: Linear, attention, softmax) "
+             "over G micro-batches at once, in one call after every G-th backward: one "
+             "[G·b, I]ᵀ·[G·b, O] product instead of G products of b rows summed (faster "
+             "for small micro-batches), at the cost of keeping each projection's input "
+             "and output gradient for G micro-batches. 1: per micro-batch.")
     p.define("partition_cost", "params", f"Cost the partitioner balances: {PARTITION_COSTS}.")
     p.define("input_specs", None, "Nested tf.TensorSpec of the pipeline input with the batch "
              "size (needed by partition_cost='flops').")
@@ -105,6 +111,9 @@ class PipeliningLayer(BaseLayer):
     if p.schedule not in schedule.SCHEDULES:
       raise PipelineError(f"{self.path}: schedule must be one of {sorted(schedule.SCHEDULES)}, "
                           f"got {p.schedule!r}")
+    if not isinstance(p.weight_gradient_group, int) or p.weight_gradient_group < 1:
+      raise PipelineError(f"{self.path}: weight_gradient_group must be an int >= 1, "
+                          f"got {p.weight_gradient_group!r}")
     if p.partition_cost not in PARTITION_COSTS:
       raise PipelineError(f"{self.path}: partition_cost must be one of {PARTITION_COSTS}, "
                           f"got {p.partition_cost!r}")
@@ -208,7 +217,8 @@ class PipeliningLayer(BaseLayer):
       last = len(self.cells) - 1
       cache[head] = [CellFunctions(self.cell_layers(k), self.cell_devices[k], k,
                                    self._recompute_cell(k), head if k == last else None,
-                                   needs_input_grads=k > 0)
+                                   needs_input_grads=k > 0,
+                                   weight_gradient_group=self.params.weight_gradient_group)
                      for k in range(len(self.cells))]
     return cache[head]
 

@@ -36,6 +36,10 @@ import dataclasses
 from collections.abc import Callable, Sequence
 
 FORWARD, BACKWARD = "forward", "backward"
+# Not an action of a schedule: with weight_gradient_group = G > 1 the executor follows
+# every G-th backward of a cell (and its last) with one call that computes the deferred
+# weight gradients of those G micro-batches; the timeline records it under this phase.
+WEIGHT_GRADIENT = "weight_gradient"
 
 
 class ScheduleError(ValueError):

@@ -2,7 +2,8 @@
 
 One row per cell, cell 0 on top, labelled with the cell and its device; the step's
 time on the x axis in milliseconds; forward calls blue, backward calls (recompute
-included) orange, darker for later micro-batches; white is idle (the bubble). The title
+included) orange, deferred weight-gradient calls green, darker for later micro-batches;
+white is idle (the bubble). The title
 gives the measured bubble beside GPipe's theoretical (K−1)/(M+K−1) and, with the plan,
 the simulated bubble of the schedule that was run.
 
@@ -19,11 +20,13 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from lingvo_gpipe.pipeline.schedule import BACKWARD, FORWARD, PipelineSchedule
+from lingvo_gpipe.pipeline.schedule import BACKWARD, FORWARD, WEIGHT_GRADIENT, PipelineSchedule
 from lingvo_gpipe.pipeline.timeline import Schedule
 
-PHASE_COLORS = {FORWARD: (0.26, 0.52, 0.96), BACKWARD: (0.96, 0.56, 0.26)}
-LEGEND = {FORWARD: "forward", BACKWARD: "backward (with recompute)"}
+PHASE_COLORS = {FORWARD: (0.26, 0.52, 0.96), BACKWARD: (0.96, 0.56, 0.26),
+                WEIGHT_GRADIENT: (0.30, 0.70, 0.35)}
+LEGEND = {FORWARD: "forward", BACKWARD: "backward (with recompute)",
+          WEIGHT_GRADIENT: "weight gradients (deferred)"}
 
 
 def _short_device(device: str) -> str:
@@ -58,11 +61,14 @@ def figure(schedule: Schedule, devices: Sequence[str] | None = None,
   if plan is not None:
     title += f", {plan.name} plan {plan.bubble():.0%}"
   axes.set_title(title, fontsize=10)
+  phases = [FORWARD, BACKWARD] + ([WEIGHT_GRADIENT] if any(
+      key.phase == WEIGHT_GRADIENT for key in schedule.keys) else [])
   handles = [Patch(facecolor=PHASE_COLORS[p], edgecolor="black", label=LEGEND[p])
-             for p in (FORWARD, BACKWARD)]
+             for p in phases]
   handles.append(Patch(facecolor="white", edgecolor="black", label="idle (bubble)"))
   legend_height = 0.35 / fig.get_figheight()  # a third of an inch, as a figure fraction
-  axes.legend(handles=handles, loc="lower center", bbox_to_anchor=(0.5, 0.0), ncol=3,
+  axes.legend(handles=handles, loc="lower center", bbox_to_anchor=(0.5, 0.0),
+              ncol=len(handles),
               fontsize=8, frameon=False, bbox_transform=fig.transFigure)
   fig.tight_layout(rect=(0, legend_height, 1, 1))
   return fig

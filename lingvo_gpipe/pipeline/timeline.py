@@ -29,7 +29,7 @@ import numpy as np
 import tensorflow as tf
 
 from lingvo_gpipe.pipeline import tf_internals
-from lingvo_gpipe.pipeline.schedule import Action, PipelineSchedule
+from lingvo_gpipe.pipeline.schedule import BACKWARD, FORWARD, Action, PipelineSchedule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,7 +37,7 @@ class Span:
   """One cell call in one step: `start`, `end` are float64 scalar timestamp tensors."""
   cell: int
   micro_batch: int
-  phase: str  # FORWARD or BACKWARD
+  phase: str  # FORWARD, BACKWARD or WEIGHT_GRADIENT
   device: str
   start: tf.Tensor
   end: tf.Tensor
@@ -192,10 +192,13 @@ class Schedule:
     return (k - 1) / (m + k - 1)
 
   def cell_orders(self) -> list[list[Action]]:
-    """Per cell, its calls in the order they started: what the device actually ran."""
+    """Per cell, its forward and backward calls in the order they started: the
+    schedule's actions as the device actually ran them (deferred weight-gradient calls,
+    which no schedule lists, are left out)."""
     orders: list[list[tuple[float, Action]]] = [[] for _ in range(self.num_cells)]
     for (start, _), key in zip(self.times, self.keys):
-      orders[key.cell].append((start, Action(key.phase, key.micro_batch)))
+      if key.phase in (FORWARD, BACKWARD):
+        orders[key.cell].append((start, Action(key.phase, key.micro_batch)))
     return [[action for _, action in sorted(cell, key=lambda t: t[0])] for cell in orders]
 
   def followed(self, plan: PipelineSchedule) -> list[bool]:
