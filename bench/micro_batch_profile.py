@@ -97,8 +97,12 @@ def weight_gradient_ops(graph_def) -> set[str]:
 
 
 def phase_of(name: str, op_type: str, weight_ops: set[str]) -> str:
-  from lingvo_gpipe.pipeline.cell_function import (ACCUMULATE_SCOPE, FORWARD_SCOPE,
-                                                   RECOMPUTE_SCOPE, WEIGHT_SCOPE)
+  from lingvo_gpipe.pipeline.cell_function import (
+    ACCUMULATE_SCOPE,
+    FORWARD_SCOPE,
+    RECOMPUTE_SCOPE,
+    WEIGHT_SCOPE,
+  )
 
   if name.startswith(FORWARD_SCOPE + "/"):
     return "forward"

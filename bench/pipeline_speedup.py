@@ -102,8 +102,7 @@ def make_step(model_name: str, num_cells: int, num_micro_batches: int, devices: 
     outputs, fetched = step_fn(batch)
     outputs["loss"].numpy()
     seconds = time.perf_counter() - start
-    return seconds, timeline.Schedule.from_fetched([t.numpy() for t in fetched],
-                                                   step.span_keys)
+    return seconds, timeline.Schedule.from_fetched([t.numpy() for t in fetched])
 
   run()  # trace and warm up
   run.graph_def = step_fn.get_concrete_function(batch).graph.as_graph_def()

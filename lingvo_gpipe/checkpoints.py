@@ -32,7 +32,8 @@ import dataclasses
 import os
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import tensorflow as tf
 
@@ -104,6 +105,45 @@ def _first_line(error: BaseException) -> str:
   text = getattr(error, "message", None) or str(error) or type(error).__name__
   text = re.sub(r"\{\{[^}]*\}\}\s*", "", text.strip().split("\n")[0])
   return re.sub(r"\s*\[Op:\w+\]$", "", text)
+
+
+_VALUE_KEY = "/.ATTRIBUTES/VARIABLE_VALUE"
+
+
+def _variables_by_path(obj: Any, prefix: str = "", seen: set[int] | None = None
+                       ) -> Iterator[tuple[str, tf.Variable]]:
+  """(object path as a checkpoint names it, variable) for every variable reachable
+  from `obj` through tracked attributes ('task/body/layers/4/w', ...)."""
+  seen = set() if seen is None else seen
+  for name, child in tf.train.TrackableView(obj).children(obj).items():
+    if id(child) in seen:
+      continue
+    seen.add(id(child))
+    path = f"{prefix}{name}"
+    if isinstance(child, tf.Variable):
+      yield path, child
+    else:
+      yield from _variables_by_path(child, path + "/", seen)
+
+
+def variable_mismatches(path: str, root: Any) -> list[str]:
+  """How the variables saved at checkpoint `path` differ from those of `root` (e.g. a
+  tf.train.Checkpoint): one line per variable whose shape differs, that the checkpoint
+  lacks, or that only the checkpoint has (optimizer slots are left out: they follow
+  their variables). Read from the checkpoint's variable list, not from error text."""
+  stored = {key.removesuffix(_VALUE_KEY): shape for key, shape in tf.train.list_variables(path)
+            if key.endswith(_VALUE_KEY) and "OPTIMIZER_SLOT" not in key}
+  model = dict(_variables_by_path(root))
+  lines = []
+  for key, variable in sorted(model.items()):
+    if key not in stored:
+      lines.append(f"{key} ({variable.name}) is not in the checkpoint")
+    elif variable.shape.as_list() != list(stored[key]):
+      lines.append(f"{key} ({variable.name}): checkpoint shape {list(stored[key])}, model "
+                   f"shape {variable.shape.as_list()}")
+  lines += [f"{key} is only in the checkpoint" for key in sorted(stored)
+            if key not in model and key != "save_counter"]
+  return lines
 
 
 @dataclasses.dataclass

@@ -58,7 +58,7 @@ class TrainStep:
     fn = tf.function(step)
     outputs, schedule = fn(batch)     # outputs: loss, metrics, learning_rate,
                                       # grad_norm, finite; schedule: timestamp tensors
-    timeline.Schedule.from_fetched([t.numpy() for t in schedule], step.span_keys)
+    timeline.Schedule.from_fetched([t.numpy() for t in schedule])
 
   `optimizers[r]` updates replica r's variables (each optimizer's slots live with its
   variables). Replica 0 records the schedule; `plan` is the schedule its cells were
@@ -72,7 +72,6 @@ class TrainStep:
     self.replicas = replicas
     self.optimizers = list(optimizers)
     self.global_step = global_step
-    self.span_keys: list = []
     pipeline = getattr(replicas.replicas[0], "pipeline", None)
     self.plan = pipeline.plan() if pipeline is not None else None
 
@@ -82,10 +81,10 @@ class TrainStep:
     replicas = self.replicas
     per_replica, grads = [], []
     with base_layer.step_context(training=True, step=step, micro_batch=0, layer_stats=[],
-                                 schedule=[]) as ctx:
+                                 spans=[]) as ctx:
       for r, shard in enumerate(replicas.shard(batch)):
         with replicas.replica_context(r, shard), base_layer.step_context(
-            schedule=ctx.schedule if r == 0 else None):
+            spans=ctx.spans if r == 0 else None):
           metrics, replica_grads = loss_and_gradients(
               replicas.replicas[r], shard, replicas.trainable_variables[r])
         per_replica.append(metrics)
@@ -93,7 +92,7 @@ class TrainStep:
     grads = replicas.all_reduce_gradients(grads)
     metrics = executor.weighted_mean(per_replica)
     loss = metrics["loss"][0]
-    schedule, self.span_keys = timeline.fetches(ctx.schedule)
+    schedule = timeline.fetches(ctx.spans)
     grad_norm = tf.linalg.global_norm(grads[0])
     finite = tf.logical_and(tf.math.is_finite(loss), tf.math.is_finite(grad_norm))
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import re
 import threading
 import time
 from collections.abc import Callable
@@ -37,7 +36,6 @@ from lingvo_gpipe.core import base_layer
 from lingvo_gpipe.core.hyperparams import Params
 from lingvo_gpipe.pipeline import hybrid, schedule_chart, timeline
 from lingvo_gpipe.pipeline.layer import PipelineError, requested_cells
-from lingvo_gpipe.runtime.devices import default_devices
 
 
 class TrainerError(RuntimeError):
@@ -58,10 +56,6 @@ class TrainingInterrupted(TrainerError):
 
 def _format_eta(seconds: float) -> str:
   return str(datetime.timedelta(seconds=int(max(seconds, 0))))
-
-
-def _variable_names(text: str) -> list[str]:
-  return re.findall(r"tf\.Variable '([^']+)'", text)
 
 
 def parse_profile_steps(text: str) -> tuple[int, int] | None:
@@ -93,13 +87,10 @@ def _build_replicas(task_params: Params) -> hybrid.Replicas:
   if not num_cells:
     raise hybrid.HybridError(f"task.pipeline.num_replicas={num_replicas} needs pipelining: "
                              "set task.pipeline.num_cells (or splits)")
-  try:
-    slices = hybrid.replica_device_slices(num_replicas, num_cells,
-                                          pipeline.devices or default_devices())
+  try:  # (the device count is the only HybridError replicate raises)
+    tasks = hybrid.replicate(task_params, num_replicas, pipeline_key="pipeline")
   except hybrid.HybridError as e:
     raise hybrid.HybridError(f"task.pipeline.num_replicas: {e}") from None
-  tasks = [task_params.copy().set(**{"pipeline.devices": devices}).freeze().instantiate()
-           for devices in slices]
   return hybrid.Replicas(tasks, [task.input_device for task in tasks])
 
 
@@ -173,10 +164,8 @@ class Trainer:
       status = self.checkpoint.restore(path)
       status.assert_consumed()
     except (ValueError, AssertionError) as e:
-      message = str(e)
-      names = _variable_names(message)
-      detail = (f"variables without a match: {', '.join(names)}" if names
-                else message.split("\n")[0])
+      differences = checkpoints.variable_mismatches(path, self.checkpoint)
+      detail = "; ".join(differences) if differences else str(e).split("\n")[0]
       raise CheckpointMismatchError(
           f"checkpoint {path} does not match model: {detail}. Use a new --logdir, or "
           "restore the params the checkpoint was written with.") from None
@@ -304,8 +293,7 @@ class Trainer:
 
   def _write_schedule(self, fetched: list[tf.Tensor], step: int) -> None:
     """Writes the measured pipeline schedule of this step: scalars and an image."""
-    measured = timeline.Schedule.from_fetched([t.numpy() for t in fetched],
-                                              self.train_step.span_keys)
+    measured = timeline.Schedule.from_fetched([t.numpy() for t in fetched])
     for name, value in measured.summary(self.train_step.plan).items():
       tf.summary.scalar(name, value, step=step)
     devices = self.task.pipeline.cell_devices if self.task.pipeline is not None else None

@@ -145,3 +145,24 @@ def test_a_failed_save_names_the_last_good_checkpoint_and_leaves_no_partial_file
   assert f"the last good checkpoint is {saved / 'ckpt-30'}" in message
   assert files(saved) == before
   assert not list(saved.glob("ckpt-40*"))
+
+
+def test_variable_mismatches_are_read_from_the_checkpoint_not_from_error_text(tmp_path):
+  class Layer(tf.Module):
+    def __init__(self, width, extra=False):
+      super().__init__()
+      self.w = tf.Variable(tf.zeros([2, width]), name="dense/w")
+      self.b = tf.Variable(tf.zeros([width]), name="dense/b")
+      if extra:
+        self.scale = tf.Variable(1.0, name="dense/scale")
+
+  saved_path = tf.train.Checkpoint(task=Layer(3), step=tf.Variable(1)).save(
+      str(tmp_path / "ckpt"))
+  assert checkpoints.variable_mismatches(
+      saved_path, tf.train.Checkpoint(task=Layer(3), step=tf.Variable(1))) == []
+  assert checkpoints.variable_mismatches(
+      saved_path, tf.train.Checkpoint(task=Layer(4, extra=True))) == [
+          "task/b (dense/b:0): checkpoint shape [3], model shape [4]",
+          "task/scale (dense/scale:0) is not in the checkpoint",
+          "task/w (dense/w:0): checkpoint shape [2, 3], model shape [2, 4]",
+          "step is only in the checkpoint"]

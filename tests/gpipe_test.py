@@ -245,10 +245,10 @@ def test_each_hand_off_is_awaited_on_the_receiving_device(cpu_devices, schedule)
 
   def step():
     with base_layer.step_context(training=True, step=tf.constant(1, tf.int64),
-                                 schedule=[]) as ctx:
+                                 spans=[]) as ctx:
       _, grads = train_step.loss_and_gradients(wrapped, {"inputs": tf.ones([6, 4])},
                                                model.trainable_variables)
-    spans[:] = ctx.schedule
+    spans[:] = ctx.spans
     return grads
 
   tf.function(step).get_concrete_function()

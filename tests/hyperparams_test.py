@@ -3,8 +3,9 @@
 import pytest
 import tensorflow as tf
 
-from lingvo_gpipe.core import hyperparams
+from lingvo_gpipe.core import hyperparams, layers, lr_schedules, optimizers
 from lingvo_gpipe.core.hyperparams import InstantiableParams, Params, ParamsError
+from lingvo_gpipe.inputs.synthetic_images import SyntheticImages
 
 
 class Widget:
@@ -121,3 +122,16 @@ def test_instantiable_params_build_from_frozen_copy():
   assert not p.is_frozen
   with pytest.raises(ParamsError, match="cls"):
     InstantiableParams().instantiate()
+
+
+@pytest.mark.parametrize("params", [
+    layers.Linear.Params().set(input_dim=2, output_dim=3),
+    optimizers.SGD.Params(),
+    lr_schedules.CosineDecay.Params(),
+    SyntheticImages.Params(),
+], ids=["layer", "optimizer", "lr_schedule", "input"])
+def test_everything_built_from_params_shares_one_base_that_refuses_unfrozen_params(params):
+  assert issubclass(params.cls, hyperparams.Instantiable)
+  with pytest.raises(ParamsError, match=f"{params.cls.__name__} must be built from frozen"):
+    params.cls(params)
+  assert isinstance(params.instantiate(), params.cls)  # instantiate() freezes a copy

@@ -34,7 +34,7 @@ def traced_step(model, wrapped, batch_size: int):
   @tf.function
   def step():
     with base_layer.step_context(training=True, step=tf.constant(1, tf.int64),
-                                 layer_stats=[], schedule=[]):
+                                 layer_stats=[], spans=[]):
       return train_step.loss_and_gradients(wrapped, batch, model.trainable_variables)
 
   return step.get_concrete_function()

@@ -31,7 +31,7 @@ def fill_drain(num_cells: int, num_micro: int, forward: float = 1.0, backward: f
 def schedule_of(rows, offset: float = 1000.0) -> timeline.Schedule:
   keys = [timeline.SpanKey(k, m, phase) for k, m, phase, _, _ in rows]
   times = np.array([[start + offset, end + offset] for *_, start, end in rows])
-  return timeline.Schedule.from_fetched([times], [keys])
+  return timeline.Schedule.from_spans(times, keys)
 
 
 @pytest.mark.parametrize("num_cells, num_micro", [(1, 4), (2, 4), (4, 8), (3, 1)])
@@ -89,10 +89,9 @@ def test_the_chart_labels_cells_devices_time_and_bubbles_and_leaves_idle_white()
   assert list(pixel(14500, 0)) != white
 
 
-def test_fetched_rows_must_match_the_keys():
-  with pytest.raises(ValueError, match="3 fetched spans for 2 keys"):
-    timeline.Schedule.from_fetched([np.zeros((3, 2))],
-                                   [[timeline.SpanKey(0, 0, FORWARD)] * 2])
+def test_rows_must_match_the_keys():
+  with pytest.raises(ValueError, match="3 spans for 2 keys"):
+    timeline.Schedule.from_spans(np.zeros((3, 2)), [timeline.SpanKey(0, 0, FORWARD)] * 2)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
@@ -106,16 +105,13 @@ def test_a_traced_step_stamps_every_cell_call_on_its_device_without_chaining(cpu
               for i in range(4)]).instantiate()
   wrapped = train_step.StackWithLoss(
       model, lambda out, _: {"loss": (tf.reduce_sum(out), tf.constant(1.0))})
-  keys = []
-
   @tf.function
   def step():
     with base_layer.step_context(training=True, step=tf.constant(1, tf.int64),
-                                 schedule=[]) as ctx:
+                                 spans=[]) as ctx:
       _, grads = train_step.loss_and_gradients(wrapped, {"inputs": tf.ones([6, 4])},
                                                model.trainable_variables)
-    fetched, keys[:] = timeline.fetches(ctx.schedule)
-    return grads, fetched
+    return grads, timeline.fetches(ctx.spans)
 
   graph = step.get_concrete_function().graph
   stamps = [op for op in graph.get_operations() if op.type == "Timestamp"]
@@ -129,7 +125,7 @@ def test_a_traced_step_stamps_every_cell_call_on_its_device_without_chaining(cpu
     assert not [c for c in op.control_inputs if c.type == "Timestamp"], op.name
 
   _, fetched = step()
-  measured = timeline.Schedule.from_fetched([t.numpy() for t in fetched], keys)
+  measured = timeline.Schedule.from_fetched([t.numpy() for t in fetched])
   assert sorted((k.cell, k.micro_batch, k.phase) for k in measured.keys) == sorted(
       (k, m, phase) for k in range(num_cells) for m in range(num_micro)
       for phase in (FORWARD, BACKWARD))

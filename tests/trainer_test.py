@@ -212,6 +212,40 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, args, file
   assert not logdir.exists() and not (tmp_path / "no_data").exists()
 
 
+BUGGY_LAYER_PARAM_FILE = textwrap.dedent("""
+    from lingvo_gpipe import model_registry
+    from lingvo_gpipe.core import layers
+    from lingvo_gpipe_params import demo
+
+    class BuggyLayer(layers.Dropout):
+      def __init__(self, params):
+        super().__init__(params)
+        int("not a number")  # a ValueError that is the layer's bug, not the user's
+
+    @model_registry.register
+    class WithBuggyLayer(demo.TinyConvNet):
+      def task(self):
+        p = super().task()
+        p.body.layers.append(BuggyLayer.Params().set(name="buggy"))
+        return p
+    """)
+
+
+def test_a_bug_in_a_layer_is_not_reported_as_bad_params(tmp_path):
+  param_file = tmp_path / "buggy.py"
+  param_file.write_text(BUGGY_LAYER_PARAM_FILE)
+  args = ["--model=buggy.WithBuggyLayer", f"--params_path={param_file}", "--mode=inspect_model"]
+  bug = run_trainer(*args)
+  assert bug.returncode == 1, bug.stderr
+  assert "Traceback" in bug.stderr and "invalid literal for int()" in bug.stderr
+  assert "bad model params" not in bug.stderr
+  # A bad value of the same model is the user's: one line, exit 2.
+  bad_value = run_trainer(*args, "--params_override=task.body.layers[0].filter_shape=(3, 3, 0, 8)")
+  assert bad_value.returncode == 2, bad_value.stderr
+  assert bad_value.stderr.startswith("error: bad model params: ") and \
+      bad_value.stderr.count("\n") == 1, bad_value.stderr
+
+
 def test_unwritable_logdir_exits_2_before_training(tmp_path):
   blocker = tmp_path / "a_file"
   blocker.write_text("not a directory")

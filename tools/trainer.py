@@ -58,14 +58,17 @@ _current: dict = {}
 
 @contextlib.contextmanager
 def _bad_params_are_usage_errors():
-  """Building layers from params raises ValueError for a bad value: exit code 2."""
+  """A bad params value (hyperparams.ParamsError, which the pipeline's errors extend)
+  or missing data is the user's to fix: exit code 2. Any other exception is a bug of
+  the library and keeps its traceback."""
+  from lingvo_gpipe.core import hyperparams
   from lingvo_gpipe.inputs.tfds_inputs import MissingDataError
 
   try:
     yield
   except MissingDataError as e:
     raise UsageFailure(str(e)) from None
-  except ValueError as e:
+  except hyperparams.ParamsError as e:
     raise UsageFailure(f"bad model params: {e}") from None
 
 
@@ -316,8 +319,10 @@ def main(argv: list[str]) -> None:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
   except trainer_lib.TrainerError as e:
-    print(f"error: {e}", file=sys.stderr)
-    sys.exit(1)
+    # At once: the run has flushed its summaries, and TensorFlow's teardown would print
+    # its own lines after ours (after a lost worker: "Failed to remove function
+    # remotely ... Socket closed", once per function).
+    _exit_now(str(e), 1)
   sys.exit(code)
 
 

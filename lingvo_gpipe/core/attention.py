@@ -14,6 +14,7 @@ import tensorflow as tf
 
 from lingvo_gpipe.core import layers
 from lingvo_gpipe.core.base_layer import BaseLayer, Params, weight_init
+from lingvo_gpipe.core.hyperparams import ParamsError
 
 # Added to the logits of masked positions; large but finite, so a fully masked row
 # (a padded query) gives a uniform distribution instead of NaN.
@@ -58,11 +59,11 @@ class MultiHeadAttention(BaseLayer):
     super().__init__(params)
     p = self.params
     if p.input_dim <= 0 or p.num_heads <= 0:
-      raise ValueError(f"{self.path}: input_dim and num_heads must be positive, got "
+      raise ParamsError(f"{self.path}: input_dim and num_heads must be positive, got "
                        f"{p.input_dim} and {p.num_heads}")
     head_dim = p.dim_per_head or p.input_dim // p.num_heads
     if head_dim <= 0:
-      raise ValueError(f"{self.path}: dim_per_head must be positive (or input_dim >= "
+      raise ParamsError(f"{self.path}: dim_per_head must be positive (or input_dim >= "
                        f"num_heads), got dim_per_head={p.dim_per_head}")
     self.head_dim = head_dim
     hidden = p.num_heads * head_dim

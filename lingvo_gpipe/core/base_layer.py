@@ -83,7 +83,7 @@ def initial_value(init: Params, shape: Sequence[int], dtype: tf.DType,
     fan_in, _ = _fans(shape)
     return tf.random.stateless_normal(shape, seed, stddev=scale / math.sqrt(fan_in),
                                       dtype=dtype)
-  raise ValueError(f"unknown init method {method!r}; valid: {INIT_METHODS}")
+  raise hyperparams.ParamsError(f"unknown init method {method!r}; valid: {INIT_METHODS}")
 
 
 # ---------------------------------------------------------------------------
@@ -105,8 +105,9 @@ class StepContext:
       micro-batches draws exactly the masks of the unsplit batch.
     layer_stats: where layers (batch norm) report statistics of this forward pass:
       a list of (layer, stats) pairs, or None to not collect (e.g. in a recompute).
-    schedule: where pipelines record the timestamps of each cell call, forward and
-      backward (a list of `timeline.Span`), or None to not record.
+    spans: where pipelines record the timestamps of each cell call, forward and
+      backward (a list of `timeline.Span`; `timeline.Schedule` is what they measure),
+      or None to not record.
     weight_products: where `layers.project` records each product x·W with a trainable
       variable W (a `WeightProducts`) and keeps the gradient from reaching W through
       it, so that the caller computes that part of W's gradient itself (a pipeline's
@@ -118,7 +119,7 @@ class StepContext:
   micro_batch: Any = 0
   example_offset: Any = 0
   layer_stats: list | None = None
-  schedule: list | None = None
+  spans: list | None = None
   weight_products: WeightProducts | None = None
 
 
@@ -207,12 +208,12 @@ def _module_name(name: str) -> str:
   return cleaned if not cleaned[0].isdigit() else f"_{cleaned}"
 
 
-class BaseLayer(tf.Module):
+class BaseLayer(hyperparams.Instantiable, tf.Module):
   """Base class of all layers."""
 
   @classmethod
-  def Params(cls) -> InstantiableParams:  # noqa: N802 (Lingvo's spelling, reads as a constructor)
-    p = InstantiableParams(cls)
+  def Params(cls) -> InstantiableParams:  # noqa: N802
+    p = super().Params()
     p.define("name", cls.__name__.lower(), "Name of this layer; its variables' scope.")
     p.define("dtype", tf.float32, "Dtype of the variables and the computation.")
     p.define("params_init", weight_init(), "Default initializer of the weights.")
@@ -221,12 +222,9 @@ class BaseLayer(tf.Module):
     return p
 
   def __init__(self, params: InstantiableParams):
-    if not params.is_frozen:
-      raise hyperparams.ParamsError(
-          f"{type(self).__name__} must be built from frozen params; use params.instantiate()")
     stack = _layer_stack()
     parent = stack[-1] if stack else None
-    super().__init__(name=_module_name(params.name))
+    super().__init__(params, name=_module_name(params.name))
     self._params = params
     self._parent_path = parent.path if parent is not None else ""
     if params.random_seed is not None:
@@ -265,7 +263,7 @@ class BaseLayer(tf.Module):
   def create_child(self, name: str, params: InstantiableParams) -> BaseLayer:
     """Builds a child layer from `params` (renamed `name`) and tracks it as self.<name>."""
     if name in self._child_order or hasattr(self, name):
-      raise ValueError(f"{self.path}: child name {name!r} is already used")
+      raise hyperparams.ParamsError(f"{self.path}: child name {name!r} is already used")
     with self._as_parent():
       child = params.copy().set(name=name).instantiate()
     setattr(self, name, child)
@@ -320,7 +318,7 @@ class BaseLayer(tf.Module):
     `tf.Graph` (see model_stats) nothing is allocated: only the graph is built.
     """
     if name in self._var_names or hasattr(self, name):
-      raise ValueError(f"{self.path}: variable name {name!r} is already used")
+      raise hyperparams.ParamsError(f"{self.path}: variable name {name!r} is already used")
     init = init if init is not None else self.params.params_init
     dtype = dtype or self.params.dtype
     shape = [int(d) for d in shape]

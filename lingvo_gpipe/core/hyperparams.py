@@ -410,3 +410,26 @@ class InstantiableParams(Params):
       raise ParamsError("cannot instantiate: 'cls' is not set")
     return self.cls(self.copy().freeze(), **kwargs)
 
+
+
+class Instantiable:
+  """Base of everything built from params: layers, optimizers, learning-rate schedules,
+  inputs.
+
+    p = SomeClass.Params()    # InstantiableParams with SomeClass's defaults
+    p.some_key = ...
+    obj = p.instantiate()     # SomeClass(frozen copy of p)
+
+  The constructor refuses params that are not frozen: an object keeps its params, and
+  a later edit of them would change what it reports without changing what it built.
+  """
+
+  @classmethod
+  def Params(cls) -> InstantiableParams:  # noqa: N802 (Lingvo's spelling, reads as a constructor)
+    return InstantiableParams(cls)
+
+  def __init__(self, params: InstantiableParams, **kwargs: Any):
+    if not isinstance(params, Params) or not params.is_frozen:
+      raise ParamsError(f"{type(self).__name__} must be built from frozen params: use "
+                        f"{type(self).__name__}.Params().instantiate() (or params.freeze())")
+    super().__init__(**kwargs)

@@ -14,6 +14,7 @@ import tensorflow as tf
 
 from lingvo_gpipe.core import base_layer
 from lingvo_gpipe.core.base_layer import BaseLayer, weight_init
+from lingvo_gpipe.core.hyperparams import ParamsError
 
 ACTIVATIONS: dict[str, Callable[[tf.Tensor], tf.Tensor]] = {
     "NONE": tf.identity,
@@ -28,7 +29,7 @@ ACTIVATIONS: dict[str, Callable[[tf.Tensor], tf.Tensor]] = {
 
 def activation_fn(name: str) -> Callable[[tf.Tensor], tf.Tensor]:
   if name not in ACTIVATIONS:
-    raise ValueError(f"unknown activation {name!r}; valid: {sorted(ACTIVATIONS)}")
+    raise ParamsError(f"unknown activation {name!r}; valid: {sorted(ACTIVATIONS)}")
   return ACTIVATIONS[name]
 
 
@@ -62,8 +63,9 @@ def project(inputs: tf.Tensor, weight: tf.Tensor) -> tf.Tensor:
   """[..., I] · [I, O] → [..., O] as one 2-D matmul.
 
   Not tf.einsum('...i,io->...o'): TF 2.21's einsum gradient for the weight
-  materializes the broadcast product [..., I, O] before reducing it (measured: 1 GiB
-  per 256×1024 layer at 1024 tokens).
+  materializes the broadcast product [..., I, O] before reducing it (1 GiB per
+  256×1024 layer at 1024 tokens; bench/remat_memory.py's history in docs/benchmarks.md).
+  The re-materialization memory test (`tests/pipeline_memory_test.py`) would catch it.
   """
   if inputs.shape.rank == 2:
     return _matmul(inputs, weight)
@@ -79,7 +81,7 @@ def project(inputs: tf.Tensor, weight: tf.Tensor) -> tf.Tensor:
 def _check_positive(layer: BaseLayer, **values: Any) -> None:
   for key, value in values.items():
     if value is None or value <= 0:
-      raise ValueError(f"{layer.path}: {key} must be positive, got {value!r}")
+      raise ParamsError(f"{layer.path}: {key} must be positive, got {value!r}")
 
 
 class Linear(BaseLayer):
@@ -127,9 +129,9 @@ class Conv2D(BaseLayer):
     super().__init__(params)
     p = self.params
     if len(p.filter_shape) != 4 or min(p.filter_shape) <= 0:
-      raise ValueError(f"{self.path}: filter_shape must be 4 positive ints, got {p.filter_shape}")
+      raise ParamsError(f"{self.path}: filter_shape must be 4 positive ints, got {p.filter_shape}")
     if p.padding not in ("SAME", "VALID"):
-      raise ValueError(f"{self.path}: padding must be SAME or VALID, got {p.padding!r}")
+      raise ParamsError(f"{self.path}: padding must be SAME or VALID, got {p.padding!r}")
     self._act = activation_fn(p.activation)
     self.create_variable("w", p.filter_shape)
     if p.has_bias:
@@ -198,7 +200,7 @@ class Pooling(BaseLayer):
   def __init__(self, params):
     super().__init__(params)
     if self.params.pooling_type not in ("MAX", "AVG"):
-      raise ValueError(f"{self.path}: pooling_type must be MAX or AVG, "
+      raise ParamsError(f"{self.path}: pooling_type must be MAX or AVG, "
                        f"got {self.params.pooling_type!r}")
 
   def fprop(self, inputs: tf.Tensor) -> tf.Tensor:
@@ -219,7 +221,7 @@ class GlobalPooling(BaseLayer):
   def __init__(self, params):
     super().__init__(params)
     if self.params.pooling_type not in ("MAX", "AVG"):
-      raise ValueError(f"{self.path}: pooling_type must be MAX or AVG, "
+      raise ParamsError(f"{self.path}: pooling_type must be MAX or AVG, "
                        f"got {self.params.pooling_type!r}")
 
   def fprop(self, inputs: tf.Tensor) -> tf.Tensor:
@@ -267,7 +269,7 @@ class BatchNorm(BaseLayer):
     p = self.params
     _check_positive(self, dim=p.dim)
     if not 0.0 <= p.decay < 1.0:
-      raise ValueError(f"{self.path}: decay must be in [0, 1), got {p.decay}")
+      raise ParamsError(f"{self.path}: decay must be in [0, 1), got {p.decay}")
     self.create_variable("gamma", [p.dim], init=weight_init("constant", 1.0))
     self.create_variable("beta", [p.dim], init=weight_init("constant", 0.0))
     self.create_variable("moving_mean", [p.dim], init=weight_init("constant", 0.0),
@@ -381,7 +383,7 @@ class Dropout(BaseLayer):
   def __init__(self, params):
     super().__init__(params)
     if not 0.0 < self.params.keep_prob <= 1.0:
-      raise ValueError(f"{self.path}: keep_prob must be in (0, 1], got {self.params.keep_prob}")
+      raise ParamsError(f"{self.path}: keep_prob must be in (0, 1], got {self.params.keep_prob}")
 
   def fprop(self, inputs: tf.Tensor) -> tf.Tensor:
     p = self.params
@@ -454,7 +456,7 @@ class Softmax(BaseLayer):
     p = self.params
     _check_positive(self, input_dim=p.input_dim, num_classes=p.num_classes)
     if not 0.0 <= p.label_smoothing < 1.0:
-      raise ValueError(f"{self.path}: label_smoothing must be in [0, 1), "
+      raise ParamsError(f"{self.path}: label_smoothing must be in [0, 1), "
                        f"got {p.label_smoothing}")
     self.create_variable("w", [p.input_dim, p.num_classes])
     self.create_variable("b", [p.num_classes], init=weight_init("constant", 0.0))
@@ -483,7 +485,7 @@ class Sequential(BaseLayer):
   def __init__(self, params):
     super().__init__(params)
     if not self.params.layers:
-      raise ValueError(f"{self.path}: Sequential needs at least one layer")
+      raise ParamsError(f"{self.path}: Sequential needs at least one layer")
     self.create_children("layers", self.params.layers)
 
   def fprop(self, *inputs: Any) -> Any:

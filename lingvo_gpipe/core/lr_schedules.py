@@ -11,17 +11,14 @@ import math
 
 import tensorflow as tf
 
-from lingvo_gpipe.core.hyperparams import InstantiableParams
+from lingvo_gpipe.core.hyperparams import Instantiable, InstantiableParams, ParamsError
 
 
-class Schedule:
+class Schedule(Instantiable):
   """Base: the constant multiplier 1."""
 
-  @classmethod
-  def Params(cls) -> InstantiableParams:  # noqa: N802
-    return InstantiableParams(cls)
-
   def __init__(self, params: InstantiableParams):
+    super().__init__(params)
     self.params = params
 
   def value(self, step: tf.Tensor) -> tf.Tensor:
@@ -33,7 +30,7 @@ Constant = Schedule
 
 def _check_steps(name: str, value: int, minimum: int) -> None:
   if value < minimum:
-    raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    raise ParamsError(f"{name} must be >= {minimum}, got {value}")
 
 
 class LinearWarmupRsqrtDecay(Schedule):
@@ -104,7 +101,7 @@ class ExponentialDecay(Schedule):
     super().__init__(params)
     _check_steps("decay_steps", params.decay_steps, 1)
     if not 0.0 < params.decay_rate <= 1.0:
-      raise ValueError(f"decay_rate must be in (0, 1], got {params.decay_rate}")
+      raise ParamsError(f"decay_rate must be in (0, 1], got {params.decay_rate}")
 
   def value(self, step):
     periods = tf.cast(step, tf.float32) / float(self.params.decay_steps)

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 import tensorflow as tf
 
 from lingvo_gpipe.core import lr_schedules
-from lingvo_gpipe.core.hyperparams import InstantiableParams
+from lingvo_gpipe.core.hyperparams import Instantiable, InstantiableParams, ParamsError
 
 
 def _slot_key(var: tf.Variable) -> str:
@@ -38,12 +38,12 @@ def _slot_key(var: tf.Variable) -> str:
   return re.sub(r":\d+$", "", var.name)
 
 
-class Optimizer(tf.Module):
+class Optimizer(Instantiable, tf.Module):
   """Base class: learning rate × schedule, global-norm clipping, per-variable slots."""
 
   @classmethod
   def Params(cls) -> InstantiableParams:  # noqa: N802
-    p = InstantiableParams(cls)
+    p = super().Params()
     p.define("learning_rate", 0.1, "Base learning rate; the schedule multiplies it.")
     p.define("lr_schedule", lr_schedules.Constant.Params(), "Learning-rate schedule params.")
     p.define("clip_gradient_norm", 0.0,
@@ -51,13 +51,13 @@ class Optimizer(tf.Module):
     return p
 
   def __init__(self, params: InstantiableParams):
-    super().__init__(name=type(self).__name__.lower())
+    super().__init__(params, name=type(self).__name__.lower())
     if params.learning_rate < 0:
-      raise ValueError(f"learning_rate must be >= 0, got {params.learning_rate}")
+      raise ParamsError(f"learning_rate must be >= 0, got {params.learning_rate}")
     if params.clip_gradient_norm < 0:
-      raise ValueError(f"clip_gradient_norm must be >= 0, got {params.clip_gradient_norm}")
+      raise ParamsError(f"clip_gradient_norm must be >= 0, got {params.clip_gradient_norm}")
     self.params = params
-    self.schedule = params.lr_schedule.instantiate()
+    self.lr_schedule = params.lr_schedule.instantiate()
     self.slots: dict[str, dict[str, tf.Variable]] = {}
 
   def _slot_shapes(self, var: tf.Variable) -> dict[str, tuple[list[int], float]]:
@@ -81,7 +81,7 @@ class Optimizer(tf.Module):
     return self.slots[_slot_key(var)]
 
   def learning_rate(self, step: tf.Tensor) -> tf.Tensor:
-    return self.params.learning_rate * self.schedule.value(step)
+    return self.params.learning_rate * self.lr_schedule.value(step)
 
   def apply_gradients(self, grads: Sequence[tf.Tensor], variables: Sequence[tf.Variable],
                       step: tf.Tensor, grad_norm: tf.Tensor | None = None

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from lingvo_gpipe.core.hyperparams import InstantiableParams
+from lingvo_gpipe.core.hyperparams import Instantiable, InstantiableParams, ParamsError
 
 
-class BaseInputGenerator:
+class BaseInputGenerator(Instantiable):
   """Produces a `tf.data.Dataset` of batches: dicts of tensors with leading dim B.
 
   Subclasses implement `examples()` (a dataset of single examples); batching,
@@ -16,7 +16,7 @@ class BaseInputGenerator:
 
   @classmethod
   def Params(cls) -> InstantiableParams:  # noqa: N802
-    p = InstantiableParams(cls)
+    p = super().Params()
     p.define("name", cls.__name__.lower(), "Name of this input.")
     p.define("batch_size", 32, "Examples per batch B (the GPipe mini-batch).")
     p.define("seed", 1, "Seed of the data's randomness (order, augmentation, synthesis).")
@@ -26,8 +26,9 @@ class BaseInputGenerator:
     return p
 
   def __init__(self, params: InstantiableParams):
+    super().__init__(params)
     if params.batch_size < 1:
-      raise ValueError(f"{params.name}: batch_size must be >= 1, got {params.batch_size}")
+      raise ParamsError(f"{params.name}: batch_size must be >= 1, got {params.batch_size}")
     self.params = params
 
   def examples(self) -> tf.data.Dataset:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
+from lingvo_gpipe.core.hyperparams import ParamsError
 from lingvo_gpipe.inputs.base_input import BaseInputGenerator
 
 _SPLIT_SEEDS = {"train": 1, "eval": 2, "test": 3}
@@ -58,12 +59,12 @@ class SyntheticImages(BaseInputGenerator):
     super().__init__(params)
     p = self.params
     if p.split not in _SPLIT_SEEDS:
-      raise ValueError(f"{p.name}: split must be one of {sorted(_SPLIT_SEEDS)}, got {p.split!r}")
+      raise ParamsError(f"{p.name}: split must be one of {sorted(_SPLIT_SEEDS)}, got {p.split!r}")
     for key in ("image_size", "num_channels", "num_examples"):
       if getattr(p, key) < 1:
-        raise ValueError(f"{p.name}: {key} must be >= 1, got {getattr(p, key)}")
+        raise ParamsError(f"{p.name}: {key} must be >= 1, got {getattr(p, key)}")
     if p.num_classes < 2:
-      raise ValueError(f"{p.name}: num_classes must be >= 2, got {p.num_classes}")
+      raise ParamsError(f"{p.name}: num_classes must be >= 2, got {p.num_classes}")
     self.templates = tf.constant(class_templates(p.num_classes, p.image_size,
                                                  p.num_channels, p.template_seed))
 

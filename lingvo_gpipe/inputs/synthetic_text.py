@@ -18,6 +18,7 @@ import dataclasses
 import numpy as np
 import tensorflow as tf
 
+from lingvo_gpipe.core.hyperparams import ParamsError
 from lingvo_gpipe.inputs import vocabulary
 from lingvo_gpipe.inputs.base_input import BaseInputGenerator
 
@@ -98,13 +99,13 @@ class _SyntheticText(BaseInputGenerator):
     super().__init__(params)
     p = self.params
     if p.split not in _SPLIT_SEEDS:
-      raise ValueError(f"{p.name}: split must be one of {sorted(_SPLIT_SEEDS)}, got {p.split!r}")
+      raise ParamsError(f"{p.name}: split must be one of {sorted(_SPLIT_SEEDS)}, got {p.split!r}")
     if not 1 <= p.min_length <= p.max_length <= p.sequence_length - 2:
-      raise ValueError(f"{p.name}: need 1 <= min_length <= max_length <= sequence_length - 2 "
+      raise ParamsError(f"{p.name}: need 1 <= min_length <= max_length <= sequence_length - 2 "
                        "(room for a tag or BOS, and EOS), got "
                        f"{p.min_length}, {p.max_length}, {p.sequence_length}")
     if p.num_examples < 1 or p.num_words < 2 or p.num_languages < 1:
-      raise ValueError(f"{p.name}: num_examples, num_languages must be >= 1 and num_words "
+      raise ParamsError(f"{p.name}: num_examples, num_languages must be >= 1 and num_words "
                        ">= 2")
     self.languages = SyntheticLanguages(p.num_words, p.num_languages, p.shared_fraction,
                                         p.language_seed)
@@ -163,7 +164,7 @@ class SyntheticTranslation(_SyntheticText):
     p = self.params
     rates = p.language_rates or [0.5 ** i for i in range(p.num_languages)]
     if len(rates) != p.num_languages or min(rates) <= 0:
-      raise ValueError(f"{p.name}: language_rates must be {p.num_languages} positive "
+      raise ParamsError(f"{p.name}: language_rates must be {p.num_languages} positive "
                        f"weights, got {rates}")
     self.rates = np.asarray(rates, np.float64) / np.sum(rates)
 

@@ -12,6 +12,7 @@ import os
 
 import tensorflow as tf
 
+from lingvo_gpipe.core.hyperparams import ParamsError
 from lingvo_gpipe.inputs import vocabulary
 from lingvo_gpipe.inputs.base_input import BaseInputGenerator
 
@@ -87,10 +88,10 @@ class TfdsImages(TfdsBase):
   def __init__(self, params):
     super().__init__(params)
     if params.dataset not in IMAGE_DATASETS:
-      raise ValueError(f"{params.name}: dataset must be one of {sorted(IMAGE_DATASETS)}, got "
+      raise ParamsError(f"{params.name}: dataset must be one of {sorted(IMAGE_DATASETS)}, got "
                        f"{params.dataset!r}")
     if params.image_size < 8:
-      raise ValueError(f"{params.name}: image_size must be >= 8, got {params.image_size}")
+      raise ParamsError(f"{params.name}: image_size must be >= 8, got {params.image_size}")
 
   @property
   def num_classes(self) -> int:
@@ -157,7 +158,7 @@ class _TfdsText(TfdsBase):
   def __init__(self, params):
     super().__init__(params)
     if params.sequence_length < 2:
-      raise ValueError(f"{params.name}: sequence_length must be >= 2, got "
+      raise ParamsError(f"{params.name}: sequence_length must be >= 2, got "
                        f"{params.sequence_length}")
     self._vocab = None
 
@@ -245,10 +246,10 @@ class TfdsManyToEnglish(_TfdsText):
     super().__init__(params)
     p = self.params
     if not p.pairs:
-      raise ValueError(f"{p.name}: pairs is empty; give (tfds name, source language) pairs")
+      raise ParamsError(f"{p.name}: pairs is empty; give (tfds name, source language) pairs")
     rates = p.rates or [1.0] * len(p.pairs)
     if len(rates) != len(p.pairs) or min(rates) <= 0 or p.temperature <= 0:
-      raise ValueError(f"{p.name}: rates must be {len(p.pairs)} positive numbers and "
+      raise ParamsError(f"{p.name}: rates must be {len(p.pairs)} positive numbers and "
                        f"temperature positive, got {rates}, {p.temperature}")
     weights = [r ** (1.0 / p.temperature) for r in rates]
     self.weights = [w / sum(weights) for w in weights]

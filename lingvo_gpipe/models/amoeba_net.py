@@ -30,6 +30,7 @@ import tensorflow as tf
 
 from lingvo_gpipe.core import base_layer, layers
 from lingvo_gpipe.core.base_layer import BaseLayer, InstantiableParams
+from lingvo_gpipe.core.hyperparams import ParamsError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,7 +154,7 @@ def operation_layers(operation: str, in_dim: int, filters: int,
     result += [_bn("bn", reduced), _relu(), _conv("post_1x1", (1, 1), reduced, filters),
                _bn("post_bn", filters)]
     return result
-  raise ValueError(f"unknown AmoebaNet operation {operation!r}; valid: none, 1x1, 3x3, "
+  raise ParamsError(f"unknown AmoebaNet operation {operation!r}; valid: none, 1x1, 3x3, "
                    "1x7_7x1, 1x3_3x1, {max,avg}_pool_KxK, [dil_R_]separable_KxK_N")
 
 
@@ -175,7 +176,7 @@ class FactorizedReduction(BaseLayer):
     super().__init__(params)
     p = self.params
     if p.output_dim <= 0 or p.output_dim % 2:
-      raise ValueError(f"{self.path}: output_dim must be positive and even, got "
+      raise ParamsError(f"{self.path}: output_dim must be positive and even, got "
                        f"{p.output_dim}")
     half = p.output_dim // 2
     self.create_child("path1", _conv("path1", (1, 1), p.input_dim, half, (2, 2)))
@@ -220,7 +221,7 @@ class AmoebaCell(BaseLayer):
     super().__init__(params)
     p = self.params
     if p.spec is None or p.filters <= 0:
-      raise ValueError(f"{self.path}: spec and positive filters are required")
+      raise ParamsError(f"{self.path}: spec and positive filters are required")
     f = p.filters
     self.create_child("prev_1x1", layers.Sequential.Params().set(
         layers=relu_conv_bn(p.prev_dim, f)))
@@ -376,14 +377,14 @@ def amoeba_net(genotype: str = "D", num_normal_cells: int = 18, filters: int = 2
   (images 224, 331, 480, ...); stem='cifar': one stride-1 conv (32×32 images).
   """
   if genotype not in GENOTYPES:
-    raise ValueError(f"unknown AmoebaNet genotype {genotype!r}; valid: {sorted(GENOTYPES)}")
+    raise ParamsError(f"unknown AmoebaNet genotype {genotype!r}; valid: {sorted(GENOTYPES)}")
   if num_normal_cells < 3 or num_normal_cells % 3:
-    raise ValueError(f"num_normal_cells must be a positive multiple of 3 (three stacks), "
+    raise ParamsError(f"num_normal_cells must be a positive multiple of 3 (three stacks), "
                      f"got {num_normal_cells}")
   if stem not in ("imagenet", "cifar"):
-    raise ValueError(f"stem must be 'imagenet' or 'cifar', got {stem!r}")
+    raise ParamsError(f"stem must be 'imagenet' or 'cifar', got {stem!r}")
   if filters < 4 or filters % 4:
-    raise ValueError(f"filters must be a positive multiple of 4, got {filters}")
+    raise ParamsError(f"filters must be a positive multiple of 4, got {filters}")
   gene = GENOTYPES[genotype]
   per_stack = num_normal_cells // 3
   # (reduction?, filters) of every cell in order.

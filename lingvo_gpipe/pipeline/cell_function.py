@@ -155,7 +155,7 @@ class CellFunctions:
     micro_batch, example_offset = tf.unstack(call_info)
     with base_layer.step_context(training=True, step=step, micro_batch=micro_batch,
                                  example_offset=example_offset, layer_stats=stats,
-                                 schedule=None, weight_products=products):
+                                 spans=None, weight_products=products):
       outputs = call_layers(self.layers,
                             tf.nest.pack_sequence_as(self.input_structure, flat_inputs))
       if self.head is not None:

@@ -10,11 +10,15 @@ For every (cell k, action) in `schedule.execution_order()`, under tf.device(cell
             variable gradients to cell k's running sums (inside the call, so the step
             graph does not grow by one add per variable per micro-batch).
 
-Each call waits (one control gate) for what the cell's previous action handed on to
-have *arrived* at the neighbouring device, so a device runs its actions exactly in
-the schedule's order and sends each result as soon as it is made (a device with one
-inter-op thread otherwise runs its own ready chain and sends at the end: measured, the
-next cell got micro-batch 0 after all of them). The timeline records a span per call.
+Invariant: a device runs its actions exactly in the schedule's order, and each result
+reaches the neighbouring device before the sender starts its next action. Each call
+waits (one control gate) for what the cell's previous action handed on to have
+*arrived* there; waiting only for the result to be made is not enough, since a device
+with one inter-op thread then runs its own chain of ready calls before it sends
+(docs/benchmarks.md: the pipeline serialized). Pinned by
+`tests/gpipe_test.py::test_each_hand_off_is_awaited_on_the_receiving_device` and
+`tests/timeline_test.py` (the measured order is the plan's). The timeline records a
+span per call.
 
 The loss of the whole batch is the weighted mean of the micro-batch losses,
 Σ w_m·loss_m / Σ w_m, with w_m the loss's weight (examples, or target tokens):
@@ -88,8 +92,9 @@ def call_infos(example_offsets: Sequence[int], base_offset: Any = 0) -> list[tf.
   see as a constant.
 
   A call with a constant input is *specialized* by Grappler's function optimizer: a
-  copy of the body with the constant folded in, optimized on its own, for every call
-  (measured: the first step of 8 layers × 32 micro-batches took 107 s instead of 37 s).
+  copy of the body with the constant folded in, optimized on its own, for every call,
+  so the first step grows with layers × micro-batches (bench/startup_time.py;
+  docs/benchmarks.md has the figures).
   PlaceholderWithDefault is never constant-folded, so each call keeps the shared body;
   one for all micro-batches keeps the step graph small.
   """
@@ -147,7 +152,7 @@ def run(cells: Sequence[CellFunctions], plan: PipelineSchedule, micro_inputs: Se
   for k, action in plan.execution_order():
     cell, m = cells[k], action.micro_batch
     with tf.device(cell.device):
-      span = timeline.SpanRecorder(ctx.schedule, k, m, action.phase, cell.device)
+      span = timeline.SpanRecorder(ctx.spans, k, m, action.phase, cell.device)
       if action.phase == FORWARD:
         x = micro_inputs[m] if k == 0 else handed_on.pop((k - 1, m))
         flat = span.begin(_gated(tf.nest.flatten(x), gate[k]))
@@ -186,7 +191,7 @@ def run(cells: Sequence[CellFunctions], plan: PipelineSchedule, micro_inputs: Se
           if len(deferred[k]) == cell.weight_gradient_group or not backwards_left[k]:
             # After the backward's input gradients have left: they are what the
             # previous cell waits for; the weight gradients are only summed.
-            weight_span = timeline.SpanRecorder(ctx.schedule, k, m, WEIGHT_GRADIENT,
+            weight_span = timeline.SpanRecorder(ctx.spans, k, m, WEIGHT_GRADIENT,
                                                 cell.device)
             sums_in = weight_span.begin(_gated(sums[k], gate[k]))
             sums[k] = weight_span.end(cell.weight_gradients(deferred[k], sums_in))

@@ -27,12 +27,12 @@ from typing import Any
 import tensorflow as tf
 
 from lingvo_gpipe.core import base_layer
-from lingvo_gpipe.core.hyperparams import Params
+from lingvo_gpipe.core.hyperparams import Params, ParamsError
 from lingvo_gpipe.pipeline.layer import PipeliningLayer, requested_cells
 from lingvo_gpipe.runtime.devices import default_devices
 
 
-class HybridError(ValueError):
+class HybridError(ParamsError):
   pass
 
 
@@ -46,9 +46,10 @@ class CollectiveMean:
   Each device's all-reduce op takes an ordering token: a resource on that device.
   Without one, tf.function's automatic control dependencies chain the group's
   stateful collective ops in program order across devices, so the op on the second
-  device waits for the first one to finish, which waits for its peer: a deadlock
-  (measured on logical CPU devices: every op times out). With the token they are
-  ordered per device only, and every device issues them in the same order.
+  device waits for the first one to finish, which waits for its peer: a deadlock.
+  With the token they are ordered per device only, and every device issues them in
+  the same order (`tests/hybrid_test.py` runs them on logical CPU devices;
+  `tf_internals.py` lists the ordering behaviour).
   """
 
   def __init__(self, devices: Sequence[str], group_key: int):
@@ -213,16 +214,29 @@ def replica_device_slices(num_replicas: int, num_cells: int,
   return [devices[r * num_cells:(r + 1) * num_cells] for r in range(num_replicas)]
 
 
+def replicate(params: Params, num_replicas: int, pipeline_key: str = "",
+              devices: Sequence[str] | None = None) -> list[Any]:
+  """R instances of `params`, replica r's K cells on devices[r·K:(r+1)·K].
+
+  pipeline_key: where the pipeline's params sit in `params` ('' when `params` are
+  PipeliningLayer's own, 'pipeline' for a task's); devices: all R·K devices (default:
+  the pipeline params' devices, else the ones set up by --devices). Built from the same
+  params, the replicas start with the same weights.
+  """
+  pipeline = getattr(params, pipeline_key) if pipeline_key else params
+  slices = replica_device_slices(num_replicas, requested_cells(pipeline) or 1,
+                                 devices or pipeline.devices or default_devices())
+  key = f"{pipeline_key}.devices" if pipeline_key else "devices"
+  return [params.copy().set(**{key: d}).freeze().instantiate() for d in slices]
+
+
 class ReplicatedPipeline(Replicas):
   """R replicas × K cells of one PipeliningLayer (see the module docstring)."""
 
   def __init__(self, pipeline_params: Params, num_replicas: int,
                devices: Sequence[str] | None = None):
-    num_cells = requested_cells(pipeline_params) or 1
-    slices = replica_device_slices(num_replicas, num_cells,
-                                   devices or default_devices())
-    replicas: list[PipeliningLayer] = [
-        pipeline_params.copy().set(devices=d).instantiate() for d in slices]
+    replicas: list[PipeliningLayer] = replicate(pipeline_params, num_replicas,
+                                                devices=devices)
     super().__init__(replicas, [rep.cell_devices[0] for rep in replicas])
 
   def fprop(self, replica: int, *inputs: Any) -> Any:

@@ -29,6 +29,7 @@ import tensorflow as tf
 
 from lingvo_gpipe.core import base_layer, hyperparams, model_stats
 from lingvo_gpipe.core.base_layer import BaseLayer
+from lingvo_gpipe.core.hyperparams import ParamsError
 from lingvo_gpipe.pipeline import executor, partition, schedule, tf_internals
 from lingvo_gpipe.pipeline.cell_function import CellFunctions, Head, call_layers
 from lingvo_gpipe.runtime.devices import default_devices
@@ -37,7 +38,7 @@ RECOMPUTE_POLICIES = ("always", "except_last", "never")
 PARTITION_COSTS = ("params", "flops", "given")
 
 
-class PipelineError(ValueError):
+class PipelineError(ParamsError):
   """Bad pipelining params or inputs; the message names the value."""
 
 
@@ -231,8 +232,8 @@ class PipeliningLayer(BaseLayer):
     {name: (value, weight)} of one micro-batch, computed on the last cell's device, with
     metrics['loss'] = (mean loss, its weight); head_inputs: nested [B, ...] (labels...).
     Returns the whole batch's metrics and the gradient of its loss for every variable
-    the cells and the head read. Batch statistics go to the StepContext's layer_stats,
-    the measured spans to its schedule.
+    the cells and the head read. Batch statistics go to the StepContext's layer_stats, each
+    call's timestamps to its spans.
     """
     tf_internals.disable_function_specialization()
     sizes, offsets = self._micro_batches(inputs, self.params.num_micro_batches)

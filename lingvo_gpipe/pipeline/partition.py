@@ -29,9 +29,10 @@ import numpy as np
 import tensorflow as tf
 
 from lingvo_gpipe.core import base_layer
+from lingvo_gpipe.core.hyperparams import ParamsError
 
 
-class PartitionError(ValueError):
+class PartitionError(ParamsError):
   """A partition that cannot be made; the message says which value is at fault."""
 
 

@@ -35,6 +35,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 
+from lingvo_gpipe.core.hyperparams import ParamsError
+
 FORWARD, BACKWARD = "forward", "backward"
 # Not an action of a schedule: with weight_gradient_group = G > 1 the executor follows
 # every G-th backward of a cell (and its last) with one call that computes the deferred
@@ -42,7 +44,7 @@ FORWARD, BACKWARD = "forward", "backward"
 WEIGHT_GRADIENT = "weight_gradient"
 
 
-class ScheduleError(ValueError):
+class ScheduleError(ParamsError):
   """A schedule that is not a valid order of actions; the message names the action."""
 
 

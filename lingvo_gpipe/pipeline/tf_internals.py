@@ -25,6 +25,12 @@ fails until each item below has been re-checked with the test named beside it, t
    pipeline (no overlap at all). The chain skips ops inside a control-flow context.
    Pinned by `tests/timeline_test.py` (stamps are not chained to one another) and
    `tests/pipeline_graph_test.py`.
+4. Ordering tokens on collective all-reduces (`hybrid.CollectiveMean`): the
+   `ordering_token` input of `tf.raw_ops.CollectiveReduceV2` (a raw op, outside the
+   `tf.distribute` API). Given a resource on its own device, tf.function's automatic
+   control dependencies order the collectives per device instead of chaining them in
+   program order across devices, which deadlocked the group. Pinned by
+   `tests/hybrid_test.py` (the all-reduce test and the two-replica equivalence).
 """
 
 from __future__ import annotations

@@ -8,8 +8,9 @@ nodes of the step itself, so they measure the schedule the dataflow executor act
 ran, on every device, without a profiler; their cost is a few scalar and identity ops
 per cell call and one [spans, 2] tensor per device fetched with the step's results.
 
-`fetches(spans)` stacks the timestamps of each device into one tensor (one transfer per
-device); `Schedule.from_fetched` turns the fetched numbers back into spans, and from
+`fetches(spans)` stacks the timestamps of each device, with what each span is, into one
+tensor (one transfer per device); `Schedule.from_fetched` turns the fetched numbers back
+into spans, and from
 them come each cell's busy fraction and the measured bubble beside GPipe's
 (K−1)/(M+K−1); `schedule_chart` draws them for TensorBoard.
 
@@ -29,7 +30,13 @@ import numpy as np
 import tensorflow as tf
 
 from lingvo_gpipe.pipeline import tf_internals
-from lingvo_gpipe.pipeline.schedule import BACKWARD, FORWARD, Action, PipelineSchedule
+from lingvo_gpipe.pipeline.schedule import (
+  BACKWARD,
+  FORWARD,
+  WEIGHT_GRADIENT,
+  Action,
+  PipelineSchedule,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,21 +119,28 @@ class SpanKey:
   phase: str
 
 
-def fetches(spans: Sequence[Span]) -> tuple[list[tf.Tensor], list[list[SpanKey]]]:
-  """Stacks the spans of each device into one float64 [spans, 2] tensor, on that device.
+# A span's phase travels in the fetched rows as its index here.
+PHASES = (FORWARD, BACKWARD, WEIGHT_GRADIENT)
 
-  Returns the tensors (to fetch with the step's results) and, for each, the keys of
-  its rows in order (Python values fixed at trace time).
+
+def fetches(spans: Sequence[Span]) -> list[tf.Tensor]:
+  """Per device, one float64 [spans, 5] tensor on that device (one transfer each):
+  each span's start and end timestamps, then its cell, micro-batch and phase index.
+
+  The keys are constants of the graph, fetched with the timestamps, so a fetched
+  step describes itself (`Schedule.from_fetched`): nothing about it is kept on the
+  Python side while tracing.
   """
   by_device: dict[str, list[Span]] = {}
   for span in spans:
     by_device.setdefault(span.device, []).append(span)
-  tensors, keys = [], []
+  tensors = []
   for device, device_spans in by_device.items():
+    keys = [[s.cell, s.micro_batch, PHASES.index(s.phase)] for s in device_spans]
     with tf.device(device):
-      tensors.append(tf.stack([tf.stack([s.start, s.end]) for s in device_spans]))
-    keys.append([SpanKey(s.cell, s.micro_batch, s.phase) for s in device_spans])
-  return tensors, keys
+      times = tf.stack([tf.stack([s.start, s.end]) for s in device_spans])
+      tensors.append(tf.concat([times, tf.constant(keys, tf.float64)], axis=1))
+  return tensors
 
 
 def _union_length(intervals: np.ndarray) -> float:
@@ -155,13 +169,20 @@ class Schedule:
   keys: list[SpanKey]
 
   @classmethod
-  def from_fetched(cls, fetched: Sequence[np.ndarray],
-                   keys: Sequence[Sequence[SpanKey]]) -> Schedule:
-    times = np.concatenate([np.asarray(t, np.float64).reshape(-1, 2) for t in fetched])
-    flat_keys = [k for device_keys in keys for k in device_keys]
-    if len(flat_keys) != len(times):
-      raise ValueError(f"{len(times)} fetched spans for {len(flat_keys)} keys")
-    return cls(times - times[:, 0].min(), flat_keys)
+  def from_fetched(cls, fetched: Sequence[np.ndarray]) -> Schedule:
+    """From the fetched values of `fetches(spans)`: float64 [spans, 5] per device."""
+    rows = np.concatenate([np.asarray(t, np.float64).reshape(-1, 5) for t in fetched])
+    keys = [SpanKey(int(cell), int(micro_batch), PHASES[int(phase)])
+            for cell, micro_batch, phase in rows[:, 2:]]
+    return cls.from_spans(rows[:, :2], keys)
+
+  @classmethod
+  def from_spans(cls, times: np.ndarray, keys: Sequence[SpanKey]) -> Schedule:
+    """times: [spans, 2] absolute (start, end) seconds; keys: what each row is."""
+    times = np.asarray(times, np.float64).reshape(-1, 2)
+    if len(keys) != len(times):
+      raise ValueError(f"{len(times)} spans for {len(keys)} keys")
+    return cls(times - times[:, 0].min(), list(keys))
 
   @property
   def num_cells(self) -> int:

@@ -24,7 +24,7 @@ from typing import Any
 import tensorflow as tf
 
 from lingvo_gpipe.core import base_layer, layers, optimizers
-from lingvo_gpipe.core.hyperparams import InstantiableParams, Params
+from lingvo_gpipe.core.hyperparams import InstantiableParams, Params, ParamsError
 from lingvo_gpipe.pipeline.layer import PipeliningLayer, requested_cells
 
 Metrics = dict[str, tuple[tf.Tensor, tf.Tensor]]
@@ -90,7 +90,7 @@ class BaseTask(base_layer.BaseLayer):
     if not self.pipelined:
       return self.create_child(name, params)
     if not issubclass(params.cls, layers.Sequential):
-      raise ValueError(f"{self.path}: task.pipeline is set but {name} is a "
+      raise ParamsError(f"{self.path}: task.pipeline is set but {name} is a "
                        f"{params.cls.__name__}, not a Sequential stack of layers")
     pipelined = PipeliningLayer.Params().set(
         name=params.name, layers=params.layers, random_seed=params.random_seed,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from lingvo_gpipe.core import layers
+from lingvo_gpipe.core.hyperparams import ParamsError
 from lingvo_gpipe.tasks.base_task import BaseTask, Metrics
 
 
@@ -26,7 +27,7 @@ class ImageClassificationTask(BaseTask):
   def __init__(self, params):
     super().__init__(params)
     if self.params.body is None:
-      raise ValueError(f"{self.path}: params.body is not set")
+      raise ParamsError(f"{self.path}: params.body is not set")
     self.create_stack("body", self.params.body)
     # Under pipelining the classifier sits with the last cell.
     with tf.device(self.output_device):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from lingvo_gpipe.core import layers
+from lingvo_gpipe.core.hyperparams import ParamsError
 from lingvo_gpipe.tasks.base_task import BaseTask, Metrics
 
 
@@ -49,7 +50,7 @@ class LanguageModelTask(BaseTask):
   def __init__(self, params):
     super().__init__(params)
     if self.params.stack is None:
-      raise ValueError(f"{self.path}: params.stack is not set")
+      raise ParamsError(f"{self.path}: params.stack is not set")
     self.create_stack("stack", self.params.stack)
 
   def stack_inputs(self, batch: dict[str, tf.Tensor]) -> tuple[tf.Tensor, tf.Tensor]:

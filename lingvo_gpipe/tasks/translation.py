@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 import tensorflow as tf
 
+from lingvo_gpipe.core.hyperparams import ParamsError
 from lingvo_gpipe.inputs import vocabulary
 from lingvo_gpipe.tasks.base_task import BaseTask, Metrics
 from lingvo_gpipe.tasks.language_model import token_metrics
@@ -45,7 +46,7 @@ class TranslationTask(BaseTask):
   def __init__(self, params):
     super().__init__(params)
     if self.params.stack is None:
-      raise ValueError(f"{self.path}: params.stack is not set")
+      raise ParamsError(f"{self.path}: params.stack is not set")
     self.create_stack("stack", self.params.stack)
 
   def _logits(self, batch: dict[str, tf.Tensor], tgt_ids: tf.Tensor,
