@@ -46,21 +46,23 @@ from lingvo_gpipe.pipeline import hybrid, memory  # noqa: E402
 from lingvo_gpipe.pipeline.layer import PipeliningLayer  # noqa: E402
 from lingvo_gpipe.runtime.devices import configure_devices
 
-# name → (cells or None for naive, micro-batches, schedule, recompute)
+# name → (cells or None for naive, micro-batches, schedule, recompute,
+#          weight_gradient_group)
 CONFIGS = {
-    "naive": (None, 1, "gpipe", "never"),
-    "gpipe_k1_m8": (1, 8, "gpipe", "always"),
-    "gpipe_k2_m8": (2, 8, "gpipe", "always"),
-    "gpipe_k4_m8": (4, 8, "gpipe", "always"),
-    "gpipe_k4_m16_recompute": (4, 16, "gpipe", "always"),
-    "1f1b_k4_m16_recompute": (4, 16, "1f1b", "always"),
-    "gpipe_k4_m16_never": (4, 16, "gpipe", "never"),
-    "1f1b_k4_m16_never": (4, 16, "1f1b", "never"),
+    "naive": (None, 1, "gpipe", "never", 1),
+    "gpipe_k1_m8": (1, 8, "gpipe", "always", 1),
+    "gpipe_k1_m8_g8": (1, 8, "gpipe", "always", 8),  # what deferring all 8 costs
+    "gpipe_k2_m8": (2, 8, "gpipe", "always", 1),
+    "gpipe_k4_m8": (4, 8, "gpipe", "always", 1),
+    "gpipe_k4_m16_recompute": (4, 16, "gpipe", "always", 1),
+    "1f1b_k4_m16_recompute": (4, 16, "1f1b", "always", 1),
+    "gpipe_k4_m16_never": (4, 16, "gpipe", "never", 1),
+    "1f1b_k4_m16_never": (4, 16, "1f1b", "never", 1),
 }
 
 
 def build(args, config: tuple, devices: list[str]):
-  num_cells, micro_batches, schedule, recompute = config
+  num_cells, micro_batches, schedule, recompute, weight_gradient_group = config
   blocks = [layers.FeedForwardBlock.Params().set(
       name=f"block{i}", input_dim=args.dim, hidden_dim=args.hidden) for i in range(args.layers)]
   if num_cells is None:
@@ -69,7 +71,7 @@ def build(args, config: tuple, devices: list[str]):
   return PipeliningLayer.Params().set(
       name="stack", layers=blocks, random_seed=1, num_cells=num_cells,
       num_micro_batches=micro_batches, devices=devices[:num_cells], schedule=schedule,
-      recompute=recompute).instantiate()
+      recompute=recompute, weight_gradient_group=weight_gradient_group).instantiate()
 
 
 def mean_square(outputs, _):

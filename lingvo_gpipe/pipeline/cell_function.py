@@ -1,12 +1,15 @@
 """A cell's forward and backward as functions traced once and called per micro-batch.
 
 `CellFunctions` wraps the layers of one cell (and, for the last cell, the task's loss
-head) in two `tf.function`s:
+head) in `tf.function`s:
 
   forward(inputs, head_inputs, step, call_info)
       → outputs (the head's metrics on the last cell), batch statistics
   backward(inputs, head_inputs, output_grads, sums, step, call_info)
       → input gradients, sums + variable gradients (recomputes the forward inside)
+  weight_gradients(sums, deferred inputs and output gradients of G micro-batches)
+      → sums + the projections' weight gradients over the G micro-batches, one product
+        each (only with weight_gradient_group G > 1: the backward then leaves them out)
 
 Each is traced once per distinct micro-batch shape (an uneven split has two) and then
 *called*: the step graph holds one call op per (cell, micro-batch, phase), so its
@@ -57,6 +60,7 @@ Head = Callable[[Any, Any], dict]
 # forward "gradient_tape/recompute/...".
 FORWARD_SCOPE, RECOMPUTE_SCOPE, ACCUMULATE_SCOPE = "forward", "recompute", "accumulate"
 WEIGHT_SCOPE = "weight_gradient"  # deferred weight gradients (weight_gradient_group > 1)
+
 
 def call_layers(layers: Sequence[BaseLayer], x: Any) -> Any:
   """Runs `layers` in order; a tuple output is passed on as positional arguments."""
@@ -326,8 +330,9 @@ class CellFunctions:
     return [(layer, s) for (layer, _), s in zip(structure, packed)]
 
   def tracing_count(self) -> int:
-    """How many times the forward and backward bodies were traced (once per distinct
-    micro-batch shape each, whatever M is)."""
+    """How many times the bodies were traced (forward and backward once per distinct
+    micro-batch shape each, weight gradients once per distinct group shape; whatever
+    M is)."""
     return (self._forward_fn.experimental_get_tracing_count()
             + self._backward_fn.experimental_get_tracing_count()
             + self._weight_fn.experimental_get_tracing_count())

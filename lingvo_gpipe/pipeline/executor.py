@@ -9,6 +9,10 @@ For every (cell k, action) in `schedule.execution_order()`, under tf.device(cell
             gradients, arrived on device k → CellFunctions.backward, which adds its
             variable gradients to cell k's running sums (inside the call, so the step
             graph does not grow by one add per variable per micro-batch).
+  W(k)      only with weight_gradient_group G > 1: after every G-th B of cell k (and
+            its last), once that B's input gradients have left for device k−1 →
+            CellFunctions.weight_gradients: the projections' weight gradients of
+            those G micro-batches, one product each, added to the running sums.
 
 Invariant: a device runs its actions exactly in the schedule's order, and each result
 reaches the neighbouring device before the sender starts its next action. Each call
