@@ -1,8 +1,11 @@
-"""`import lingvo_gpipe` gives the public API, in a fresh interpreter (no import cycle)."""
+"""`import lingvo_gpipe` gives the public API, in a fresh interpreter (no import cycle),
+and the README's library table names every module there is."""
 
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import lingvo_gpipe
 from lingvo_gpipe.pipeline.layer import PipeliningLayer
@@ -21,3 +24,24 @@ def test_a_fresh_interpreter_imports_the_package_alone():
       capture_output=True, text=True, timeout=120, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
   assert result.returncode == 0, result.stderr[-2000:]
   assert result.stdout.split() == ["PipeliningLayer", "Linear", "register"]
+
+
+def test_the_readme_library_table_matches_the_tree():
+  repo = Path(__file__).resolve().parent.parent
+  section = (repo / "README.md").read_text().split("## The library")[1].split("\n## ")[0]
+  named = re.findall(r"^\| `(lingvo_gpipe/[^`]+)`(?:, `([^`]+)`)?(?:, `([^`]+)`)?",
+                     section, flags=re.MULTILINE)
+  paths = set()
+  for row in named:
+    first = row[0]
+    paths.add(first)
+    # Further names in a row are short ("core/gpipe.py"), relative to the package.
+    paths.update(f"lingvo_gpipe/{name}" for name in row[1:] if name)
+  for path in paths:
+    assert (repo / path).exists(), f"README names {path}, which does not exist"
+  folders = {p for p in paths if p.endswith("/")}
+  modules = {str(p.relative_to(repo)) for p in (repo / "lingvo_gpipe").rglob("*.py")
+             if p.name != "__init__.py" and "tools" not in p.parts}
+  missing = sorted(m for m in modules
+                   if m not in paths and not any(m.startswith(f) for f in folders))
+  assert missing == [], f"modules the README's library table does not name: {missing}"
