@@ -13,13 +13,15 @@ The public API: what a model param file, a user's own layer or a training script
 
 Layers, optimizers and learning-rate schedules are modules (`g.layers.Linear`,
 `g.optimizers.Adam`, `g.lr_schedules.LinearWarmupRsqrtDecay`); everything else is a name
-here. Deeper module paths keep working (and are what params.txt records).
+here. Deeper module paths keep working (and are what params.txt records). A layer of
+your own raises `g.ParamsError` for a bad params value: the trainer then exits with code
+2 and one line naming it, where any other exception is reported as a bug (traceback).
 """
 
 from lingvo_gpipe.base_model_params import SingleTaskModelParams
 from lingvo_gpipe.core import attention, layers, lr_schedules, optimizers
 from lingvo_gpipe.core.base_layer import BaseLayer
-from lingvo_gpipe.core.hyperparams import InstantiableParams, Params
+from lingvo_gpipe.core.hyperparams import Instantiable, InstantiableParams, Params, ParamsError
 from lingvo_gpipe.inputs.base_input import BaseInputGenerator
 from lingvo_gpipe.inputs.synthetic_images import SyntheticImages
 from lingvo_gpipe.inputs.synthetic_text import SyntheticLm, SyntheticTranslation
@@ -37,7 +39,8 @@ from lingvo_gpipe.trainer import Trainer
 
 __all__ = [
     "BaseInputGenerator", "BaseLayer", "BaseTask", "ImageClassificationTask",
-    "InstantiableParams", "LanguageModelTask", "Params", "PipelineError", "PipeliningLayer",
+    "Instantiable", "InstantiableParams", "LanguageModelTask", "Params", "ParamsError",
+    "PipelineError", "PipeliningLayer",
     "ReplicatedPipeline", "SingleTaskModelParams", "SyntheticImages", "SyntheticLm",
     "SyntheticTranslation", "TfdsImages", "TfdsLm", "TfdsManyToEnglish", "TrainStep",
     "Trainer", "TranslationTask", "attention", "configure_devices", "layers", "optimizers",
