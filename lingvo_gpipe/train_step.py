@@ -24,8 +24,8 @@ from typing import Any
 import tensorflow as tf
 
 from lingvo_gpipe.core import base_layer
-from lingvo_gpipe.pipeline import executor, hybrid, timeline
-from lingvo_gpipe.pipeline.executor import Metrics
+from lingvo_gpipe.pipeline import device_loop, hybrid, timeline
+from lingvo_gpipe.pipeline.device_loop import Metrics
 from lingvo_gpipe.pipeline.layer import PipelineError, PipeliningLayer
 
 
@@ -90,7 +90,7 @@ class TrainStep:
         per_replica.append(metrics)
         grads.append(replica_grads)
     grads = replicas.all_reduce_gradients(grads)
-    metrics = executor.weighted_mean(per_replica)
+    metrics = device_loop.weighted_mean(per_replica)
     loss = metrics["loss"][0]
     schedule = timeline.fetches(ctx.spans)
     grad_norm = tf.linalg.global_norm(grads[0])

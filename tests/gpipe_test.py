@@ -11,7 +11,6 @@ from lingvo_gpipe.core import base_layer, layers, optimizers
 from lingvo_gpipe.core.base_layer import BaseLayer
 from lingvo_gpipe.pipeline import hybrid
 from lingvo_gpipe.pipeline import layer as gpipe
-from lingvo_gpipe.pipeline.schedule import BACKWARD, FORWARD
 
 DIM = 8
 BATCH = 13  # no M > 1 of the grid divides it: every split is uneven
@@ -204,69 +203,9 @@ def test_checkpoints_move_between_sequential_and_pipeline(tmp_path, cpu_devices)
     np.testing.assert_array_equal(a.numpy(), b.numpy())
 
 
-# -- hand-offs -------------------------------------------------------------------------
-
-
 def _device(name: str) -> tuple[str, int]:
   spec = tf.DeviceSpec.from_string(name)
   return spec.device_type, spec.device_index
-
-
-def _ancestors(op: tf.Operation) -> set:
-  """Every op that `op` waits for, through data and control edges."""
-  seen, frontier = set(), [op]
-  while frontier:
-    current = frontier.pop()
-    for parent in [t.op for t in current.inputs] + list(current.control_inputs):
-      if parent not in seen:
-        seen.add(parent)
-        frontier.append(parent)
-  return seen
-
-
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_each_hand_off_is_awaited_on_the_receiving_device(cpu_devices, schedule):
-  """A cell's next call waits until its last results are on the neighbouring device.
-
-  Forward: cell 0's call m+1 waits for an op on device 1 that comes after its call m.
-  Backward: cell 1's next backward waits for an op on device 0 that comes after its
-  backward of m (the input gradients arrived there), not only for ops on its own device.
-  """
-  num_micro = 3
-  devices = cpu_devices[:2]
-  model = gpipe.PipeliningLayer.Params().set(
-      name="stack", num_cells=2, num_micro_batches=num_micro, devices=devices,
-      schedule=schedule,
-      layers=[layers.Linear.Params().set(name=f"fc{i}", input_dim=4, output_dim=4)
-              for i in range(4)]).instantiate()
-  wrapped = train_step.StackWithLoss(
-      model, lambda out, _: {"loss": (tf.reduce_sum(out), tf.constant(1.0))})
-  spans = []
-
-  def step():
-    with base_layer.step_context(training=True, step=tf.constant(1, tf.int64),
-                                 spans=[]) as ctx:
-      _, grads = train_step.loss_and_gradients(wrapped, {"inputs": tf.ones([6, 4])},
-                                               model.trainable_variables)
-    spans[:] = ctx.spans
-    return grads
-
-  tf.function(step).get_concrete_function()
-  span = {(s.cell, s.micro_batch, s.phase): s for s in spans}
-  plan = model.plan()
-
-  def awaited_on(device: str, cell: int, previous, following) -> bool:
-    previous_end = span[(cell, previous.micro_batch, previous.phase)].end.op
-    waited = _ancestors(span[(cell, following.micro_batch, following.phase)].start.op)
-    return any(_device(op.device) == _device(device) and previous_end in _ancestors(op)
-               for op in waited)
-
-  for cell, neighbour, phase in [(0, devices[1], FORWARD),
-                                 (1, devices[0], BACKWARD)]:
-    actions = plan.actions[cell]
-    for previous, following in zip(actions, actions[1:]):
-      if previous.phase == phase:
-        assert awaited_on(neighbour, cell, previous, following), (cell, previous, following)
 
 
 # -- batch norm ----------------------------------------------------------------------

@@ -5,7 +5,7 @@ import itertools
 import pytest
 
 from lingvo_gpipe.pipeline import schedule
-from lingvo_gpipe.pipeline.schedule import BACKWARD, FORWARD, ScheduleError
+from lingvo_gpipe.pipeline.schedule import BACKWARD, FORWARD, WEIGHT_GRADIENT, ScheduleError
 
 SIZES = list(itertools.product([1, 2, 3, 4, 8], [1, 2, 3, 4, 16]))
 
@@ -72,13 +72,67 @@ def test_the_docstring_tables_are_what_format_table_prints():
 
 def test_a_deadlocked_order_is_refused_naming_the_waiting_cells():
   with pytest.raises(ScheduleError, match=r"deadlock.*cell 0 at B0.*cell 1 at F1"):
-    schedule.from_lists("custom", [["F0", "B0", "F1", "B1"], ["F1", "F0", "B0", "B1"]])
+    schedule.from_lists("custom", [["F0", "B0", "F1", "B1"], ["F0", "F1", "B0", "B1"]])
+
+
+@pytest.mark.parametrize("lists, message", [
+    ([["F0", "F1", "B1", "B0"], ["F1", "F0", "B1", "B0"]],
+     r"(?s)cell 1 receives on the forward link between cells 0 and 1 in another order than "
+     r"cell 0 sends: micro-batches 1 0 against 0 1.*\n  cell 1: >F1< F0 B1 B0"),
+    ([["F0", "F1", "B1", "B0"], ["F0", "F1", "B0", "B1"]],
+     r"(?s)cell 0 receives on the backward link between cells 0 and 1 .* micro-batches 1 0 "
+     r"against 0 1.*\n  cell 0: F0 F1 >B1< B0"),
+])
+def test_a_link_whose_ends_disagree_on_the_order_is_refused_naming_it(lists, message):
+  """Hand-offs match first in, first out: such a schedule would swap micro-batches
+  (or hang) at run time, so it is refused when built."""
+  with pytest.raises(ScheduleError, match=message):
+    schedule.from_lists("custom", lists)
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("num_cells, num_micro, group", [(1, 4, 4), (3, 8, 3), (4, 5, 2)])
+def test_weight_gradient_actions_end_every_group_of_backwards(name, num_cells, num_micro,
+                                                              group):
+  plan = schedule.make(name, num_cells, num_micro).with_weight_gradients(
+      group, cells=range(num_cells - 1) if num_cells > 1 else [0])
+  for k, actions in enumerate(plan.actions):
+    text = " ".join(map(str, actions))
+    backwards = [a for a in actions if a.phase == BACKWARD]
+    weights = [i for i, a in enumerate(actions) if a.phase == WEIGHT_GRADIENT]
+    if k == num_cells - 1 and num_cells > 1:
+      assert not weights, text
+      continue
+    assert len(weights) == -(-num_micro // group), text  # ceil(M / G)
+    for i in weights:  # each W follows the backward it names, the group's last
+      assert actions[i - 1] == schedule.backward(actions[i].micro_batch), text
+    assert actions[-1].phase == WEIGHT_GRADIENT and len(backwards) == num_micro
+  assert plan.max_in_flight(0) == schedule.make(name, num_cells, num_micro).max_in_flight(0)
+
+
+@pytest.mark.parametrize("lists, message", [
+    ([["F0", "W0", "B0"]], r"(?s)runs W0 with no backward since its previous W.*>W0<"),
+    ([["F0", "F1", "B0", "W0", "B1"]], r"ends with backwards whose weight gradients no W"),
+    ([["F0", "F1", "B1", "B0", "W0", "W1"]], r"runs W1 with no backward since"),
+])
+def test_misplaced_weight_gradient_actions_are_named(lists, message):
+  with pytest.raises(ScheduleError, match=message):
+    schedule.from_lists("custom", lists)
+
+
+def test_validation_is_linear_in_micro_batches():
+  """30,000 micro-batches are checked in well under a second (it was O(M²))."""
+  import time
+  start = time.perf_counter()
+  schedule.make("1f1b", 2, 30000)
+  assert time.perf_counter() - start < 5.0
 
 
 @pytest.mark.parametrize("lists, message", [
     ([["F0", "B0", "F1"]], "must run F0..F1 and B0..B1 once each"),
     ([["B0", "F0"]], "cell 0 runs B0 before F0"),
     ([["F0", "X0"]], "bad action 'X0'"),
+    ([["F0", "F0", "B0"]], "F0 is repeated"),
 ])
 def test_malformed_schedules_are_named(lists, message):
   with pytest.raises(ScheduleError, match=message):

@@ -106,7 +106,7 @@ class StepContext:
     layer_stats: where layers (batch norm) report statistics of this forward pass:
       a list of (layer, stats) pairs, or None to not collect (e.g. in a recompute).
     spans: where pipelines record the timestamps of each cell call, forward and
-      backward (a list of `timeline.Span`; `timeline.Schedule` is what they measure),
+      backward (a list of `timeline.CellTimes`; `timeline.Schedule` is what they measure),
       or None to not record.
     weight_products: where `layers.project` records each product x·W with a trainable
       variable W (a `WeightProducts`) and keeps the gradient from reaching W through

@@ -1,42 +1,36 @@
-"""A cell's forward and backward as functions traced once and called per micro-batch.
+"""A cell's forward and backward as functions traced once and called in its loop.
 
 `CellFunctions` wraps the layers of one cell (and, for the last cell, the task's loss
 head) in `tf.function`s:
 
   forward(inputs, head_inputs, step, call_info)
       → outputs (the head's metrics on the last cell), batch statistics
-  backward(inputs, head_inputs, output_grads, sums, step, call_info)
+  backward(inputs, head_inputs, output_grads, sums, step, call_info)   (re-materialized)
       → input gradients, sums + variable gradients (recomputes the forward inside)
-  weight_gradients(sums, deferred inputs and output gradients of G micro-batches)
-      → sums + the projections' weight gradients over the G micro-batches, one product
-        each (only with weight_gradient_group G > 1: the backward then leaves them out)
+  weight_gradients(sums, inputs [n, I] and output gradients [n, O] of each projection)
+      → sums + the projections' weight gradients, one product each (only with
+        weight_gradient_group G > 1: the backward then leaves them out)
 
-Each is traced once per distinct micro-batch shape (an uneven split has two) and then
-*called*: the step graph holds one call op per (cell, micro-batch, phase), so its
-size grows with K·M call ops while the traced bodies do not grow with M
-(`tests/pipeline_graph_test.py` pins both). What varies per call enters as tensors:
-the global step, and `call_info` = int64 [micro-batch index, example offset] (see
-`executor.call_infos`); the step and the offset seed dropout exactly as in the
-unpartitioned model, so the recompute inside `backward` draws the forward's masks.
+Each is traced once per distinct micro-batch shape (an uneven split has two; see
+`CallSignature`) and called from the cell's loop (device_loop.py), whatever M is
+(`tests/pipeline_graph_test.py` pins it). What varies per call enters as tensors: the
+global step, and `call_info` = int64 [micro-batch index, example offset]; the step
+and the offset seed dropout exactly as in the unpartitioned model, so the recompute
+inside `backward` draws the forward's masks.
+
+A cell that is not re-materialized (`recompute=False`) is differentiated by
+TensorFlow's own pair for its forward function (`tf_internals.forward_backward_pair`):
+a forward that also returns the intermediates the gradient needs, which the loop
+keeps per micro-batch in flight, and a backward that takes them.
 
 TensorFlow behaviours that shape the engine (the ones beyond its documented API are
 listed, with the tests that pin them, in `tf_internals.py`):
 
-- The calls carry the function attribute `_noinline` (`tf_internals.NOT_INLINED`), so
-  Grappler neither inlines them into the step nor merges the recomputed forward into
-  the forward.
-- Grappler's function optimizer is off for the process
-  (`tf_internals.disable_function_specialization`): it would specialize a body copy
-  per call. The per-call scalars also come from a PlaceholderWithDefault, which it
-  never sees as constant (`executor.call_infos`).
-- A call op placed with `tf.device(d)` runs every op of its body that names no device
-  on d; the traced outer graph does not show that, so placement is proven from the
-  ops that executed (`tests/pipeline_placement_test.py`, TensorFlow's debug dump).
-
-Without re-materialization (`recompute=False`) the backward is TensorFlow's own
-gradient of the forward call, taken from a GradientTape held across the call: TF
-rewrites the forward function once to also return the intermediates the gradient
-needs, and differentiates it once; both are again called per micro-batch.
+- The functions carry the attribute `_noinline` (`tf_internals.NOT_INLINED`), so
+  Grappler neither inlines them nor merges the recomputed forward into the forward.
+- A call made on device d runs every op of its body that names no device on d; the
+  traced graph does not show that, so placement is proven from the ops that executed
+  (`tests/pipeline_placement_test.py`, TensorFlow's debug dump).
 """
 
 from __future__ import annotations
@@ -49,6 +43,7 @@ import tensorflow as tf
 
 from lingvo_gpipe.core import base_layer
 from lingvo_gpipe.core.base_layer import BaseLayer
+from lingvo_gpipe.pipeline import tf_internals
 from lingvo_gpipe.pipeline.tf_internals import NOT_INLINED
 
 # Head(outputs of the last cell, head inputs of the micro-batch) → metrics
@@ -90,26 +85,33 @@ def _zeros_for_none(grads: Sequence[Any], like: Sequence[tf.Tensor]) -> list[tf.
   return [tf.zeros_like(t) if g is None else g for g, t in zip(grads, like)]
 
 
-def _concat(tensors: Sequence[tf.Tensor]) -> tf.Tensor:
-  return tensors[0] if len(tensors) == 1 else tf.concat(list(tensors), axis=0)
+def _specs(tensors: Sequence[tf.Tensor]) -> list[tf.TensorSpec]:
+  return [tf.TensorSpec(t.shape, t.dtype) for t in tensors]
 
 
 @dataclasses.dataclass
-class DeferredWeightGradient:
-  """What one backward call leaves for `CellFunctions.weight_gradients`: per deferred
-  weight product, its inputs [n, I] and the gradient of its outputs [n, O]."""
-  inputs: list[tf.Tensor]
-  output_grads: list[tf.Tensor]
+class CallSignature:
+  """A cell's calls for one micro-batch shape: flat specs of what goes in and out.
 
+  inputs, head_inputs: the flat arguments; outputs, stats: the forward's flat results;
+  saved: what a forward keeps for its backward (the inputs and head inputs of a
+  re-materialized cell, TensorFlow's intermediates of the others); pair: the
+  forward/backward pair of a cell that is not re-materialized.
+  """
+  inputs: list[tf.TensorSpec]
+  head_inputs: list[tf.TensorSpec]
+  outputs: list[tf.TensorSpec]
+  stats: list[tf.TensorSpec]
+  saved: list[tf.TensorSpec]
+  pair: tf_internals.ForwardBackwardPair | None = None
+  # Deferred weight products (weight_gradient_group > 1): per product, its inputs
+  # [n, I] and output gradient [n, O].
+  product_inputs: list[tf.TensorSpec] = dataclasses.field(default_factory=list)
+  product_grads: list[tf.TensorSpec] = dataclasses.field(default_factory=list)
 
-@dataclasses.dataclass
-class Saved:
-  """What a forward call keeps for its backward: the inputs (re-materialized
-  cells), or the tape and outputs of the forward (the others)."""
-  inputs: list[tf.Tensor]
-  head_inputs: list[tf.Tensor]
-  outputs: list[tf.Tensor]
-  tape: tf.GradientTape | None = None
+  @property
+  def float_inputs(self) -> list[tf.TensorSpec]:
+    return [t for t in self.inputs if t.dtype.is_floating]
 
 
 class CellFunctions:
@@ -147,7 +149,8 @@ class CellFunctions:
     self._backward_fn = tf.function(self._backward_body, experimental_attributes=NOT_INLINED,
                                     autograph=False)
     self._weight_fn = tf.function(self._weight_body, experimental_attributes=NOT_INLINED,
-                                  autograph=False)
+                                  autograph=False, reduce_retracing=True)
+    self._signatures: dict[Any, CallSignature] = {}
 
   @property
   def defers_weight_gradients(self) -> bool:
@@ -209,17 +212,13 @@ class CellFunctions:
     return (input_grads, _accumulate(sums, variable_grads), [p.inputs for p in products],
             product_grads)
 
-  def _weight_body(self, sums, group_inputs, group_output_grads):
-    """sums + the deferred weight products' gradients over a group of micro-batches.
-
-    group_inputs[i][g]: product i's inputs [n_g, I] in the group's g-th micro-batch;
-    group_output_grads[i][g]: the gradient of its outputs [n_g, O]. One product
-    concat(inputs)ᵀ · concat(output gradients) per product: [I, O].
-    """
+  def _weight_body(self, sums, inputs, output_grads):
+    """sums + the deferred weight products' gradients over a group of micro-batches:
+    inputs[i]ᵀ · output_grads[i] ([n, I]ᵀ·[n, O] → [I, O]) for each product i."""
     grads: dict[int, tf.Tensor] = {}
     with tf.name_scope(WEIGHT_SCOPE):
-      for i, (inputs, output_grads) in enumerate(zip(group_inputs, group_output_grads)):
-        grad = tf.matmul(_concat(inputs), _concat(output_grads), transpose_a=True)
+      for i, (x, dy) in enumerate(zip(inputs, output_grads)):
+        grad = tf.matmul(x, dy, transpose_a=True)
         v = self.product_variables[i]
         grads[v] = grad if v not in grads else grads[v] + grad
     return _accumulate(sums, [grads.get(v) for v in range(len(sums))])
@@ -244,9 +243,9 @@ class CellFunctions:
                          f"({[v.name for v in variables]} vs {[v.name for v in self.variables]})")
     return self.variables
 
-  # -- what the executor calls --------------------------------------------------------
+  # -- what the cell's loop calls ------------------------------------------------------
 
-  def differentiable_outputs(self, flat_outputs: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+  def differentiable_outputs(self, flat_outputs: Sequence[Any]) -> list[Any]:
     """The outputs a backward pass gets gradients for: the loss on the last cell,
     every floating output on the others."""
     if self.head is not None:
@@ -254,85 +253,129 @@ class CellFunctions:
       return [packed["loss"][0]]
     return [t for t in flat_outputs if _is_float(t)]
 
-  def forward(self, inputs: Any, head_inputs: Any, step: tf.Tensor, call_info: tf.Tensor
-              ) -> tuple[Any, list, Saved]:
-    """One forward call under tf.device(self.device).
+  def loss_positions(self) -> tuple[int, int]:
+    """Positions of the loss value and its weight among the last cell's flat outputs."""
+    positions = tf.nest.pack_sequence_as(
+        self.output_structure, list(range(len(tf.nest.flatten(self.output_structure)))))
+    return positions["loss"]
 
-    inputs: nested tensors [b, ...] of one micro-batch; head_inputs: the head's nested
-    tensors [b, ...] (None on cells without a head). Returns the outputs (nested),
-    the (layer, stats) pairs layers reported, and what the backward needs.
+  def signature(self, input_specs: Any, head_specs: Any) -> CallSignature:
+    """Traces the forward for one micro-batch shape (nested TensorSpecs; head_specs
+    None on cells without a head) and returns what its calls take and give."""
+    key = (tuple(tf.nest.flatten(input_specs)), tuple(tf.nest.flatten(head_specs or [])))
+    if key in self._signatures:
+      return self._signatures[key]
+    self.input_structure = input_specs
+    self.head_structure = head_specs
+    flat_inputs, flat_head = list(key[0]), list(key[1])
+    scalar = tf.TensorSpec([], tf.int64)
+    concrete = self._forward_fn.get_concrete_function(flat_inputs, flat_head, scalar,
+                                                      tf.TensorSpec([2], tf.int64))
+    flat_outputs, flat_stats = concrete.structured_outputs
+    pair = None
+    product_inputs, product_grads = [], []
+    if self.recompute:
+      saved = flat_inputs + flat_head
+      output_grads = _specs(self.differentiable_outputs(flat_outputs))
+      backward = self._backward_fn.get_concrete_function(
+          flat_inputs, flat_head, output_grads, _specs(self.zero_gradients()), scalar,
+          tf.TensorSpec([2], tf.int64))
+      _, _, product_inputs, product_grads = backward.structured_outputs
+    else:
+      pair = tf_internals.forward_backward_pair(concrete)
+      graph_outputs = concrete.graph.outputs
+      saved = _specs([graph_outputs[i] for i in pair.kept_positions])
+    signature = CallSignature(flat_inputs, flat_head, _specs(flat_outputs), _specs(flat_stats),
+                              saved, pair, _specs(product_inputs), _specs(product_grads))
+    self._signatures[key] = signature
+    return signature
+
+  def forward(self, sig: CallSignature, flat_inputs: Sequence[tf.Tensor],
+              flat_head: Sequence[tf.Tensor], step: tf.Tensor, call_info: tf.Tensor
+              ) -> tuple[list[tf.Tensor], list[tf.Tensor], list[tf.Tensor]]:
+    """One forward call (on the caller's device): flat outputs, flat statistics, and
+    what the backward of this micro-batch needs (shaped as sig.saved)."""
+    if sig.pair is None:
+      flat_outputs, flat_stats = self._forward_fn(list(flat_inputs), list(flat_head), step,
+                                                  call_info)
+      return list(flat_outputs), list(flat_stats), list(flat_inputs) + list(flat_head)
+    results, kept = sig.pair.forward(list(flat_inputs) + list(flat_head) + [step, call_info])
+    num_outputs = len(sig.outputs)
+    return results[:num_outputs], results[num_outputs:], kept
+
+  def backward(self, sig: CallSignature, saved: Sequence[tf.Tensor],
+               output_grads: Sequence[tf.Tensor], sums: Sequence[tf.Tensor], step: tf.Tensor,
+               call_info: tf.Tensor
+               ) -> tuple[list[tf.Tensor], list[tf.Tensor], list[tf.Tensor], list[tf.Tensor]]:
+    """One backward call (on the caller's device).
+
+    output_grads: one per differentiable output (the loss weight on the last cell).
+    Returns the gradients of the floating inputs (an empty list when the cell needs
+    none), `sums` (aligned with self.variables) plus this call's variable gradients,
+    and per deferred weight product its inputs [n, I] and output gradient [n, O]
+    (empty lists unless weight gradients are deferred).
     """
-    self.input_structure = inputs
-    self.head_structure = head_inputs
-    flat_inputs = tf.nest.flatten(inputs)
-    flat_head = tf.nest.flatten(head_inputs) if head_inputs is not None else []
-    tape = None
-    with tf.device(self.device):
-      if self.recompute:
-        flat_outputs, flat_stats = self._forward_fn(flat_inputs, flat_head, step, call_info)
-      else:
-        with tf.GradientTape(persistent=False) as tape:
-          if self.needs_input_grads:
-            tape.watch([t for t in flat_inputs if _is_float(t)])
-          flat_outputs, flat_stats = self._forward_fn(flat_inputs, flat_head, step,
-                                                      call_info)
-    stats = self._unflatten_stats(list(flat_stats))
-    outputs = tf.nest.pack_sequence_as(self.output_structure, list(flat_outputs))
-    return outputs, stats, Saved(flat_inputs, flat_head, list(flat_outputs), tape)
+    if sig.pair is None:
+      num_inputs = len(sig.inputs)
+      input_grads, new_sums, product_inputs, product_grads = self._backward_fn(
+          list(saved[:num_inputs]), list(saved[num_inputs:]), list(output_grads), list(sums),
+          step, call_info)
+      return list(input_grads), list(new_sums), list(product_inputs), list(product_grads)
+    pair = sig.pair
+    # Seeds for every floating output of the forward function (outputs, then
+    # statistics): the given gradients for the differentiable ones, zeros elsewhere.
+    seeds = [tf.zeros(spec.shape, spec.dtype) for spec in sig.outputs + sig.stats]
+    if self.head is not None:
+      seeds[self.loss_positions()[0]] = output_grads[0]
+    else:
+      differentiable = [i for i, spec in enumerate(sig.outputs) if spec.dtype.is_floating]
+      for i, g in zip(differentiable, output_grads):
+        seeds[i] = g
+    grads = pair.backward([seeds[i] for i in pair.trainable_outputs], saved)
+    num_args = len(sig.inputs) + len(sig.head_inputs) + 2
+    input_grads = []
+    if self.needs_input_grads:
+      input_grads = [tf.zeros(spec.shape, spec.dtype) if g is None else _dense(g)
+                     for g, spec in zip(grads[:len(sig.inputs)], sig.inputs)
+                     if spec.dtype.is_floating]
+    by_handle = {id(c): g for c, g in zip(pair.captured_inputs, grads[num_args:])}
+    variable_grads = [by_handle.get(id(v.handle)) for v in self.variables]
+    return input_grads, _accumulate(sums, variable_grads), [], []
 
   def zero_gradients(self) -> list[tf.Tensor]:
-    """Zeros shaped like self.variables, on this cell's device: the running sums'
-    start (the variables are known once the forward is traced)."""
-    with tf.device(self.device):
-      return [tf.zeros(v.shape, v.dtype) for v in self.variables]
+    """Zeros shaped like self.variables: the running sums' start (the variables are
+    known once the forward is traced)."""
+    return [tf.zeros(v.shape, v.dtype) for v in self.variables]
 
-  def backward(self, saved: Saved, output_grads: Sequence[tf.Tensor],
-               sums: Sequence[tf.Tensor], step: tf.Tensor, call_info: tf.Tensor
-               ) -> tuple[list[tf.Tensor | None], list[tf.Tensor], DeferredWeightGradient]:
-    """One backward call: gradients of the differentiable outputs (seeded with
-    output_grads) with respect to the floating inputs (None for the others, and for
-    all when the cell needs no input gradients), `sums` (aligned with self.variables)
-    plus this call's variable gradients, and what `weight_gradients` needs for the
-    deferred weight products (empty unless defers_weight_gradients)."""
-    deferred = DeferredWeightGradient([], [])
-    with tf.device(self.device):
-      if self.recompute:
-        input_grads, new_sums, deferred.inputs, deferred.output_grads = self._backward_fn(
-            saved.inputs, saved.head_inputs, list(output_grads), list(sums), step, call_info)
-      else:
-        float_inputs = [t for t in saved.inputs if _is_float(t)]
-        sources = (float_inputs if self.needs_input_grads else []) + self.variables
-        grads = saved.tape.gradient(self.differentiable_outputs(saved.outputs), sources,
-                                    output_gradients=list(output_grads),
-                                    unconnected_gradients=tf.UnconnectedGradients.ZERO)
-        num = len(sources) - len(self.variables)
-        input_grads = grads[:num]
-        new_sums = _accumulate(sums, grads[num:])
-    full_input_grads: list[tf.Tensor | None] = []
-    remaining = list(input_grads)
-    for t in saved.inputs:
-      full_input_grads.append(remaining.pop(0) if _is_float(t) and self.needs_input_grads
-                              else None)
-    return full_input_grads, list(new_sums), deferred
+  def weight_gradients(self, sums: Sequence[tf.Tensor], inputs: Sequence[tf.Tensor],
+                       output_grads: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+    """One call: `sums` plus the deferred weight gradients of a group of micro-batches,
+    each one product: inputs[i] [n, I] and output_grads[i] [n, O] are projection i's,
+    the group's micro-batches concatenated."""
+    return list(self._weight_fn(list(sums), list(inputs), list(output_grads)))
 
-  def weight_gradients(self, group: Sequence[DeferredWeightGradient],
-                       sums: Sequence[tf.Tensor]) -> list[tf.Tensor]:
-    """One call: `sums` plus the deferred weight gradients of a group of micro-batches
-    (what their backward calls returned), each a single product over the group."""
+  def call_forward(self, inputs: Any, head_inputs: Any, step: tf.Tensor, call_info: tf.Tensor
+                   ) -> tuple[Any, list]:
+    """A plain forward call under tf.device(self.device), differentiable by TensorFlow
+    (`PipeliningLayer.fprop`): nested outputs and the (layer, stats) pairs reported."""
+    self.input_structure = inputs
+    self.head_structure = head_inputs
+    flat_head = tf.nest.flatten(head_inputs) if head_inputs is not None else []
     with tf.device(self.device):
-      return list(self._weight_fn(
-          list(sums), [[d.inputs[i] for d in group] for i in range(len(group[0].inputs))],
-          [[d.output_grads[i] for d in group] for i in range(len(group[0].inputs))]))
+      flat_outputs, flat_stats = self._forward_fn(tf.nest.flatten(inputs), flat_head, step,
+                                                  call_info)
+    return (tf.nest.pack_sequence_as(self.output_structure, list(flat_outputs)),
+            self.unflatten_stats(list(flat_stats)))
 
-  def _unflatten_stats(self, flat_stats: list[tf.Tensor]) -> list[tuple[BaseLayer, Any]]:
+  def unflatten_stats(self, flat_stats: list[tf.Tensor]) -> list[tuple[BaseLayer, Any]]:
     structure = self.stats_structure or []
     packed = tf.nest.pack_sequence_as([s for _, s in structure], flat_stats)
     return [(layer, s) for (layer, _), s in zip(structure, packed)]
 
   def tracing_count(self) -> int:
-    """How many times the bodies were traced (forward and backward once per distinct
-    micro-batch shape each, weight gradients once per distinct group shape; whatever
-    M is)."""
+    """How many times the bodies were traced (forward, and the backward of a
+    re-materialized cell, once per distinct micro-batch shape each; weight gradients
+    once; whatever M is)."""
     return (self._forward_fn.experimental_get_tracing_count()
             + self._backward_fn.experimental_get_tracing_count()
             + self._weight_fn.experimental_get_tracing_count())

@@ -30,7 +30,7 @@ import tensorflow as tf
 from lingvo_gpipe.core import base_layer, hyperparams, model_stats
 from lingvo_gpipe.core.base_layer import BaseLayer
 from lingvo_gpipe.core.hyperparams import ParamsError
-from lingvo_gpipe.pipeline import executor, partition, schedule, tf_internals
+from lingvo_gpipe.pipeline import channels, device_loop, partition, schedule, tf_internals
 from lingvo_gpipe.pipeline.cell_function import CellFunctions, Head, call_layers
 from lingvo_gpipe.runtime.devices import default_devices
 
@@ -124,6 +124,7 @@ class PipeliningLayer(BaseLayer):
                      for _ in range(cell.start, cell.end)]
     self.create_children("layers", p.layers, devices=layer_devices)
     self._function_cache = _FunctionCache()
+    self._channel_prefix = channels.channel_prefix(self.path)
 
   # -- partition and placement ----------------------------------------------------
 
@@ -225,7 +226,7 @@ class PipeliningLayer(BaseLayer):
 
   @tf.autograph.experimental.do_not_convert  # plain Python on static values
   def forward_backward(self, inputs: Any, head: Head, head_inputs: Any
-                       ) -> executor.StepGradients:
+                       ) -> device_loop.StepGradients:
     """One training step's forward and backward, scheduled per params.schedule.
 
     inputs: the pipeline's nested inputs [B, ...]; head(outputs, head_inputs) → metrics
@@ -237,14 +238,17 @@ class PipeliningLayer(BaseLayer):
     """
     tf_internals.disable_function_specialization()
     sizes, offsets = self._micro_batches(inputs, self.params.num_micro_batches)
-    micro_inputs = self._split(inputs, sizes, self.cell_devices[0])
-    micro_head_inputs = self._split(head_inputs, sizes, self.output_device)
-    return executor.run(self.cell_functions(head), self.plan(), micro_inputs, micro_head_inputs,
-                        offsets)
+    return device_loop.run(self.cell_functions(head), self.plan(), inputs, head_inputs, sizes,
+                           offsets, self._channel_prefix)
 
   def plan(self) -> schedule.PipelineSchedule:
-    """The order of each cell's calls in a training step (params.schedule)."""
-    return schedule.make(self.params.schedule, len(self.cells), self.params.num_micro_batches)
+    """The actions of each cell in a training step (params.schedule; with
+    weight_gradient_group G > 1, a W after every G-th backward of each re-materialized
+    cell and after its last)."""
+    p = self.params
+    deferring = [k for k in range(len(self.cells)) if self._recompute_cell(k)]
+    return schedule.make(p.schedule, len(self.cells), p.num_micro_batches
+                         ).with_weight_gradients(p.weight_gradient_group, deferring)
 
   def fprop(self, *inputs: Any) -> Any:
     """inputs: tensors (or nested structures) of batch-major [B, ...] → outputs [B, ...].
@@ -266,11 +270,12 @@ class PipeliningLayer(BaseLayer):
     sizes, offsets = self._micro_batches(structure, self.params.num_micro_batches)
     cells = self.cell_functions()
     step = tf.cast(ctx.step, tf.int64)
-    infos = executor.call_infos(offsets, ctx.example_offset)
     outputs = []
     for m, x in enumerate(self._split(structure, sizes, self.cell_devices[0])):
+      call_info = tf.stack([tf.constant(m, tf.int64),
+                            tf.cast(ctx.example_offset, tf.int64) + offsets[m]])
       for cell in cells:
-        x, stats, _ = cell.forward(x, None, step, infos[m])
+        x, stats = cell.call_forward(x, None, step, call_info)
         if ctx.layer_stats is not None:
           ctx.layer_stats.extend(stats)
       outputs.append(x)

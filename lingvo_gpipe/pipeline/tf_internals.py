@@ -4,28 +4,43 @@ Checked on TensorFlow `TENSORFLOW_CHECKED`. On an upgrade, `tests/tf_internals_t
 fails until each item below has been re-checked with the test named beside it, then
 `TENSORFLOW_CHECKED` is updated.
 
-1. `NOT_INLINED`, the function attribute `_noinline` on the cells' forward and
-   backward functions (`tf.function(..., experimental_attributes=NOT_INLINED)`).
-   Grappler inlines function calls by default and re-optimizes the flattened step:
-   the first step then cost 13 s instead of 1.9 s (32 layers × 32 micro-batches), and
-   common-subexpression elimination could merge the recomputed forward into the
-   forward, undoing re-materialization. Pinned by `tests/pipeline_graph_test.py`
-   (calls carry the attribute; bodies do not grow with M) and the re-materialization
-   memory test `tests/pipeline_memory_test.py`.
+1. `NOT_INLINED`, the function attribute `_noinline` on the cells' functions
+   (`tf.function(..., experimental_attributes=NOT_INLINED)`). Grappler inlines
+   function calls by default and re-optimizes the flattened graph; common-subexpression
+   elimination could then merge the recomputed forward into the forward, undoing
+   re-materialization. Pinned by `tests/pipeline_graph_test.py` (the calls carry the
+   attribute) and the re-materialization memory test `tests/pipeline_memory_test.py`.
 2. `disable_function_specialization()`: Grappler's function optimizer off,
    process-wide (`tf.config.optimizer.set_experimental_options`; there is no
-   per-function switch). It specializes a body copy per call with a constant input and
-   examines every call site, so the first step's cost grew with layers × micro-batches
-   (8 layers, 2 cells: 19.3 s at M=32 against 11.5 s with it off). Pinned by
+   per-function switch). It specializes a body copy per call site with a constant
+   input, so the first step's cost grew with layers × micro-batches. Pinned by
    `bench/startup_time.py` only (a timing, not a test).
-3. `exempt_from_program_order(op)`: sets a minimal control-flow context on a
-   `tf.timestamp` op (`op._set_control_flow_context`, a private method). tf.function's
-   automatic control dependencies chain every stateful op that touches no resource in
-   program order, across devices; chained, the timestamps serialized the whole
-   pipeline (no overlap at all). The chain skips ops inside a control-flow context.
-   Pinned by `tests/timeline_test.py` (stamps are not chained to one another) and
-   `tests/pipeline_graph_test.py`.
-4. Ordering tokens on collective all-reduces (`hybrid.CollectiveMean`): the
+3. `unlowered(build)`: the attribute `_lower_using_switch_merge` = False on the While
+   and Case ops `build` creates, set while the step is traced (setting it on a traced
+   graph afterwards has no effect). Lowered to Switch/Merge, each device's loop is a
+   frame of its own and Send/Recv inside two loops never match: the step hangs.
+   Functional, each iteration runs its body as a function with the step's rendezvous,
+   and a Case runs only the chosen branch (a Recv in a branch not taken never waits).
+   Pinned by `tests/tf_internals_test.py::test_sends_and_receives_in_two_device_loops_match`.
+4. `send` / `recv`: `tf.raw_ops.Send` / `Recv` (raw ops kept for Lingvo, outside the
+   public API's promises) with full device names. Within one step, the i-th Recv of a
+   tensor name gets the i-th Send's tensor (first in, first out), also when both run
+   inside loops; across processes, `send_device_incarnation` must be the sending
+   device's real incarnation (0 fails with "RecvTensor expects a different device
+   incarnation"). Pinned by the same test (order) and `tests/loopback_test.py`
+   (two worker processes).
+5. `forward_backward_pair(concrete)`: TensorFlow's own pair for differentiating a call
+   of a function (`ConcreteFunction._delayed_rewrite_functions.forward_backward()`): a
+   forward that also returns the intermediates its gradient needs, and a backward that
+   takes them. A cell that is not re-materialized keeps those intermediates per
+   micro-batch between its forward and backward actions (a tape cannot span loop
+   iterations). Pinned by
+   `tests/tf_internals_test.py::test_forward_backward_pair_gives_the_gradient` and the
+   recompute=never rows of `tests/gpipe_test.py`.
+6. `host_address_space()`: this process's /job:…/replica:…/task:… from the eager
+   context (`context.context().host_address_space()`), the prefix of a local device's
+   full name. Pinned by `tests/tf_internals_test.py`.
+7. Ordering tokens on collective all-reduces (`hybrid.CollectiveMean`): the
    `ordering_token` input of `tf.raw_ops.CollectiveReduceV2` (a raw op, outside the
    `tf.distribute` API). Given a resource on its own device, tf.function's automatic
    control dependencies order the collectives per device instead of chaining them in
@@ -35,11 +50,19 @@ fails until each item below has been re-checked with the test named beside it, t
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
 import tensorflow as tf
+from tensorflow.core.framework import attr_value_pb2
+from tensorflow.python.eager import context
 
 TENSORFLOW_CHECKED = "2.21.0"
 
 NOT_INLINED = {"_noinline": True}
+
+_FUNCTIONAL_CONTROL_FLOW = ("While", "StatelessWhile", "Case", "StatelessCase")
 
 
 def disable_function_specialization() -> None:
@@ -47,18 +70,89 @@ def disable_function_specialization() -> None:
   tf.config.optimizer.set_experimental_options({"function_optimization": False})
 
 
-class _OutsideProgramOrder:
-  """The minimal control-flow context tf.function's ordering checks for (not a loop,
-  no outer context); it changes nothing in the GraphDef."""
+def unlowered(build: Callable[[], Any]) -> Any:
+  """Runs `build` (which makes a tf.while_loop or tf.switch_case in the graph being
+  traced) and keeps the While and Case ops it made functional (item 3 above)."""
+  graph = tf.compat.v1.get_default_graph()
+  before = len(graph.get_operations())
+  result = build()
+  for op in graph.get_operations()[before:]:
+    if op.type in _FUNCTIONAL_CONTROL_FLOW:
+      op._set_attr("_lower_using_switch_merge",  # noqa: SLF001
+                   attr_value_pb2.AttrValue(b=False))
+  return result
 
-  outer_context = None
 
-  @staticmethod
-  def IsWhileContext() -> bool:  # noqa: N802 (TensorFlow's control-flow context API)
-    return False
+def send(tensor: tf.Tensor, name: str, sender: str, sender_incarnation: int,
+         receiver: str) -> tf.Operation:
+  """Hands `tensor` to the `recv` of the same name on `receiver` (item 4 above)."""
+  return tf.raw_ops.Send(tensor=tensor, tensor_name=name, send_device=sender,
+                         send_device_incarnation=sender_incarnation, recv_device=receiver,
+                         client_terminated=False)
 
 
-def exempt_from_program_order(op: tf.Operation) -> None:
-  """Keeps a stateful op that touches no resource out of tf.function's program-order
-  chain (item 3 above)."""
-  op._set_control_flow_context(_OutsideProgramOrder())  # noqa: SLF001
+def recv(spec: tf.TensorSpec, name: str, sender: str, sender_incarnation: int,
+         receiver: str) -> tf.Tensor:
+  """The tensor the next `send` of `name` hands over, with `spec`'s static shape."""
+  tensor = tf.raw_ops.Recv(tensor_type=spec.dtype, tensor_name=name, send_device=sender,
+                           send_device_incarnation=sender_incarnation, recv_device=receiver,
+                           client_terminated=False)
+  tensor.set_shape(spec.shape)
+  return tensor
+
+
+def host_address_space() -> str:
+  """This process's '/job:J/replica:R/task:T' (item 6 above)."""
+  ctx = context.context()
+  ctx.ensure_initialized()
+  return ctx.host_address_space()
+
+
+@dataclasses.dataclass
+class ForwardBackwardPair:
+  """Differentiating one concrete function without a tape (item 5 above).
+
+  forward(*flat_args) → its outputs and then `kept`: the intermediates the backward
+  needs. backward(output_grads, kept) → the gradient of every input of the function:
+  its flat arguments, then its captured inputs (`captured_inputs`, e.g. variable
+  handles), None where there is none. output_grads: one per floating output, in order.
+  """
+  forward_call: Callable[..., Sequence[tf.Tensor]]
+  backward_fn: Any
+  num_outputs: int
+  kept_positions: list[int]   # per kept intermediate, its index in forward's outputs
+  backward_captures: list[Any]  # per backward capture: an index into kept, or the tensor
+  captured_inputs: list[Any]
+  trainable_outputs: list[int]  # indices of the outputs that take a gradient
+
+  def forward(self, flat_args: Sequence[tf.Tensor]) -> tuple[list[tf.Tensor], list[tf.Tensor]]:
+    """→ (the function's outputs, the intermediates to keep for `backward`)."""
+    outputs = list(self.forward_call(*flat_args, *self.captured_inputs))
+    return outputs[:self.num_outputs], [outputs[i] for i in self.kept_positions]
+
+  def backward(self, output_grads: Sequence[tf.Tensor], kept: Sequence[tf.Tensor]) -> list[Any]:
+    captures = [kept[c] if isinstance(c, int) else c for c in self.backward_captures]
+    return tf.nest.flatten(self.backward_fn._call_flat(list(output_grads), captures),  # noqa: SLF001
+                           expand_composites=False)
+
+
+def forward_backward_pair(concrete: Any) -> ForwardBackwardPair:
+  """TensorFlow's forward (with intermediates) and backward of `concrete`, a
+  ConcreteFunction whose outputs are a flat list of tensors (item 5 above)."""
+  graph_outputs = list(concrete.graph.outputs)
+  num_outputs = len(graph_outputs)
+  trainable = [i for i, t in enumerate(graph_outputs) if t.dtype.is_floating]
+  forward, backward = concrete._delayed_rewrite_functions.forward_backward()  # noqa: SLF001
+  outputs = {id(t): i for i, t in enumerate(concrete.graph.outputs)}  # now with the kept ones
+  kept_positions: list[int] = []
+  backward_captures: list[Any] = []
+  for internal_source in backward.captured_inputs:
+    position = outputs.get(id(internal_source))
+    if position is None:
+      backward_captures.append(internal_source)
+    else:
+      if position not in kept_positions:
+        kept_positions.append(position)
+      backward_captures.append(kept_positions.index(position))
+  return ForwardBackwardPair(forward.call_flat, backward, num_outputs, kept_positions,
+                             backward_captures, list(concrete.captured_inputs), trainable)

@@ -1,18 +1,15 @@
-"""The measured pipeline schedule: when each cell ran each micro-batch, forward and back.
+"""The measured pipeline schedule: when each cell ran each action, forward and back.
 
-A pipelined training step records, for every cell call, a `Span`: two `tf.timestamp()`
-ops placed on the cell's device, the first taken when the call's inputs are ready
-(the call waits for it), the second when its outputs (forward) or its gradients
-(backward, recompute included) are (whatever uses them waits for it). They are graph
-nodes of the step itself, so they measure the schedule the dataflow executor actually
-ran, on every device, without a profiler; their cost is a few scalar and identity ops
-per cell call and one [spans, 2] tensor per device fetched with the step's results.
+Each cell's loop (device_loop.py) takes two `tf.timestamp()`s per action on the cell's
+device, the first once the action's inputs have arrived, the second once its results
+are made and sent on, and returns them with what each action is as one float64
+[actions, 5] tensor: a `CellTimes`. They are ops of the step itself, so they measure
+the schedule the devices actually ran, without a profiler.
 
-`fetches(spans)` stacks the timestamps of each device, with what each span is, into one
-tensor (one transfer per device); `Schedule.from_fetched` turns the fetched numbers back
-into spans, and from
-them come each cell's busy fraction and the measured bubble beside GPipe's
-(K−1)/(M+K−1); `schedule_chart` draws them for TensorBoard.
+`fetches(cell_times)` gives one tensor per device (one transfer each);
+`Schedule.from_fetched` turns the fetched numbers back into spans, and from them come
+each cell's busy fraction and the measured bubble beside GPipe's (K−1)/(M+K−1);
+`schedule_chart` draws them for TensorBoard.
 
 Timestamps are wall-clock seconds of the host running the device: cells on one host
 (logical devices, one worker process per device) share a clock; across hosts the
@@ -29,7 +26,6 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from lingvo_gpipe.pipeline import tf_internals
 from lingvo_gpipe.pipeline.schedule import (
   BACKWARD,
   FORWARD,
@@ -40,75 +36,11 @@ from lingvo_gpipe.pipeline.schedule import (
 
 
 @dataclasses.dataclass(frozen=True)
-class Span:
-  """One cell call in one step: `start`, `end` are float64 scalar timestamp tensors."""
-  cell: int
-  micro_batch: int
-  phase: str  # FORWARD, BACKWARD or WEIGHT_GRADIENT
+class CellTimes:
+  """One cell's actions in one step, on `device`: float64 [actions, 5] rows of start
+  and end timestamps, then the cell, micro-batch and phase index (PHASES)."""
   device: str
-  start: tf.Tensor
-  end: tf.Tensor
-
-
-def _timestamp() -> tf.Tensor:
-  """tf.timestamp() outside tf.function's program-order chain: chained, the stamps of
-  cell 1 on micro-batch 0 would wait for those of cell 0 on micro-batch 1, and since
-  the cells wait for their stamps, the whole pipeline would serialize
-  (`tf_internals.exempt_from_program_order`)."""
-  stamp = tf.timestamp()
-  if not tf.executing_eagerly():
-    tf_internals.exempt_from_program_order(stamp.op)
-  return stamp
-
-
-def _stamp(tensors: list[Any], also_wait_for: Sequence[tf.Tensor] = ()
-           ) -> tuple[list[Any], tf.Tensor]:
-  """A timestamp taken once `tensors` (and `also_wait_for`) are ready, and the tensors
-  gated on it.
-
-  The timestamp must sit on the path it measures: an op that only *waits* for a
-  tensor is merely ready when that tensor is, and an executor with one inter-op
-  thread (a worker standing in for an accelerator) runs it whenever its queue
-  gets to it, long after. Passing the tensors on through identities that wait for
-  the timestamp makes whatever comes next wait for it too.
-  """
-  deps = [t for t in list(tensors) + list(also_wait_for) if t is not None]
-  with tf.control_dependencies(deps):
-    stamp = _timestamp()
-  with tf.control_dependencies([stamp]):
-    return [None if t is None else tf.identity(t) for t in tensors], stamp
-
-
-class SpanRecorder:
-  """Times one cell call: `begin` gates its inputs, `end` gates its results.
-
-    recorder = SpanRecorder(spans, cell, micro_batch, phase, device)
-    inputs = recorder.begin(inputs)      # under tf.device(device)
-    outputs = recorder.end(run(inputs))  # appends the Span to `spans`
-
-  With spans None (no schedule asked for), both pass the tensors through unchanged.
-  """
-
-  def __init__(self, spans: list[Span] | None, cell: int, micro_batch: int, phase: str,
-               device: str):
-    self.spans, self.key, self.device = spans, (cell, micro_batch, phase), device
-    self.start: tf.Tensor | None = None
-    self.end_stamp: tf.Tensor | None = None
-
-  def begin(self, tensors: list[Any]) -> list[Any]:
-    if self.spans is None:
-      return list(tensors)
-    tensors, self.start = _stamp(list(tensors))
-    return tensors
-
-  def end(self, tensors: list[Any], also_wait_for: Sequence[tf.Tensor] = ()) -> list[Any]:
-    """Gates `tensors` on the end stamp, taken once they and `also_wait_for` (results
-    passed on some other way, e.g. gradient sums) are ready."""
-    if self.spans is None:
-      return list(tensors)
-    tensors, self.end_stamp = _stamp(list(tensors), also_wait_for)
-    self.spans.append(Span(*self.key, self.device, self.start, self.end_stamp))
-    return tensors
+  rows: tf.Tensor
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,23 +55,21 @@ class SpanKey:
 PHASES = (FORWARD, BACKWARD, WEIGHT_GRADIENT)
 
 
-def fetches(spans: Sequence[Span]) -> list[tf.Tensor]:
-  """Per device, one float64 [spans, 5] tensor on that device (one transfer each):
-  each span's start and end timestamps, then its cell, micro-batch and phase index.
+def fetches(cell_times: Sequence[CellTimes]) -> list[tf.Tensor]:
+  """Per device, one float64 [spans, 5] tensor on that device (one transfer each): the
+  rows of every cell there.
 
   The keys are constants of the graph, fetched with the timestamps, so a fetched
   step describes itself (`Schedule.from_fetched`): nothing about it is kept on the
   Python side while tracing.
   """
-  by_device: dict[str, list[Span]] = {}
-  for span in spans:
-    by_device.setdefault(span.device, []).append(span)
+  by_device: dict[str, list[tf.Tensor]] = {}
+  for times in cell_times:
+    by_device.setdefault(times.device, []).append(times.rows)
   tensors = []
-  for device, device_spans in by_device.items():
-    keys = [[s.cell, s.micro_batch, PHASES.index(s.phase)] for s in device_spans]
+  for device, rows in by_device.items():
     with tf.device(device):
-      times = tf.stack([tf.stack([s.start, s.end]) for s in device_spans])
-      tensors.append(tf.concat([times, tf.constant(keys, tf.float64)], axis=1))
+      tensors.append(rows[0] if len(rows) == 1 else tf.concat(rows, axis=0))
   return tensors
 
 
@@ -213,9 +143,8 @@ class Schedule:
     return (k - 1) / (m + k - 1)
 
   def cell_orders(self) -> list[list[Action]]:
-    """Per cell, its forward and backward calls in the order they started: the
-    schedule's actions as the device actually ran them (deferred weight-gradient calls,
-    which no schedule lists, are left out)."""
+    """Per cell, its forward and backward actions in the order they started, as the
+    device actually ran them (weight-gradient actions left out)."""
     orders: list[list[tuple[float, Action]]] = [[] for _ in range(self.num_cells)]
     for (start, _), key in zip(self.times, self.keys):
       if key.phase in (FORWARD, BACKWARD):
@@ -223,9 +152,10 @@ class Schedule:
     return [[action for _, action in sorted(cell, key=lambda t: t[0])] for cell in orders]
 
   def followed(self, plan: PipelineSchedule) -> list[bool]:
-    """Per cell, whether it ran exactly the planned actions in the planned order."""
-    return [list(ran) == list(planned) for ran, planned in zip(self.cell_orders(),
-                                                               plan.actions)]
+    """Per cell, whether it ran exactly the planned forwards and backwards in the
+    planned order."""
+    return [list(ran) == [a for a in planned if a.phase != WEIGHT_GRADIENT]
+            for ran, planned in zip(self.cell_orders(), plan.actions)]
 
   def summary(self, plan: PipelineSchedule | None = None) -> dict[str, float]:
     """Named scalars for TensorBoard (and logs); with the `plan`, also its simulated

@@ -16,7 +16,11 @@ from collections.abc import Callable
 
 import tensorflow as tf
 
-from lingvo_gpipe.runtime.devices import DeviceSpecError, set_default_devices
+from lingvo_gpipe.runtime.devices import (
+  DeviceSpecError,
+  set_default_devices,
+  set_device_incarnations,
+)
 
 _ADDRESS = re.compile(r"^[A-Za-z0-9_.\-\[\]:]+:\d+$")
 VALID_CLUSTER_SPEC = "JOB=HOST:PORT[,HOST:PORT...][;JOB=...], e.g. worker=h1:2222,h2:2222"
@@ -88,7 +92,8 @@ def connect_to_cluster(spec: dict[str, list[str]], worker_job: str = "worker",
 
   Returns one device per task of `worker_job`, in task order:
   /job:worker/task:k/device:CPU:0, or its first GPU if it has one. They become
-  `default_devices()`, so pipeline cell k goes to task k.
+  `default_devices()`, so pipeline cell k goes to task k. The workers' device
+  incarnations are recorded for the pipeline's hand-offs (`pipeline/channels.py`).
   """
   if worker_job not in spec:
     raise DeviceSpecError(f"the cluster spec has no {worker_job!r} job (jobs: {sorted(spec)})")
@@ -105,7 +110,16 @@ def connect_to_cluster(spec: dict[str, list[str]], worker_job: str = "worker",
     gpus = [n for n in names if "/device:GPU:" in n]
     devices.append(gpus[0] if gpus else f"{prefix}/device:CPU:0")
   set_default_devices(devices)
+  for address in spec[worker_job]:
+    set_device_incarnations(device_incarnations(address))
   return devices
+
+
+def device_incarnations(address: str) -> dict[str, int]:
+  """{full device name: incarnation} of the TensorFlow server at HOST:PORT (a session's
+  device listing: the one public API that reports incarnations)."""
+  with tf.compat.v1.Session(f"grpc://{address}") as session:
+    return {d.name: d.incarnation for d in session.list_devices()}
 
 
 def worker_status(address: str, timeout_s: float = 2.0) -> str | None:

@@ -42,6 +42,19 @@ def parse_device_spec(spec: str) -> tuple[str, int | None, int | None]:
   return kind, count, memory_mb
 
 _configured: list[str] = []
+# Full device name → its incarnation, for devices of other processes (set when joining a
+# cluster): a Send to another process must name the sending device's real incarnation.
+_incarnations: dict[str, int] = {}
+
+
+def set_device_incarnations(incarnations: dict[str, int]) -> None:
+  """Records the incarnations of remote devices (`runtime.cluster.connect_to_cluster`)."""
+  _incarnations.update(incarnations)
+
+
+def device_incarnation(full_name: str) -> int | None:
+  """The recorded incarnation of a device named in full (/job:…/device:…), or None."""
+  return _incarnations.get(full_name)
 
 
 def set_default_devices(devices: list[str]) -> None:
