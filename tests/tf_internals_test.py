@@ -1,9 +1,10 @@
 """An upgrade tripwire: the TensorFlow behaviours the engine relies on beyond the
 documented API (lingvo_gpipe/pipeline/tf_internals.py) were checked on this version."""
 
+import numpy as np
 import tensorflow as tf
 
-from lingvo_gpipe.pipeline import tf_internals
+from lingvo_gpipe.pipeline import channels, tf_internals
 
 
 def test_the_tensorflow_internals_were_checked_on_this_version():
@@ -13,9 +14,76 @@ def test_the_tensorflow_internals_were_checked_on_this_version():
       "then update TENSORFLOW_CHECKED")
 
 
-def test_the_private_method_the_timestamps_need_still_exists():
-  graph = tf.Graph()
-  with graph.as_default():
-    stamp = tf.timestamp()
-  tf_internals.exempt_from_program_order(stamp.op)
-  assert stamp.op._get_control_flow_context().IsWhileContext() is False  # noqa: SLF001
+def test_sends_and_receives_in_two_device_loops_match_first_in_first_out(cpu_devices):
+  """Item 3 and 4: a loop per device, kept functional; the i-th Recv of a name gets the
+  i-th Send, across iterations; the Recv sits in a Case branch some iterations skip."""
+  sender, receiver = (channels.full_device_name(d) for d in cpu_devices[:2])
+  num = 5
+
+  @tf.function
+  def step():
+    with tf.device(cpu_devices[0]):
+      def send_body(i):
+        tf_internals.send(tf.cast(i, tf.float32) * 10.0, "pin/link", sender, 0, receiver)
+        return i + 1
+      tf_internals.unlowered(lambda: tf.while_loop(lambda i: i < num, send_body, [0]))
+    with tf.device(cpu_devices[1]):
+      def receive_body(i, got):
+        def receive():
+          return got.write(i, tf_internals.recv(tf.TensorSpec([], tf.float32), "pin/link",
+                                                sender, 0, receiver))
+        def wait():  # an iteration that receives nothing: its branch is not run
+          return got.write(i, -1.0)
+        return i + 1, tf_internals.unlowered(lambda: tf.switch_case(
+            tf.minimum(i % 2, 1), [receive, wait]))
+      _, got = tf_internals.unlowered(lambda: tf.while_loop(
+          lambda i, _: i < 2 * num, receive_body, [0, tf.TensorArray(tf.float32, 2 * num)]))
+    return got.stack()
+
+  graph = step.get_concrete_function().graph
+  loops = [op for op in graph.get_operations() if op.type in ("While", "StatelessWhile")]
+  assert len(loops) == 2 and not any(op.get_attr("_lower_using_switch_merge") for op in loops)
+  np.testing.assert_array_equal(step().numpy()[0::2], [0.0, 10.0, 20.0, 30.0, 40.0])
+
+
+def test_forward_backward_pair_gives_the_gradient():
+  """Item 5: the forward's kept intermediates and the backward reproduce a tape's
+  gradients, for the arguments and the captured variables (a dense one, a gathered one)."""
+  rng = np.random.RandomState(0)
+  w = tf.Variable(rng.randn(3, 4).astype(np.float32))
+  table = tf.Variable(rng.randn(10, 3).astype(np.float32))
+
+  @tf.function(experimental_attributes=tf_internals.NOT_INLINED, autograph=False)
+  def f(ids, x):
+    h = tf.tanh(tf.matmul(x * tf.gather(table, ids), w))
+    return [h, tf.reduce_sum(h * h)]
+
+  ids, x = tf.constant([1, 2, 1]), tf.constant(rng.randn(3, 3).astype(np.float32))
+  seed = tf.constant(rng.randn(3, 4).astype(np.float32))
+
+  @tf.function
+  def by_pair():
+    pair = tf_internals.forward_backward_pair(f.get_concrete_function(ids, x))
+    outputs, kept = pair.forward([ids, x])
+    grads = pair.backward([seed, tf.constant(2.0)], kept)
+    by_capture = {id(c): g for c, g in zip(pair.captured_inputs, grads[2:])}
+    return (outputs, grads[1], tf.convert_to_tensor(by_capture[id(w.handle)]),
+            tf.convert_to_tensor(by_capture[id(table.handle)]))
+
+  with tf.GradientTape() as tape:
+    tape.watch(x)
+    h, square = f(ids, x)
+    loss = tf.reduce_sum(h * seed) + 2.0 * square
+  want = tape.gradient(loss, [x, w, table])
+  outputs, *got = by_pair()
+  np.testing.assert_allclose(outputs[0].numpy(), h.numpy(), rtol=1e-6)
+  for g, ref in zip(got, want):
+    np.testing.assert_allclose(g.numpy(), tf.convert_to_tensor(ref).numpy(), rtol=1e-5,
+                               atol=1e-6)
+
+
+def test_this_process_has_a_host_address_space():
+  """Item 6: the prefix of this process's full device names."""
+  assert tf_internals.host_address_space() == "/job:localhost/replica:0/task:0"
+  assert channels.full_device_name("/device:CPU:1") == (
+      "/job:localhost/replica:0/task:0/device:CPU:1")

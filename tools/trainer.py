@@ -292,6 +292,31 @@ def _run_interruptibly() -> int:
   return outcome["code"]
 
 
+# TensorFlow 2.21 prints INFO lines while it loads (oneDNN, CPU features), before absl's
+# log is initialized; those ignore TF_CPP_MIN_LOG_LEVEL. These are their first words.
+_START_UP_NOISE = ("I0000 ", "WARNING: All log messages before absl::InitializeLog()")
+
+
+def _import_tensorflow_quietly() -> None:
+  """Imports tensorflow (through lingvo_gpipe, which imports it) with its start-up INFO
+  lines held back; anything else it writes to stderr meanwhile is passed on."""
+  import tempfile
+
+  sys.stderr.flush()
+  saved = os.dup(2)
+  with tempfile.TemporaryFile() as captured:
+    os.dup2(captured.fileno(), 2)
+    try:
+      import tensorflow  # noqa: F401
+    finally:
+      os.dup2(saved, 2)
+      os.close(saved)
+      captured.seek(0)
+      for line in captured.read().decode(errors="replace").splitlines(keepends=True):
+        if not line.startswith(_START_UP_NOISE):
+          sys.stderr.write(line)
+
+
 def _set_log_levels() -> None:
   """Quiet by default: TensorFlow's C++ log at errors only (TF_CPP_MIN_LOG_LEVEL=2) and
   Python logging at warnings. absl's --verbosity, when given, is obeyed: at 0 (INFO)
@@ -300,6 +325,8 @@ def _set_log_levels() -> None:
   verbose = FLAGS["verbosity"].present
   if verbose and FLAGS.verbosity >= logging.INFO:  # absl: INFO is 0, DEBUG 1
     os.environ["TF_CPP_MIN_LOG_LEVEL"] = "0"
+  else:
+    _import_tensorflow_quietly()
   import tensorflow as tf
 
   if not verbose:

@@ -1,9 +1,10 @@
 """The GPipe engine: cells on devices, micro-batches, schedules, re-materialization.
 
   layer.py          PipeliningLayer: partition into cells, placement, the training entry
-  cell_function.py  a cell's forward and backward, traced once, called per micro-batch
-  schedule.py       the order of each cell's calls as data (gpipe, 1f1b)
-  executor.py       builds one training step's calls from a schedule; sums the gradients
+  cell_function.py  a cell's forward and backward, traced once per micro-batch shape
+  schedule.py       each cell's actions as data (gpipe, 1f1b; F, B, W), validated
+  device_loop.py    one loop per cell runs its actions; sums the gradients
+  channels.py       Send/Recv hand-offs between neighbouring cells
   partition.py      the exact min-bottleneck partitioner and measured layer costs
   timeline.py       the measured schedule: spans, busy fractions, bubble
   schedule_chart.py the measured schedule drawn for TensorBoard

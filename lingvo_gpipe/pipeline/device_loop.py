@@ -45,7 +45,6 @@ from lingvo_gpipe.pipeline.cell_function import CallSignature, CellFunctions
 from lingvo_gpipe.pipeline.schedule import (
   BACKWARD,
   FORWARD,
-  WEIGHT_GRADIENT,
   PipelineSchedule,
 )
 

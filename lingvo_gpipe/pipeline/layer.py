@@ -4,11 +4,13 @@ The layers are cut into K cells (explicit `splits`, or `partition.balance` on th
 costs); the variables of cell k are created on device k. Training goes through
 `forward_backward(inputs, head, head_inputs)`:
 
-  batch [B, ...] → M micro-batches of near-equal size (axis 0) → for each cell, the
-  actions `task.pipeline.schedule` lists (schedule.py: gpipe or 1f1b), each a call of
-  the cell's forward or backward function, traced once (cell_function.py) and placed
-  on the cell's device (executor.py) → the whole batch's metrics and every variable's
-  gradient of the whole batch's loss, summed over micro-batches on its device.
+  batch [B, ...] → M micro-batches of near-equal size (axis 0) → for each cell, one
+  loop on its device running the actions `task.pipeline.schedule` lists (schedule.py:
+  gpipe or 1f1b; device_loop.py), each a call of the cell's forward, backward or
+  weight-gradient function, traced once per micro-batch shape (cell_function.py),
+  hand-offs through Send/Recv (channels.py) → the whole batch's metrics and every
+  variable's gradient of the whole batch's loss, summed over micro-batches on its
+  device.
 
 The backward of a re-materialized cell recomputes its forward from the kept inputs,
 so peak activation memory is O(B + (L/K)·(B/M)) per device instead of O(B·L); with

@@ -162,7 +162,7 @@ class PipelineSchedule:
 
   def execution_order(self) -> list[tuple[int, Action]]:
     """Every (cell, action) once, each after what it needs and after the actions
-    listed before it on its cell: the order in which the executor builds the calls.
+    listed before it on its cell (a check that the loops cannot deadlock; the simulator's order).
 
     Raises ScheduleError naming the cells that wait on each other if there is none.
     """
