@@ -19,8 +19,9 @@ passed with --params_path, as a user would.
   python bench/startup_time.py                  # everything (about 10 minutes here)
   python bench/startup_time.py --only l8_m4,l8_m32
 
-The last line printed is one JSON object: first_step_s_<config> and steady_step_s_<config>
-for each, and first_step_ratio_l8_m32_over_m4.
+The last line printed is one JSON object: first_step_s_<config>, steady_step_s_<config>
+and peak_rss_gb_<config> (the trainer process's peak resident memory) for each, and
+first_step_ratio_l8_m32_over_m4.
 """
 
 from __future__ import annotations
@@ -120,12 +121,15 @@ def run_one(name: str, settings: dict, param_dir: Path, steps: int) -> dict:
     elif line.startswith("step "):
       step_times.append(now)
   stderr = proc.stderr.read()
-  if proc.wait() != 0 or first_step is None:
-    raise RuntimeError(f"{name} failed (exit {proc.returncode}):\n{stderr[-3000:]}")
+  _, status, usage = os.wait4(proc.pid, 0)  # this child's own peak resident memory
+  code = os.waitstatus_to_exitcode(status)
+  if code != 0 or first_step is None:
+    raise RuntimeError(f"{name} failed (exit {code}):\n{stderr[-3000:]}")
   # Step 1's line follows "First step done"; steady steps are the intervals after it.
   intervals = [b - a for a, b in zip(step_times[1:], step_times[2:])]
   return {"first_step_s": round(first_step, 1), "built_s": round(built, 1),
-          "steady_step_s": round(statistics.median(intervals), 4) if intervals else None}
+          "steady_step_s": round(statistics.median(intervals), 4) if intervals else None,
+          "peak_rss_gb": round(usage.ru_maxrss / 2**20, 2)}  # ru_maxrss: KiB on Linux
 
 
 def main() -> None:
@@ -151,8 +155,10 @@ def main() -> None:
   for name in names:
     result = run_one(name, all_configs[name], param_dir, args.steps)
     print(f"{name:18s} first step {result['first_step_s']:7.1f} s  (step built at "
-          f"{result['built_s']:.1f} s)  steady step {result['steady_step_s']} s", flush=True)
+          f"{result['built_s']:.1f} s)  steady step {result['steady_step_s']} s  peak "
+          f"{result['peak_rss_gb']} GB", flush=True)
     summary[f"first_step_s_{name}"] = result["first_step_s"]
+    summary[f"peak_rss_gb_{name}"] = result["peak_rss_gb"]
     summary[f"steady_step_s_{name}"] = result["steady_step_s"]
   if "first_step_s_l8_m4" in summary and "first_step_s_l8_m32" in summary:
     summary["first_step_ratio_l8_m32_over_m4"] = round(
