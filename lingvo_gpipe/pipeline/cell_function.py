@@ -277,9 +277,9 @@ class CellFunctions:
     if self.recompute:
       saved = flat_inputs + flat_head
       output_grads = _specs(self.differentiable_outputs(flat_outputs))
+      sums = [tf.TensorSpec(v.shape, v.dtype) for v in self.variables]
       backward = self._backward_fn.get_concrete_function(
-          flat_inputs, flat_head, output_grads, _specs(self.zero_gradients()), scalar,
-          tf.TensorSpec([2], tf.int64))
+          flat_inputs, flat_head, output_grads, sums, scalar, tf.TensorSpec([2], tf.int64))
       _, _, product_inputs, product_grads = backward.structured_outputs
     else:
       pair = tf_internals.forward_backward_pair(concrete)
