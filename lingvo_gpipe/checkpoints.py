@@ -37,10 +37,24 @@ from typing import Any
 
 import tensorflow as tf
 
+from lingvo_gpipe.pipeline import tf_internals
+
 CHECKPOINT_NAME = "ckpt"
 UNREADABLE_DIR = "unreadable"
 _CHECKPOINT_INDEX = re.compile(rf"^{CHECKPOINT_NAME}-(\d+)\.index$")
 _INTERRUPTED_SAVE = re.compile(rf"^{CHECKPOINT_NAME}-\d+_temp$")
+
+
+def io_options() -> tf.train.CheckpointOptions:
+  """Checkpoint options that read and write every file through this process's CPU.
+
+  By default each variable's shard is written by the device that holds it: a worker on
+  another host would write its cell's variables to its own disk (or fail to), while the
+  checkpoints belong in --logdir on the trainer's host. One I/O device makes every
+  save and restore go through the trainer's filesystem; the tensors cross the network
+  once per save, as the step's hand-offs do."""
+  return tf.train.CheckpointOptions(
+      experimental_io_device=f"{tf_internals.host_address_space()}/device:CPU:0")
 
 
 class CheckpointError(RuntimeError):
@@ -161,12 +175,16 @@ class CheckpointStore:
   `restore_fn(prefix)` restores one checkpoint into the model; it raises
   `CheckpointMismatchError` (any exception type passed as `mismatch_error`) for a
   checkpoint of another model, and anything else counts as "cannot be read".
+  `options` are passed to every save (`io_options`: all files written through one
+  device, this process's, when variables live on other hosts).
   """
 
   def __init__(self, checkpoint: tf.train.Checkpoint, directory: str, max_to_keep: int,
                restore_fn: Callable[[str], None], mismatch_error: type[Exception],
-               log: Callable[[str], None] = print):
+               log: Callable[[str], None] = print,
+               options: tf.train.CheckpointOptions | None = None):
     self.checkpoint = checkpoint
+    self.options = options
     self.directory = directory
     self.max_to_keep = max_to_keep
     self.restore_fn = restore_fn
@@ -256,7 +274,7 @@ class CheckpointStore:
     prefix = os.path.join(self.directory, f"{CHECKPOINT_NAME}-{step}")
     before = set(_names(self.directory))
     try:
-      return self._manager.save(checkpoint_number=step)
+      return self._manager.save(checkpoint_number=step, options=self.options)
     except (tf.errors.OpError, OSError) as e:
       for name in set(_names(self.directory)) - before:
         if name.startswith(os.path.basename(prefix)):

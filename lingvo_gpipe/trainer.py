@@ -123,9 +123,10 @@ class Trainer:
     self.checkpoint = tf.train.Checkpoint(task=self.task, optimizer=self.optimizers[0],
                                           global_step=self.global_step,
                                           train_input_position=self.train_iterator)
+    self.checkpoint_options = checkpoints.io_options()  # files only on this host
     self.checkpoints = checkpoints.CheckpointStore(
         self.checkpoint, self.train_dir, train_p.max_checkpoints_to_keep, self.restore,
-        CheckpointMismatchError, log)
+        CheckpointMismatchError, log, options=self.checkpoint_options)
     # Set from another thread (tools/trainer.py's Ctrl-C handler): the loop stops
     # after the step in flight.
     self.stop_requested = threading.Event()
@@ -161,7 +162,7 @@ class Trainer:
   def restore(self, path: str) -> None:
     """Restores `path`, raising CheckpointMismatchError if it is not this model's."""
     try:
-      status = self.checkpoint.restore(path)
+      status = self.checkpoint.restore(path, options=self.checkpoint_options)
       status.assert_consumed()
     except (ValueError, AssertionError) as e:
       differences = checkpoints.variable_mismatches(path, self.checkpoint)

@@ -2,6 +2,8 @@
 
 import json
 import os
+import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -211,3 +213,57 @@ def test_a_frozen_worker_is_named_within_30_s_and_ctrl_c_is_heard_while_it_hangs
     for worker in workers:
       worker.send_signal(signal.SIGCONT)
       worker.kill()
+
+
+def _can_make_a_private_mount() -> str | None:
+  """None if this process may give a child its own mount namespace (root, unshare);
+  else why not."""
+  if shutil.which("unshare") is None:
+    return "no unshare binary"
+  probe = subprocess.run(["unshare", "-m", "--propagation", "private", "true"],
+                         capture_output=True, text=True)
+  return None if probe.returncode == 0 else f"unshare -m fails: {probe.stderr.strip()}"
+
+
+def _start_worker_on_its_own_disk(spec: str, task: int, private: Path) -> subprocess.Popen:
+  """Task `task` of `spec` as a worker that sees an empty tmpfs at `private` (its own
+  mount namespace): a host that does not share the trainer's disk there."""
+  worker = (f"mount -t tmpfs tmpfs {shlex.quote(str(private))} && exec {shlex.quote(sys.executable)} "
+            f"-m lingvo_gpipe.tools.worker --cluster_spec={shlex.quote(spec)} --task={task}")
+  return subprocess.Popen(["unshare", "-m", "--propagation", "private", "bash", "-c", worker],
+                          env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+@pytest.mark.skipif(_can_make_a_private_mount() is not None,
+                    reason=f"a private mount namespace is needed: {_can_make_a_private_mount()}")
+def test_checkpoints_of_workers_without_the_trainers_disk_are_written_and_read_on_the_trainers_host(
+    tmp_path):
+  """Worker 1 holds cell 1's variables but sees its own empty disk where the logdir is.
+  Every checkpoint read and write goes through the trainer's host: the run saves,
+  resumes, and the worker's disk stays empty."""
+  shared = tmp_path / "shared"
+  shared.mkdir()
+  spec = "worker=" + ",".join(f"localhost:{cluster.free_port()}" for _ in range(2))
+  workers = [start_local_worker(spec, 0, single_thread=False),
+             _start_worker_on_its_own_disk(spec, 1, shared)]
+  logdir = shared / "run"
+  model = ["--model=demo.TinyConvNet", "--params_override=task.pipeline.num_cells=2;"
+           "task.pipeline.num_micro_batches=2;task.train.save_interval_steps=5"]
+  try:
+    cluster.wait_for_servers(cluster.parse_cluster_spec(spec)["worker"])
+    first = run_trainer(*model, f"--logdir={logdir}", f"--cluster_spec={spec}", "--max_steps=5")
+    assert first.returncode == 0, first.stderr[-3000:]
+    resumed = run_trainer(*model, f"--logdir={logdir}", f"--cluster_spec={spec}",
+                          "--max_steps=10")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"Resuming from checkpoint {logdir / 'train' / 'ckpt-5'} at step 5" in resumed.stdout
+    # What worker 1 sees at the logdir's path: its own tmpfs, still empty.
+    assert list(Path(f"/proc/{workers[1].pid}/root{shared}").iterdir()) == []
+  finally:
+    for worker in workers:
+      worker.kill()
+  saved = tf.train.load_checkpoint(str(logdir / "train" / "ckpt-10"))
+  cell_1 = [n for n in saved.get_variable_to_shape_map() if "OPTIMIZER_SLOT" not in n
+            and "layers/" in n]
+  assert len(cell_1) > 2  # every layer's variables, both cells'
