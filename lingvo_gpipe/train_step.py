@@ -7,7 +7,9 @@
       otherwise   the task's forward on the whole shard, tf.gradients
   → gradients averaged across replicas (collective all-reduce)
   → if the loss and the gradient norm are finite: each optimizer's update, batch-norm
-    moving statistics from every forward's statistics, global step + 1
+    moving statistics from every forward's statistics, global step + 1; then whether
+    every variable a checkpoint saves (replica 0's, its optimizer slots) is still
+    finite: a finite gradient times a huge learning rate can still overflow
   → scalars, and the measured schedule's timestamps (fetched at summary steps).
 
 A model is anything shaped like a task (tasks/base_task.py): `pipeline` (a
@@ -21,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import tensorflow as tf
 
 from lingvo_gpipe.core import base_layer
@@ -57,7 +60,9 @@ class TrainStep:
     step = TrainStep(replicas, optimizers, global_step)
     fn = tf.function(step)
     outputs, schedule = fn(batch)     # outputs: loss, metrics, learning_rate,
-                                      # grad_norm, finite; schedule: timestamp tensors
+                                      # grad_norm, finite (loss and gradient norm),
+                                      # update_finite (the variables after the update);
+                                      # schedule: timestamp tensors
     timeline.Schedule.from_fetched([t.numpy() for t in schedule])
 
   `optimizers[r]` updates replica r's variables (each optimizer's slots live with its
@@ -96,18 +101,44 @@ class TrainStep:
     grad_norm = tf.linalg.global_norm(grads[0])
     finite = tf.logical_and(tf.math.is_finite(loss), tf.math.is_finite(grad_norm))
 
-    def apply() -> tf.Tensor:
+    def apply() -> tuple[tf.Tensor, tf.Tensor]:
       for optimizer, g, variables in zip(self.optimizers, grads,
                                          replicas.trainable_variables):
         lr, _ = optimizer.apply_gradients(g, variables, step, grad_norm)
       replicas.apply_layer_stats(ctx.layer_stats)
       self.global_step.assign_add(1)
-      return lr
+      with tf.control_dependencies([lr]):
+        return lr, all_finite(self.checkpointed_variables())
 
-    lr = tf.cond(finite, apply, lambda: tf.constant(float("nan")))
+    lr, update_finite = tf.cond(finite, apply,
+                                lambda: (tf.constant(float("nan")), tf.constant(True)))
     out = {name: value for name, (value, _) in metrics.items()}
-    out.update(learning_rate=lr, grad_norm=grad_norm, finite=finite)
+    out.update(learning_rate=lr, grad_norm=grad_norm, finite=finite,
+               update_finite=update_finite)
     return out, schedule
+
+  def checkpointed_variables(self) -> list[tf.Variable]:
+    """Replica 0's variables and its optimizer's slots: what a checkpoint saves (the
+    other replicas equal them)."""
+    return list(self.replicas.replicas[0].variables) + list(self.optimizers[0].variables)
+
+
+def all_finite(variables: Sequence[tf.Variable]) -> tf.Tensor:
+  """Whether every floating-point variable holds only finite values: a scalar bool,
+  reduced on each variable's own device so no weights move."""
+  checks = []
+  for variable in variables:
+    if variable.dtype.is_floating:
+      with tf.device(variable.device):
+        checks.append(tf.reduce_all(tf.math.is_finite(variable.read_value())))
+  return tf.reduce_all(tf.stack(checks)) if checks else tf.constant(True)
+
+
+def non_finite_variables(variables: Sequence[tf.Variable]) -> list[str]:
+  """The names of the floating-point variables holding an inf or a NaN (eagerly; for
+  the error message once `all_finite` said so)."""
+  return [v.name for v in variables
+          if v.dtype.is_floating and not np.all(np.isfinite(v.numpy()))]
 
 
 class StackWithLoss(tf.Module):

@@ -13,8 +13,10 @@ One training step is `train_step.TrainStep` (traced once): the pipelined (or pla
 forward and backward → (with R replicas: gradients averaged across replicas) →
 optimizer update on each variable's device → batch-norm moving statistics from the
 whole batch → global step + 1. If the loss or the gradient norm is not finite,
-nothing is updated and the Python loop stops with NonFiniteLossError, so the last
-checkpoint on disk is the last good state.
+nothing is updated and the Python loop stops with NonFiniteLossError; if they were
+finite but the update made a variable non-finite (a learning rate far too large), the
+loop stops with NonFiniteUpdateError before anything of that step is saved. Either
+way the last checkpoint on disk is the last good state.
 
 Nothing is written to the logdir before the run has been checked: the newest readable
 checkpoint restored (or none found), the training step built; only then are damaged
@@ -43,6 +45,10 @@ class TrainerError(RuntimeError):
 
 
 class NonFiniteLossError(TrainerError):
+  pass
+
+
+class NonFiniteUpdateError(NonFiniteLossError):
   pass
 
 
@@ -235,6 +241,8 @@ class Trainer:
           raise NonFiniteLossError(
               f"non-finite loss ({values['loss']}) or gradient norm ({values['grad_norm']}) "
               f"at step {step}; stopped without applying it. Last good checkpoint: {last}")
+        if not values["update_finite"]:
+          self._stop_non_finite_update(step, values)
         if step == start + 1:
           # The first call also builds the executable graph and warms the cells up.
           self.log(f"First step done in {time.perf_counter() - run_start:.1f} s")
@@ -246,7 +254,7 @@ class Trainer:
         if step % train_p.summary_interval_steps == 0 or step == max_steps:
           with writer.as_default():
             for name, value in values.items():
-              if name != "finite":
+              if name not in ("finite", "update_finite"):
                 tf.summary.scalar(name, value, step=step)
             tf.summary.scalar("examples_per_sec", examples_per_sec, step=step)
             if schedule:
@@ -273,6 +281,18 @@ class Trainer:
       writer.flush()
     self.log(f"Saved {self.checkpoints.latest}")
     return values
+
+  def _stop_non_finite_update(self, step: int, values: dict) -> None:
+    """Raises NonFiniteUpdateError naming the variables the update of `step` broke;
+    nothing of that step has been saved."""
+    broken = train_step.non_finite_variables(self.train_step.checkpointed_variables())
+    shown = ", ".join(broken[:5]) + (f" and {len(broken) - 5} more" if len(broken) > 5 else "")
+    raise NonFiniteUpdateError(
+        f"the update of step {step} made {len(broken)} variable(s) non-finite ({shown}) "
+        f"although the loss ({values['loss']}) and gradient norm ({values['grad_norm']}) "
+        f"were finite: the learning rate ({values['learning_rate']}) is likely too large; "
+        f"nothing of this step was saved. Last good checkpoint: "
+        f"{self.checkpoints.latest or 'none'}")
 
   def _build_train_step(self) -> Callable:
     """Traces the training step, saying what it builds and how long that took."""

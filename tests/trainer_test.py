@@ -294,6 +294,21 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
   assert tf.train.latest_checkpoint(str(logdir / "train")).endswith("ckpt-20")
 
 
+def test_an_update_that_overflows_the_weights_is_not_saved(tmp_path):
+  """A finite loss and gradient norm times a learning rate of 1e39 (inf in float32)
+  give non-finite weights: the step is refused before its checkpoint is written."""
+  logdir = tmp_path / "run"
+  args = [MODEL, f"--logdir={logdir}"]
+  assert run_trainer(*args, f"--params_override={FAST}", "--max_steps=20").returncode == 0
+  before = digest(logdir / "train")
+  result = run_trainer(*args, "--max_steps=40", "--params_override=" + FAST +
+                       ";task.train.save_interval_steps=1;task.train.optimizer.learning_rate=1e39")
+  assert result.returncode == 1, result.stderr
+  assert re.search(r"the update of step 21 made \d+ variable\(s\) non-finite \(\S+", result.stderr)
+  assert f"Last good checkpoint: {logdir / 'train' / 'ckpt-20'}" in result.stderr
+  assert digest(logdir / "train") == before
+
+
 def test_checkpoint_of_another_model_is_refused_and_kept(tmp_path):
   logdir = tmp_path / "run"
   assert run_trainer(MODEL, f"--logdir={logdir}", "--max_steps=20",
