@@ -2,6 +2,10 @@
 
   <logdir>/params.txt                     the params of the newest run (`Params.to_text`)
   <logdir>/params.before_step_<N>.txt     the params a resumed run replaced at step N
+  <logdir>/trainer.lock                   held (flock) by the one trainer writing here
+
+Files are replaced atomically (`write_atomically`): a reader, or a run after a crash or
+a full disk, sees the old text or the new one, never a mix or nothing.
 
 A resumed run must be one its checkpoints can follow. Its model is checked by the
 restore itself (a variable of another shape or name does not restore); its training
@@ -14,12 +18,17 @@ pipeline layout …) is fine and is reported as a note.
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import fcntl
 import os
+import socket
+import sys
 
 from lingvo_gpipe import checkpoints
 from lingvo_gpipe.core.hyperparams import Params
 
 PARAMS_FILE = "params.txt"
+LOCK_FILE = "trainer.lock"
 # Keys of the training input that can change without invalidating its checkpointed
 # position: where the prepared data lives.
 _MOVABLE_INPUT_KEYS = frozenset({"train_input.data_dir"})
@@ -37,11 +46,94 @@ class IncompatibleParamsError(LogdirError):
   pass
 
 
-def check_writable(logdir: str) -> None:
-  """Proves that <logdir>/train can be created and written, leaving nothing behind:
-  directories this check creates are removed again (the run creates them when it has
-  been checked and writes its first file)."""
-  train_dir = os.path.join(os.path.abspath(logdir), "train")
+class LogdirInUseError(LogdirError):
+  pass
+
+
+class LogdirLock:
+  """One trainer per logdir: an exclusive `flock` on <logdir>/trainer.lock.
+
+  Two trainers writing one logdir would both save the same `ckpt-N` and overwrite each
+  other's params.txt. The kernel releases the lock when its holder exits in any way
+  (`kill -9` included), so a dead trainer never leaves the logdir stuck; the file stays,
+  holding the last holder's description (pid, host, start time, command) for the error
+  a second trainer gets.
+  """
+
+  def __init__(self, logdir: str):
+    self.logdir = logdir
+    self.path = os.path.join(logdir, LOCK_FILE)
+    self._fd: int | None = None
+    self._created: list[str] = []
+
+  def acquire(self) -> None:
+    """Takes the lock (creating the logdir if needed); raises LogdirInUseError naming
+    the holder if another process has it."""
+    missing, path = [], os.path.abspath(self.logdir)
+    while not os.path.lexists(path) and os.path.dirname(path) != path:
+      missing.append(path)
+      path = os.path.dirname(path)
+    for directory in reversed(missing):
+      os.mkdir(directory)
+      self._created.append(directory)
+    fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      holder = os.read(fd, 4096).decode(errors="replace").strip() or "a process starting up"
+      os.close(fd)
+      raise LogdirInUseError(
+          f"logdir {self.logdir!r} is in use by another trainer ({holder}); two trainers "
+          "in one logdir would overwrite each other's checkpoints: wait for it to end, "
+          "stop it, or use another --logdir") from None
+    started = datetime.datetime.now().isoformat(timespec="seconds")
+    description = (f"pid {os.getpid()} on {socket.gethostname()} since {started}: "
+                   f"{' '.join(sys.argv)}")
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, description.encode() + b"\n", 0)
+    self._fd = fd
+
+  def release(self, remove_if_unused: bool = False) -> None:
+    """Lets go of the lock. `remove_if_unused`: if `acquire` created the logdir and
+    nothing but the lock file was written to it, both are removed (a run refused
+    before it wrote leaves no trace)."""
+    if self._fd is None:
+      return
+    if remove_if_unused and self._created and os.listdir(self.logdir) == [LOCK_FILE]:
+      os.remove(self.path)
+      for directory in reversed(self._created):
+        os.rmdir(directory)
+    os.close(self._fd)  # closing releases the flock
+    self._fd = None
+
+
+def write_atomically(path: str, text: str) -> None:
+  """Replaces the file at `path` with `text` so that it is never missing nor partial:
+  written to a temporary file beside it, flushed to disk, then renamed over it. A
+  failure (a full disk) leaves the old file as it was and no temporary behind."""
+  temporary = f"{path}.tmp{os.getpid()}"
+  try:
+    with open(temporary, "w") as f:
+      f.write(text)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(temporary, path)
+  except BaseException:
+    if os.path.lexists(temporary):
+      os.remove(temporary)
+    raise
+
+
+def check_writable(logdir: str, with_eval: bool = False) -> None:
+  """Proves that <logdir>/train (and with `with_eval`, <logdir>/eval) can be created and
+  written, leaving nothing behind: directories this check creates are removed again
+  (the run creates them when it has been checked and writes its first file)."""
+  for name in ("train", "eval") if with_eval else ("train",):
+    _check_writable_dir(logdir, name)
+
+
+def _check_writable_dir(logdir: str, name: str) -> None:
+  train_dir = os.path.join(os.path.abspath(logdir), name)
   missing = []
   path = train_dir
   while not os.path.lexists(path) and os.path.dirname(path) != path:
@@ -144,8 +236,6 @@ def write_params(logdir: str, params: Params, step: int) -> None:
   if previous == text:
     return
   if previous is not None and _comparable(previous) != _comparable(text):
-    os.replace(path, os.path.join(logdir, f"params.before_step_{step}.txt"))
-  temporary = path + ".tmp"
-  with open(temporary, "w") as f:
-    f.write(text)
-  os.replace(temporary, path)
+    # Kept beside it first: if the new text then cannot be written, both are there.
+    write_atomically(os.path.join(logdir, f"params.before_step_{step}.txt"), previous)
+  write_atomically(path, text)

@@ -1,7 +1,11 @@
 """A logdir's params.txt is compared before a resumed run writes anything; the
 writability probe leaves nothing behind."""
 
+import errno
 import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
@@ -70,3 +74,60 @@ def test_the_writability_probe_leaves_nothing_behind(tmp_path):
   with pytest.raises(logdirs.LogdirError, match="is not writable"):
     logdirs.check_writable(str(blocker / "run"))
   assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+def test_a_logdir_has_one_trainer_and_a_dead_holder_leaves_it_free(tmp_path):
+  logdir = str(tmp_path / "new" / "run")
+  first = logdirs.LogdirLock(logdir)
+  first.acquire()
+  with pytest.raises(logdirs.LogdirInUseError, match=rf"in use by another trainer \(pid {os.getpid()} on "):
+    logdirs.LogdirLock(logdir).acquire()
+  first.release()
+  # A holder killed with -9 (its open file closed by the kernel) leaves the lock free.
+  holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+      import sys, time
+      from lingvo_gpipe import logdirs
+      logdirs.LogdirLock({logdir!r}).acquire()
+      print("held", flush=True)
+      time.sleep(600)""")], stdout=subprocess.PIPE, text=True)
+  try:
+    assert holder.stdout.readline() == "held\n"
+    with pytest.raises(logdirs.LogdirInUseError, match=f"pid {holder.pid} "):
+      logdirs.LogdirLock(logdir).acquire()
+  finally:
+    holder.kill()
+    holder.wait()
+  again = logdirs.LogdirLock(logdir)
+  again.acquire()
+  again.release(remove_if_unused=False)
+
+
+def test_a_refused_run_leaves_no_logdir_behind(tmp_path):
+  logdir = tmp_path / "new" / "run"
+  lock = logdirs.LogdirLock(str(logdir))
+  lock.acquire()
+  lock.release(remove_if_unused=True)
+  assert not (tmp_path / "new").exists()
+  existing = make_logdir(tmp_path)
+  lock = logdirs.LogdirLock(str(existing))
+  lock.acquire()
+  lock.release(remove_if_unused=True)  # not created by it: left as it was
+  assert sorted(os.listdir(existing)) == ["params.txt", "train", "trainer.lock"]
+
+
+def test_a_failed_params_write_keeps_the_old_params_txt(tmp_path, monkeypatch):
+  logdir = make_logdir(tmp_path)
+  before = (logdir / "params.txt").read_text()
+
+  def disk_full(path, mode="r", *args, **kwargs):
+    if "w" in mode:
+      raise OSError(errno.ENOSPC, "No space left on device", path)
+    return open(path, mode, *args, **kwargs)
+
+  monkeypatch.setattr(logdirs, "open", disk_full, raising=False)
+  with pytest.raises(OSError, match="No space left"):
+    logdirs.write_params(str(logdir), demo_params(train_input=demo_params().train_input.copy()
+                                                  .set(batch_size=3)), step=10)
+  monkeypatch.undo()
+  assert (logdir / "params.txt").read_text() == before
+  assert sorted(os.listdir(logdir)) == ["params.txt", "train"]

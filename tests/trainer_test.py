@@ -69,9 +69,10 @@ def test_train_resume_eval_and_summaries(tmp_path):
 
 
 def files(directory: Path) -> dict[str, str]:
-  """{relative path: sha256} of every file under `directory`."""
+  """{relative path: sha256} of every file under `directory` but the lock file (each
+  trainer that takes the lock writes its pid there; it records nothing of the run)."""
   return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
-          for p in sorted(directory.rglob("*")) if p.is_file()}
+          for p in sorted(directory.rglob("*")) if p.is_file() and p.name != "trainer.lock"}
 
 
 EVERY_10 = FAST + ";task.train.save_interval_steps=10"
@@ -307,6 +308,35 @@ def test_an_update_that_overflows_the_weights_is_not_saved(tmp_path):
   assert re.search(r"the update of step 21 made \d+ variable\(s\) non-finite \(\S+", result.stderr)
   assert f"Last good checkpoint: {logdir / 'train' / 'ckpt-20'}" in result.stderr
   assert digest(logdir / "train") == before
+
+
+def test_a_second_trainer_on_a_logdir_is_refused_naming_the_first(tmp_path):
+  logdir = tmp_path / "run"
+  first = subprocess.Popen(
+      [sys.executable, str(REPO / "tools" / "trainer.py"), MODEL, f"--logdir={logdir}",
+       "--max_steps=100000", f"--params_override={FAST}"], stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE, text=True, cwd=REPO, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+  try:
+    for line in first.stdout:  # training: params.txt and a checkpoint exist
+      if line.startswith("step 20/"):
+        break
+    params_before = (logdir / "params.txt").read_text()
+    second = run_trainer(MODEL, f"--logdir={logdir}", "--max_steps=30",
+                         "--params_override=train_input.batch_size=4")
+    assert second.returncode == 2, second.stderr
+    assert re.search(rf"logdir .* is in use by another trainer \(pid {first.pid} on \S+ since ",
+                     second.stderr), second.stderr
+    assert second.stderr.count("\n") == 1 and second.stdout == ""
+    assert (logdir / "params.txt").read_text() == params_before
+    assert first.poll() is None  # undisturbed
+  finally:
+    first.kill()
+    first.wait()
+  # Killed with -9, the first leaves the logdir free: a rerun resumes.
+  resumed = run_trainer(MODEL, f"--logdir={logdir}", f"--params_override={FAST}",
+                        "--max_steps=25")
+  assert resumed.returncode == 0, resumed.stderr
+  assert "Resuming from checkpoint" in resumed.stdout
 
 
 def test_checkpoint_of_another_model_is_refused_and_kept(tmp_path):

@@ -198,9 +198,7 @@ def _run() -> int:
       _inspect_model(params)
     return 0
 
-  import tensorflow as tf
-
-  from lingvo_gpipe import checkpoints, logdirs
+  from lingvo_gpipe import logdirs
   from lingvo_gpipe import trainer as trainer_lib
 
   if not FLAGS.logdir:
@@ -212,14 +210,36 @@ def _run() -> int:
   except ValueError as e:
     raise UsageFailure(str(e)) from None
   try:
-    logdirs.check_writable(FLAGS.logdir)
-    changed = (logdirs.check_resumable(FLAGS.logdir, params) if FLAGS.mode != "eval"
-               else [])
+    logdirs.check_writable(FLAGS.logdir, with_eval=FLAGS.mode != "train")
   except logdirs.LogdirError as e:
     raise UsageFailure(str(e)) from None
-  if changed:
-    print(f"Note: params that differ from {os.path.join(FLAGS.logdir, 'params.txt')} "
-          f"(fine for its checkpoints): {logdirs.ParamsChange.describe(changed)}")
+  # One trainer per logdir; eval only reads checkpoints and may run beside it.
+  lock = logdirs.LogdirLock(FLAGS.logdir) if FLAGS.mode != "eval" else None
+  try:
+    try:
+      if lock is not None:
+        lock.acquire()
+      changed = (logdirs.check_resumable(FLAGS.logdir, params) if FLAGS.mode != "eval"
+                 else [])
+    except logdirs.LogdirError as e:
+      raise UsageFailure(str(e)) from None
+    if changed:
+      print(f"Note: params that differ from {os.path.join(FLAGS.logdir, 'params.txt')} "
+            f"(fine for its checkpoints): {logdirs.ParamsChange.describe(changed)}")
+    return _train_or_eval(params, profile_steps, watchdog)
+  except UsageFailure:
+    if lock is not None:
+      lock.release(remove_if_unused=True)
+    raise
+
+
+def _train_or_eval(params, profile_steps, watchdog) -> int:
+  """Builds the trainer and runs --mode (train, eval or train_and_eval) in the logdir."""
+  import tensorflow as tf
+
+  from lingvo_gpipe import checkpoints, logdirs
+  from lingvo_gpipe import trainer as trainer_lib
+
   with _bad_params_are_usage_errors():
     trainer = trainer_lib.Trainer(params, FLAGS.logdir)
   _current["trainer"] = trainer
