@@ -14,8 +14,8 @@ every `ckpt-N` on disk. Here the files themselves are the truth:
   Nothing on disk changes during the search;
 - `CheckpointStore.repair` then, once the caller has checked the whole run, moves the
   unreadable checkpoints into `<dir>/unreadable/` (kept, not deleted, and no longer in
-  the way of a save at the same step), removes `ckpt-N_temp/` directories that an
-  interrupted save left, and rewrites the index so that it lists the checkpoints that
+  the way of a save at the same step), removes `ckpt-N_temp/` directories and
+  `checkpoint.tmp<uuid>` files that an interrupted save left, and rewrites the index so that it lists the checkpoints that
   are on disk (so `max_to_keep` rotates them, oldest first, as before);
 - `CheckpointStore.save` turns a failed save (a full disk, say) into one
   `CheckpointSaveError` line naming the error and the last good checkpoint, and removes
@@ -43,6 +43,8 @@ CHECKPOINT_NAME = "ckpt"
 UNREADABLE_DIR = "unreadable"
 _CHECKPOINT_INDEX = re.compile(rf"^{CHECKPOINT_NAME}-(\d+)\.index$")
 _INTERRUPTED_SAVE = re.compile(rf"^{CHECKPOINT_NAME}-\d+_temp$")
+# TensorFlow rewrites the index through checkpoint.tmp<uuid>; a kill can leave one.
+_INTERRUPTED_INDEX_WRITE = re.compile(r"^checkpoint\.tmp[0-9a-f]+$")
 
 
 def io_options() -> tf.train.CheckpointOptions:
@@ -113,15 +115,23 @@ def _tensorflow_warnings_off():
     logger.setLevel(level)
 
 
-def _first_line(error: BaseException) -> str:
-  """The error's first line without TensorFlow's '{{function_node ...}}' and
-  '[Op:SaveV2]' decorations."""
+# Lines of TensorFlow's error text that say nothing of the cause.
+_NO_CAUSE = re.compile(r"^(Graph execution error:|Detected at node .*|\s*)$")
+
+
+def first_line(error: BaseException) -> str:
+  """The error's first line that names a cause, without TensorFlow's
+  '{{function_node ...}}' and '[Op:SaveV2]' decorations ('Graph execution error:' and
+  'Detected at node' lines are skipped)."""
   text = getattr(error, "message", None) or str(error) or type(error).__name__
-  text = re.sub(r"\{\{[^}]*\}\}\s*", "", text.strip().split("\n")[0])
-  return re.sub(r"\s*\[Op:\w+\]$", "", text)
+  lines = [re.sub(r"\{\{[^}]*\}\}\s*", "", line) for line in text.strip().split("\n")]
+  line = next((line for line in lines if not _NO_CAUSE.match(line)), lines[0])
+  return re.sub(r"\s*\[Op:\w+\]( name: \S*)?$", "", line.strip())
 
 
 _VALUE_KEY = "/.ATTRIBUTES/VARIABLE_VALUE"
+# Optimizer slots (ours: optimizer/slots/<variable>/<slot>; Keras's: OPTIMIZER_SLOT).
+_SLOT = re.compile(r"OPTIMIZER_SLOT|(^|/)slots/")
 
 
 def _variables_by_path(obj: Any, prefix: str = "", seen: set[int] | None = None
@@ -133,7 +143,8 @@ def _variables_by_path(obj: Any, prefix: str = "", seen: set[int] | None = None
     if id(child) in seen:
       continue
     seen.add(id(child))
-    path = f"{prefix}{name}"
+    # As the checkpoint escapes a name ('.' → '..', '/' → '.S': a dict key 'a/b').
+    path = prefix + name.replace(".", "..").replace("/", ".S")
     if isinstance(child, tf.Variable):
       yield path, child
     else:
@@ -146,8 +157,8 @@ def variable_mismatches(path: str, root: Any) -> list[str]:
   lacks, or that only the checkpoint has (optimizer slots are left out: they follow
   their variables). Read from the checkpoint's variable list, not from error text."""
   stored = {key.removesuffix(_VALUE_KEY): shape for key, shape in tf.train.list_variables(path)
-            if key.endswith(_VALUE_KEY) and "OPTIMIZER_SLOT" not in key}
-  model = dict(_variables_by_path(root))
+            if key.endswith(_VALUE_KEY) and not _SLOT.search(key)}
+  model = {key: v for key, v in _variables_by_path(root) if not _SLOT.search(key)}
   lines = []
   for key, variable in sorted(model.items()):
     if key not in stored:
@@ -211,8 +222,8 @@ class CheckpointStore:
       except self.mismatch_error:
         raise
       except Exception as e:  # noqa: BLE001 - every other failure means "cannot be read"
-        unreadable.append((prefix, _first_line(e)))
-        self.log(f"warning: checkpoint {prefix} cannot be read ({_first_line(e)}); "
+        unreadable.append((prefix, first_line(e)))
+        self.log(f"warning: checkpoint {prefix} cannot be read ({first_line(e)}); "
                  "trying the next older one")
         continue
       return Restorable(step, prefix, unreadable, index_names)
@@ -242,6 +253,10 @@ class CheckpointStore:
     for leftover in interrupted_saves(self.directory):
       shutil.rmtree(leftover, ignore_errors=True)
       self.log(f"Removed {leftover}, left by a save that did not finish")
+    for name in _names(self.directory):
+      if _INTERRUPTED_INDEX_WRITE.match(name):
+        os.remove(os.path.join(self.directory, name))
+        self.log(f"Removed {name}, left by an index write that did not finish")
     on_disk = sorted(find(self.directory))
     if on_disk and found.index_names != on_disk[-1][1]:
       index = os.path.join(self.directory, "checkpoint")
@@ -281,6 +296,6 @@ class CheckpointStore:
           path = os.path.join(self.directory, name)
           shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
       raise CheckpointSaveError(
-          f"could not write checkpoint {prefix}: {_first_line(e)}; the last good "
+          f"could not write checkpoint {prefix}: {first_line(e)}; the last good "
           f"checkpoint is {self.latest or 'none (nothing was saved yet)'}; rerun the same "
           "command to resume from it once the cause is fixed") from None

@@ -21,6 +21,7 @@ import dataclasses
 import datetime
 import fcntl
 import os
+import re
 import socket
 import sys
 
@@ -184,12 +185,10 @@ class ParamsChange:
 
 def compare_params(logdir: str, params: Params) -> ParamsChange | None:
   """Compares `params` with <logdir>/params.txt; None if the logdir has none."""
-  path = os.path.join(logdir, PARAMS_FILE)
-  try:
-    with open(path) as f:
-      old = _leaves(f.read())
-  except FileNotFoundError:
+  previous = read_params_text(logdir)
+  if previous is None:
     return None
+  old = _leaves(previous)
   new = _leaves(params.to_text())
   change = ParamsChange([], [])
   for key in sorted(old.keys() | new.keys()):
@@ -222,17 +221,36 @@ def _comparable(text: str) -> dict[str, str]:
   return {k: v for k, v in _leaves(text).items() if k not in _EXPECTED_TO_CHANGE}
 
 
+def read_params_text(logdir: str) -> str | None:
+  """The text of <logdir>/params.txt; None if there is none. Raises LogdirError if the
+  path is there but holds no params text (a directory, binary data)."""
+  path = os.path.join(logdir, PARAMS_FILE)
+  try:
+    with open(path, encoding="utf-8") as f:
+      text = f.read()
+  except FileNotFoundError:
+    return None
+  except (OSError, UnicodeDecodeError) as e:
+    why = e.strerror if isinstance(e, OSError) else "not UTF-8 text"
+    raise LogdirError(f"{path} cannot be read as params text ({why}); it records the "
+                      "params of this logdir's checkpoints: restore it, or use a new "
+                      "--logdir") from None
+  if text and not _leaves(text):
+    raise LogdirError(f"{path} holds no 'key : value' lines; it records the params of "
+                      "this logdir's checkpoints: restore it, or use a new --logdir")
+  return text
+
+
 def write_params(logdir: str, params: Params, step: int) -> None:
   """Writes <logdir>/params.txt; a different one already there is kept beside it as
   params.before_step_<step>.txt, so the logdir records every params its checkpoints
   were written with."""
   path = os.path.join(logdir, PARAMS_FILE)
+  for name in os.listdir(logdir):  # left by a trainer killed while writing one
+    if re.fullmatch(r"params\S*\.txt\.tmp\d+", name):
+      os.remove(os.path.join(logdir, name))
   text = params.to_text()
-  try:
-    with open(path) as f:
-      previous = f.read()
-  except FileNotFoundError:
-    previous = None
+  previous = read_params_text(logdir)
   if previous == text:
     return
   if previous is not None and _comparable(previous) != _comparable(text):

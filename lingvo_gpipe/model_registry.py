@@ -15,6 +15,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import importlib.util
+import inspect
 import os
 import pkgutil
 import sys
@@ -87,6 +88,11 @@ def _load_file(path: Path) -> None:
   sys.modules[name] = module
   try:
     spec.loader.exec_module(module)
+  except SystemExit as e:  # would end the trainer, with exit code 0 for sys.exit(0)
+    del sys.modules[name]
+    where = _where(e, path)
+    raise ParamFileError(f"param file {path}{', ' + where if where else ''} does not "
+                         f"load: it calls sys.exit({e.code!r})") from None
   except Exception as e:
     del sys.modules[name]
     where = _where(e, path)
@@ -130,5 +136,11 @@ def get_class(key: str) -> type:
 
 
 def get_params(key: str):
-  """The full model Params tree (task, train_input, eval_input) for `key`."""
-  return get_class(key)().model_params()
+  """The full model Params tree (task, train_input, eval_input) for `key`. A model whose
+  params call sys.exit raises ParamFileError (it would end the caller)."""
+  model = get_class(key)
+  try:
+    return model().model_params()
+  except SystemExit as e:
+    raise ParamFileError(f"model {key}: building its params calls sys.exit({e.code!r}) "
+                         f"(in {inspect.getsourcefile(model)})") from None

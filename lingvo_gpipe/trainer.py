@@ -25,6 +25,7 @@ checkpoints set aside, the index repaired and params.txt written.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import threading
@@ -53,6 +54,10 @@ class NonFiniteUpdateError(NonFiniteLossError):
 
 
 class CheckpointMismatchError(TrainerError):
+  pass
+
+
+class SummaryWriteError(TrainerError):
   pass
 
 
@@ -120,12 +125,12 @@ class Trainer:
     # live with their variables).
     self.replicas = _build_replicas(params.task)
     self.task = self.replicas.replicas[0]
+    self._check_batch_splits()  # before the schedule of M micro-batches is made
     self.optimizers = [train_p.optimizer.instantiate() for _ in self.replicas.replicas]
     for optimizer, variables in zip(self.optimizers, self.replicas.trainable_variables):
       optimizer.create_slots(variables)
     self.global_step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step")
     self.train_step = train_step.TrainStep(self.replicas, self.optimizers, self.global_step)
-    self._check_batch_splits()
     self.checkpoint = tf.train.Checkpoint(task=self.task, optimizer=self.optimizers[0],
                                           global_step=self.global_step,
                                           train_input_position=self.train_iterator)
@@ -167,10 +172,13 @@ class Trainer:
 
   def restore(self, path: str) -> None:
     """Restores `path`, raising CheckpointMismatchError if it is not this model's."""
+    status = None
     try:
       status = self.checkpoint.restore(path, options=self.checkpoint_options)
       status.assert_consumed()
     except (ValueError, AssertionError) as e:
+      if status is not None:
+        status.expect_partial()  # no warnings about it at exit: the error says it all
       differences = checkpoints.variable_mismatches(path, self.checkpoint)
       detail = "; ".join(differences) if differences else str(e).split("\n")[0]
       raise CheckpointMismatchError(
@@ -180,6 +188,18 @@ class Trainer:
 
   def save(self) -> str:
     return self.checkpoints.save(int(self.global_step.numpy()))
+
+  @contextlib.contextmanager
+  def _summary_errors(self, directory: str):
+    """Turns a failed summary write or flush (a full disk) into one SummaryWriteError
+    line naming the directory, the cause and the last good checkpoint."""
+    try:
+      yield
+    except tf.errors.OpError as e:
+      raise SummaryWriteError(
+          f"could not write summaries to {directory}: {checkpoints.first_line(e)}; the last "
+          f"good checkpoint is {self.checkpoints.latest or 'none'}; rerun the same command "
+          "to resume from it once the cause is fixed") from None
 
   # -- steps -------------------------------------------------------------------------
 
@@ -221,7 +241,7 @@ class Trainer:
     self.checkpoints.repair(found)
     logdirs.write_params(self.logdir, self.params, start)
     writer = tf.summary.create_file_writer(self.train_dir)
-    with writer.as_default():
+    with self._summary_errors(self.train_dir), writer.as_default():
       tf.summary.text("params", "```\n" + self.params.to_text() + "```", step=start)
 
     values: dict = {}
@@ -252,7 +272,7 @@ class Trainer:
         elapsed = time.perf_counter() - window_start
         examples_per_sec = window_steps * batch_size / max(elapsed, 1e-9)
         if step % train_p.summary_interval_steps == 0 or step == max_steps:
-          with writer.as_default():
+          with self._summary_errors(self.train_dir), writer.as_default():
             for name, value in values.items():
               if name not in ("finite", "update_finite"):
                 tf.summary.scalar(name, value, step=step)
@@ -276,8 +296,14 @@ class Trainer:
           raise TrainingInterrupted(
               f"interrupted at step {step}; the last checkpoint is "
               f"{self.checkpoints.latest or 'none'}: rerun the same command to resume from it")
-    finally:  # also when stopped by an error or Ctrl-C: summaries reach the disk
+    except BaseException:
+      # Summaries reach the disk if they can; the error in flight is the one to report.
+      with contextlib.suppress(tf.errors.OpError):
+        writer.flush()
+      raise
+    finally:
       profiler.stop()
+    with self._summary_errors(self.train_dir):
       writer.flush()
     self.log(f"Saved {self.checkpoints.latest}")
     return values
@@ -348,10 +374,10 @@ class Trainer:
       results.update(self.task.decode_metrics(decoded, input_gen))
     step = int(self.global_step.numpy())
     writer = tf.summary.create_file_writer(self.eval_dir)
-    with writer.as_default():
+    with self._summary_errors(self.eval_dir), writer.as_default():
       for name, value in results.items():
         tf.summary.scalar(name, value, step=step)
-    writer.flush()
+      writer.flush()
     shown = "  ".join(f"{k} {v:.4f}" for k, v in sorted(results.items()))
     self.log(f"eval at step {step}: {shown}")
     return results

@@ -5,6 +5,7 @@ import os
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -267,3 +268,19 @@ def test_checkpoints_of_workers_without_the_trainers_disk_are_written_and_read_o
   cell_1 = [n for n in saved.get_variable_to_shape_map() if "OPTIMIZER_SLOT" not in n
             and "layers/" in n]
   assert len(cell_1) > 2  # every layer's variables, both cells'
+
+
+def test_a_worker_whose_port_is_taken_exits_2_naming_it():
+  with socket.socket() as taken:
+    taken.bind(("localhost", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    result = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "worker.py"),
+         f"--cluster_spec=worker=localhost:{port}", "--task=0"], capture_output=True,
+        text=True, timeout=120, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+  assert result.returncode == 2, result.stderr[-2000:]
+  errors = [line for line in result.stderr.splitlines() if not line.startswith(("I0000", "WARNING: All"))]
+  assert errors == [f"error: port {port} of localhost:{port} (/job:worker/task:0 in the cluster "
+                    "spec) cannot be served: in use by another process; stop what uses it or "
+                    "give this task another port in the cluster spec"], result.stderr

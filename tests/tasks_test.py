@@ -1,5 +1,7 @@
 """The tiny members of each family learn, and partitioning does not change quality."""
 
+import re
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -84,3 +86,27 @@ def test_synthetic_text_names_a_sentence_too_long_for_the_sequence(key):
   params = model_params(key, "train_input.max_length=11")
   with pytest.raises(ValueError, match="max_length <= sequence_length - 2.*11, 12"):
     params.train_input.instantiate()
+
+
+@pytest.mark.parametrize("override, message", [
+    ("task.train.save_interval_steps=0", "task.train.save_interval_steps must be an int >= 1, got 0"),
+    ("task.train.log_interval_steps=0", "task.train.log_interval_steps must be an int >= 1"),
+    ("task.train.summary_interval_steps=-3", "task.train.summary_interval_steps must be an int >= 1"),
+    ("task.train.max_checkpoints_to_keep=0", "task.train.max_checkpoints_to_keep must be an int >= 1"),
+    ("task.train.max_checkpoints_to_keep=-1", "task.train.max_checkpoints_to_keep must be an int >= 1"),
+    ("task.train.eval_interval_steps=-1", "task.train.eval_interval_steps must be an int >= 0"),
+    ("task.train.max_steps=-5", "task.train.max_steps must be an int >= 0"),
+    ("task.pipeline.num_cells=-2", "task.pipeline: num_cells must be an int >= 0"),
+    ("task.pipeline.num_micro_batches=0", "task.pipeline: num_micro_batches must be an int >= 1"),
+    ("task.pipeline.splits=[2,2]", "task.pipeline: splits must be increasing ints >= 1"),
+    ("task.pipeline.devices=['/gpu:3']", "task.pipeline: devices names '/gpu:3', which this "
+     "process does not have"),
+    ("task.pipeline.num_replicas=0", "task.pipeline.num_replicas must be an int >= 1, got 0"),
+    ("task.name='ab", "layer name \"'ab\" must start with a letter"),
+])
+def test_a_task_refuses_every_bad_training_and_pipeline_value_when_built(override, message):
+  """Values that used to train (unpipelined for num_cells=-2, on a missing device) or
+  fail only after the logdir was written are refused when the task is built."""
+  params = model_params("demo.TinyConvNet", override)
+  with pytest.raises(hyperparams.ParamsError, match=re.escape(message)):
+    params.task.instantiate()

@@ -152,6 +152,37 @@ def test_a_resumed_run_is_checked_before_it_writes_and_a_failed_save_loses_nothi
   assert (logdir / "params.before_step_10.txt").exists()  # the params ckpt-10 was written with
 
 
+def test_a_logdir_whose_records_are_not_files_is_refused_before_training(tmp_path):
+  """A directory where params.txt belongs, or a file where <logdir>/eval belongs: exit 2
+  with one line before any step (they used to fail after training, or with a traceback)."""
+  logdir = tmp_path / "run"
+  (logdir / "params.txt").mkdir(parents=True)
+  result = run_trainer(MODEL, f"--logdir={logdir}", "--max_steps=5")
+  assert result.returncode == 2, result.stderr
+  assert result.stderr.count("\n") == 1 and "params.txt cannot be read as params text (Is a " \
+      "directory)" in result.stderr, result.stderr
+  other = tmp_path / "other"
+  other.mkdir()
+  (other / "eval").write_text("not a directory")
+  result = run_trainer(MODEL, f"--logdir={other}", "--max_steps=5", "--mode=train_and_eval")
+  assert result.returncode == 2, result.stderr
+  assert "is not writable" in result.stderr and "step" not in result.stdout
+  assert sorted(p.name for p in other.iterdir()) == ["eval"]
+
+
+def test_a_full_disk_at_a_summary_write_is_one_line_naming_the_last_checkpoint(tmp_path):
+  logdir = tmp_path / "run"
+  assert run_trainer(MODEL, f"--logdir={logdir}", "--max_steps=5").returncode == 0
+  # The resumed run's events file reaches the limit long before its next save.
+  result = run_with_file_size_limit(
+      48 * 1024, MODEL, f"--logdir={logdir}", "--max_steps=5000", "--params_override="
+      "task.train.save_interval_steps=100000;task.train.summary_interval_steps=1")
+  assert result.returncode == 1, result.stderr
+  assert result.stderr.count("\n") == 1, result.stderr
+  assert re.search(rf"could not write summaries to {logdir / 'train'}: .*File too large; the "
+                   rf"last good checkpoint is {logdir / 'train' / 'ckpt-5'}", result.stderr)
+
+
 def test_inspect_model_json_counts_the_real_variables():
   result = run_trainer(MODEL, "--mode=inspect_model")
   assert result.returncode == 0, result.stderr
@@ -200,6 +231,20 @@ def test_bad_input_exits_2_with_a_named_error(args, message):
      r"--cluster_spec: bad port 99999 .* valid ports: 1\.\.65535"),
     (["--model=image.AmoebaNetD_18_208", "--data_dir={tmp}/no_data"], "",
      r"TFDS dataset 'imagenet2012' is not prepared in .*/no_data; nothing is downloaded here"),
+    # Values that once failed only after params.txt and events were written, or trained.
+    (["--params_override=task.train.save_interval_steps=0"], "",
+     r"task.train.save_interval_steps must be an int >= 1, got 0"),
+    (["--params_override=task.pipeline.num_cells=-2"], "",
+     r"task.pipeline: num_cells must be an int >= 0 .*, got -2"),
+    (["--devices=cpu:2", "--params_override=task.pipeline.num_cells=2;"
+      "task.pipeline.devices=['/cpu:0','/cpu:9']"], "",
+     r"devices names '/cpu:9', which this process does not have; its devices: "
+     r"\['/device:CPU:0', '/device:CPU:1'\]"),
+    (["--devices=cpu:2", "--params_override=task.pipeline.num_cells=2;"
+      "task.pipeline.num_micro_batches=30000"], "",  # refused at once, not after O(M²) work
+     r"task.pipeline.num_micro_batches=30000 does not fit a batch of 32 .* valid: 1..32"),
+    ([], "import sys\nsys.exit(0)\n",
+     r"param file .*broken\.py, line 2 does not load: it calls sys.exit\(0\)"),
 ])
 def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, args, file_text, message):
   param_file = tmp_path / "broken.py"

@@ -79,8 +79,9 @@ def _model_params():
   if not FLAGS.model:
     raise UsageFailure("--model is required (see --mode=list_models)")
   try:
-    params = model_registry.get_params(FLAGS.model)
-  except model_registry.ModelNotFoundError as e:
+    with _bad_params_are_usage_errors():  # raised inside the model's own params methods
+      params = model_registry.get_params(FLAGS.model)
+  except (model_registry.ModelNotFoundError, model_registry.ParamFileError) as e:
     raise UsageFailure(str(e)) from None
   try:
     for key, value in hyperparams.parse_overrides(FLAGS.params_override):
@@ -259,18 +260,18 @@ def _train_or_eval(params, profile_steps, watchdog) -> int:
     keys = [key for key, _, _ in differing.fine + differing.incompatible]
     shown = f" (params that differ from params.txt: {', '.join(keys)})" if keys else ""
     raise UsageFailure(f"{e}{shown}") from None
-  except checkpoints.CheckpointError as e:
-    raise trainer_lib.TrainerError(str(e)) from None
+  except (checkpoints.CheckpointError, tf.errors.OpError) as e:
+    # A save or a step that failed because a worker went away: name the worker.
+    lost = watchdog.unreachable() if watchdog is not None else []
+    if lost:
+      raise trainer_lib.TrainerError(_lost_worker_message(*lost[0])) from None
+    if isinstance(e, checkpoints.CheckpointError):
+      raise trainer_lib.TrainerError(str(e)) from None
+    raise
   except OSError as e:  # e.g. params.txt on a full disk
     raise trainer_lib.TrainerError(
         f"{e.strerror or e}: {e.filename}; the last good checkpoint is "
         f"{_latest_checkpoint() or 'none'}") from None
-  except tf.errors.OpError as e:
-    # A remote call that failed because its worker went away: name the worker.
-    lost = watchdog.unreachable() if watchdog is not None else []
-    if lost:
-      raise trainer_lib.TrainerError(_lost_worker_message(*lost[0])) from e
-    raise
   return 0
 
 
@@ -363,8 +364,9 @@ def main(argv: list[str]) -> None:
   try:
     code = _run_interruptibly()
   except UsageFailure as e:
-    print(f"error: {e}", file=sys.stderr)
-    sys.exit(2)
+    # At once, as below: TensorFlow's teardown may log after ours (a failed restore's
+    # "object being deleted with unrestored values").
+    _exit_now(str(e), 2)
   except trainer_lib.TrainerError as e:
     # At once: the run has flushed its summaries, and TensorFlow's teardown would print
     # its own lines after ours (after a lost worker: "Failed to remove function

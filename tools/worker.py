@@ -61,9 +61,20 @@ def main(argv: list[str]) -> None:
       print(f"error: --memory_log={FLAGS.memory_log} cannot be written: {e.strerror}",
             file=sys.stderr)
       sys.exit(2)
-  server = tf.distribute.Server(tf.train.ClusterSpec(spec), job_name=FLAGS.job,
-                                task_index=FLAGS.task, protocol="grpc", start=True)
   port = address.rpartition(":")[2]
+  busy = cluster.port_in_use(int(port))
+  if busy:
+    print(f"error: port {port} of {address} (/job:{FLAGS.job}/task:{FLAGS.task} in the "
+          f"cluster spec) cannot be served: {busy}; stop what uses it or give this task "
+          "another port in the cluster spec", file=sys.stderr)
+    sys.exit(2)
+  try:
+    server = tf.distribute.Server(tf.train.ClusterSpec(spec), job_name=FLAGS.job,
+                                  task_index=FLAGS.task, protocol="grpc", start=True)
+  except tf.errors.OpError as e:
+    print(f"error: the TensorFlow server for /job:{FLAGS.job}/task:{FLAGS.task} on port "
+          f"{port} did not start: {e.message}", file=sys.stderr)
+    sys.exit(1)
   print(f"worker /job:{FLAGS.job}/task:{FLAGS.task} ({address} in the cluster spec) serving "
         f"on port {port} of every network interface", flush=True)
   print(cluster.exposure_warning(port), file=sys.stderr, flush=True)

@@ -222,6 +222,10 @@ class BaseLayer(hyperparams.Instantiable, tf.Module):
     return p
 
   def __init__(self, params: InstantiableParams):
+    if not isinstance(params.name, str) or not re.match(r"[A-Za-z]", params.name):
+      raise hyperparams.ParamsError(
+          f"layer name {params.name!r} must start with a letter: it names the layer's "
+          "scope and its variables (e.g. 'task', 'conv1')")
     stack = _layer_stack()
     parent = stack[-1] if stack else None
     super().__init__(params, name=_module_name(params.name))

@@ -408,6 +408,15 @@ class InstantiableParams(Params):
     """Builds `self.cls` from a frozen copy of these params."""
     if self.cls is None:
       raise ParamsError("cannot instantiate: 'cls' is not set")
+    params_fn = getattr(self.cls, "Params", None)
+    if callable(params_fn):
+      own = {name for name, _ in self.iter_params()}
+      missing = sorted(name for name, _ in params_fn().iter_params() if name not in own)
+      if missing:  # e.g. an override that set `cls` alone: SGD's params given to Adam
+        raise ParamsError(
+            f"these params lack {missing}, which {self.cls.__name__}.Params() defines: "
+            f"their cls was set to {self.cls.__name__} without its params; start from "
+            f"{self.cls.__name__}.Params() instead")
     return self.cls(self.copy().freeze(), **kwargs)
 
 

@@ -34,7 +34,7 @@ from lingvo_gpipe.core.base_layer import BaseLayer
 from lingvo_gpipe.core.hyperparams import ParamsError
 from lingvo_gpipe.pipeline import channels, device_loop, partition, schedule, tf_internals
 from lingvo_gpipe.pipeline.cell_function import CellFunctions, Head, call_layers
-from lingvo_gpipe.runtime.devices import default_devices
+from lingvo_gpipe.runtime.devices import available_devices, default_devices, known_device
 
 RECOMPUTE_POLICIES = ("always", "except_last", "never")
 PARTITION_COSTS = ("params", "flops", "given")
@@ -58,7 +58,44 @@ def micro_batch_sizes(batch_size: int, num_micro_batches: int) -> list[int]:
 def requested_cells(p: hyperparams.Params) -> int:
   """K that pipeline params (PipeliningLayer's, or a task's `pipeline`) ask for:
   len(splits) when splits are given, else num_cells; 0 means no pipelining."""
+  if not isinstance(p.num_cells, int) or p.num_cells < 0:
+    raise PipelineError(f"num_cells must be an int >= 0 (0: no pipelining unless splits "
+                        f"are given), got {p.num_cells!r}")
   return len(p.splits) or p.num_cells
+
+
+def check_pipeline_params(p: hyperparams.Params, path: str) -> None:
+  """Raises PipelineError naming the first value of pipeline params (PipeliningLayer's,
+  or a task's `pipeline`, checked whether or not it pipelines) that no run accepts;
+  `path` prefixes the message. What depends on the model (splits against its layers,
+  K against the devices) is checked where the cells are made."""
+  def bad(key: str, valid: str) -> PipelineError:
+    return PipelineError(f"{path}: {key} must be {valid}, got {getattr(p, key)!r}")
+
+  if not isinstance(p.num_cells, int) or p.num_cells < 0:
+    raise bad("num_cells", "an int >= 0 (0: no pipelining unless splits are given)")
+  if not isinstance(p.num_micro_batches, int) or p.num_micro_batches < 1:
+    raise bad("num_micro_batches", "an int >= 1")
+  if p.recompute not in RECOMPUTE_POLICIES:
+    raise bad("recompute", f"one of {RECOMPUTE_POLICIES}")
+  if p.schedule not in schedule.SCHEDULES:
+    raise bad("schedule", f"one of {sorted(schedule.SCHEDULES)}")
+  if not isinstance(p.weight_gradient_group, int) or p.weight_gradient_group < 1:
+    raise bad("weight_gradient_group", "an int >= 1")
+  if p.partition_cost not in PARTITION_COSTS:
+    raise bad("partition_cost", f"one of {PARTITION_COSTS}")
+  splits = list(p.splits)
+  if any(not isinstance(s, int) for s in splits) or splits != sorted(set(splits)) or \
+      (splits and splits[0] < 1):
+    raise bad("splits", "increasing ints >= 1 (the end index of each cell)")
+  if p.memory_cap_bytes is not None and not p.memory_cap_bytes > 0:
+    raise bad("memory_cap_bytes", "None or > 0")
+  if not p.bytes_per_param > 0:
+    raise bad("bytes_per_param", "> 0")
+  for device in p.devices:
+    if not known_device(device):
+      raise PipelineError(f"{path}: devices names {device!r}, which this process does "
+                          f"not have; its devices: {available_devices()}")
 
 
 class PipeliningLayer(BaseLayer):
@@ -105,21 +142,7 @@ class PipeliningLayer(BaseLayer):
     p = self.params
     if not p.layers:
       raise PipelineError(f"{self.path}: PipeliningLayer needs at least one layer")
-    if p.num_micro_batches < 1:
-      raise PipelineError(f"{self.path}: num_micro_batches must be >= 1, "
-                          f"got {p.num_micro_batches}")
-    if p.recompute not in RECOMPUTE_POLICIES:
-      raise PipelineError(f"{self.path}: recompute must be one of {RECOMPUTE_POLICIES}, "
-                          f"got {p.recompute!r}")
-    if p.schedule not in schedule.SCHEDULES:
-      raise PipelineError(f"{self.path}: schedule must be one of {sorted(schedule.SCHEDULES)}, "
-                          f"got {p.schedule!r}")
-    if not isinstance(p.weight_gradient_group, int) or p.weight_gradient_group < 1:
-      raise PipelineError(f"{self.path}: weight_gradient_group must be an int >= 1, "
-                          f"got {p.weight_gradient_group!r}")
-    if p.partition_cost not in PARTITION_COSTS:
-      raise PipelineError(f"{self.path}: partition_cost must be one of {PARTITION_COSTS}, "
-                          f"got {p.partition_cost!r}")
+    check_pipeline_params(p, self.path)
     self.cells = self._partition()
     self.cell_devices = self._assign_devices(len(self.cells))
     layer_devices = [self.cell_devices[k] for k, cell in enumerate(self.cells)

@@ -7,6 +7,7 @@ A TensorFlow server listens on every network interface and authenticates nobody
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -78,6 +79,18 @@ def exposure_warning(port: int | str) -> str:
           "authentication: anyone who reaches it can run any TensorFlow op in this process "
           "(read and write files, start programs); use a private network or a firewall that "
           "admits only the cluster's hosts (README: Security)")
+
+
+def port_in_use(port: int) -> str | None:
+  """None if a server could listen on `port` of every interface (as TensorFlow's does);
+  else why not ('in use by another process')."""
+  with socket.socket() as s:
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC: TIME_WAIT is fine
+    try:
+      s.bind(("0.0.0.0", port))
+    except OSError as e:
+      return "in use by another process" if e.errno == errno.EADDRINUSE else e.strerror
+  return None
 
 
 def free_port() -> int:

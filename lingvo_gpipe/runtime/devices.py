@@ -70,6 +70,28 @@ def default_devices() -> list[str]:
   return [d.name for d in (gpus or tf.config.list_logical_devices("CPU"))]
 
 
+def available_devices() -> list[str]:
+  """Every logical device this process can place ops on (a cluster's remote ones too)."""
+  return [d.name for d in tf.config.list_logical_devices()]
+
+
+_DEVICE_FIELDS = ("job", "replica", "task", "device_type", "device_index")
+
+
+def known_device(name: str) -> bool:
+  """Whether `name` ('/cpu:1', '/job:worker/task:0/device:CPU:0', ...) matches a logical
+  device of this process: every field it sets equals that device's."""
+  try:
+    wanted = tf.DeviceSpec.from_string(name)
+  except ValueError:
+    return False
+  for device in available_devices():
+    have = tf.DeviceSpec.from_string(device)
+    if all(getattr(wanted, f) in (None, getattr(have, f)) for f in _DEVICE_FIELDS):
+      return True
+  return False
+
+
 def configure_devices(spec: str) -> list[str]:
   """Sets up the devices `spec` asks for and returns their names, in order.
 

@@ -25,7 +25,7 @@ import tensorflow as tf
 
 from lingvo_gpipe.core import base_layer, layers, optimizers
 from lingvo_gpipe.core.hyperparams import InstantiableParams, Params, ParamsError
-from lingvo_gpipe.pipeline.layer import PipeliningLayer, requested_cells
+from lingvo_gpipe.pipeline.layer import PipeliningLayer, check_pipeline_params, requested_cells
 
 Metrics = dict[str, tuple[tf.Tensor, tf.Tensor]]
 
@@ -62,6 +62,18 @@ def pipeline_params() -> Params:
   return p
 
 
+def check_train_params(p: Params) -> None:
+  """Raises ParamsError naming the first `task.train` value no run accepts (the
+  optimizer checks its own params when it is built)."""
+  at_least = {"max_steps": 0, "save_interval_steps": 1, "max_checkpoints_to_keep": 1,
+              "summary_interval_steps": 1, "log_interval_steps": 1, "eval_interval_steps": 0}
+  for key, minimum in at_least.items():
+    value = getattr(p, key)
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+      meaning = " (0: only at the end)" if key == "eval_interval_steps" else ""
+      raise ParamsError(f"task.train.{key} must be an int >= {minimum}{meaning}, got {value!r}")
+
+
 class BaseTask(base_layer.BaseLayer):
   """Base class of tasks."""
 
@@ -75,6 +87,15 @@ class BaseTask(base_layer.BaseLayer):
     return p
 
   input_device: str | None = None  # where the batch goes: the first cell's device
+
+  def __init__(self, params):
+    super().__init__(params)
+    check_train_params(self.params.train)
+    check_pipeline_params(self.params.pipeline, "task.pipeline")
+    if not isinstance(self.params.pipeline.num_replicas, int) or \
+        self.params.pipeline.num_replicas < 1:
+      raise ParamsError("task.pipeline.num_replicas must be an int >= 1, got "
+                        f"{self.params.pipeline.num_replicas!r}")
 
   @property
   def pipelined(self) -> bool:
