@@ -15,8 +15,9 @@ every `ckpt-N` on disk. Here the files themselves are the truth:
 - `CheckpointStore.repair` then, once the caller has checked the whole run, moves the
   unreadable checkpoints into `<dir>/unreadable/` (kept, not deleted, and no longer in
   the way of a save at the same step), removes `ckpt-N_temp/` directories and
-  `checkpoint.tmp<uuid>` files that an interrupted save left, and rewrites the index so that it lists the checkpoints that
-  are on disk (so `max_to_keep` rotates them, oldest first, as before);
+  `checkpoint.tmp<uuid>` files that an interrupted save left, and rewrites the index
+  so that it lists the checkpoints that are on disk (so `max_to_keep` rotates them,
+  oldest first, as before);
 - `CheckpointStore.save` turns a failed save (a full disk, say) into one
   `CheckpointSaveError` line naming the error and the last good checkpoint, and removes
   the half-written files of that save.

@@ -269,8 +269,8 @@ def test_weight_gradients_over_groups_of_micro_batches_equal_unpartitioned(
 
 
 @pytest.mark.parametrize("settings, message", [
-    (dict(num_micro_batches=0), "num_micro_batches must be >= 1, got 0"),
-    (dict(num_micro_batches=-2), "num_micro_batches must be >= 1, got -2"),
+    (dict(num_micro_batches=0), "num_micro_batches must be an int >= 1, got 0"),
+    (dict(num_micro_batches=-2), "num_micro_batches must be an int >= 1, got -2"),
     (dict(num_cells=9), "num_cells=9 is more than the 8 layers"),
     (dict(splits=[4, 2, 8]), r"bad splits \[4, 2, 8\]"),
     (dict(splits=[0, 8]), r"bad splits \[0, 8\]"),

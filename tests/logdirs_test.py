@@ -80,7 +80,8 @@ def test_a_logdir_has_one_trainer_and_a_dead_holder_leaves_it_free(tmp_path):
   logdir = str(tmp_path / "new" / "run")
   first = logdirs.LogdirLock(logdir)
   first.acquire()
-  with pytest.raises(logdirs.LogdirInUseError, match=rf"in use by another trainer \(pid {os.getpid()} on "):
+  with pytest.raises(logdirs.LogdirInUseError,
+                     match=rf"in use by another trainer \(pid {os.getpid()} on "):
     logdirs.LogdirLock(logdir).acquire()
   first.release()
   # A holder killed with -9 (its open file closed by the kernel) leaves the lock free.

@@ -229,8 +229,9 @@ def _can_make_a_private_mount() -> str | None:
 def _start_worker_on_its_own_disk(spec: str, task: int, private: Path) -> subprocess.Popen:
   """Task `task` of `spec` as a worker that sees an empty tmpfs at `private` (its own
   mount namespace): a host that does not share the trainer's disk there."""
-  worker = (f"mount -t tmpfs tmpfs {shlex.quote(str(private))} && exec {shlex.quote(sys.executable)} "
-            f"-m lingvo_gpipe.tools.worker --cluster_spec={shlex.quote(spec)} --task={task}")
+  worker = (f"mount -t tmpfs tmpfs {shlex.quote(str(private))} && "
+            f"exec {shlex.quote(sys.executable)} -m lingvo_gpipe.tools.worker "
+            f"--cluster_spec={shlex.quote(spec)} --task={task}")
   return subprocess.Popen(["unshare", "-m", "--propagation", "private", "bash", "-c", worker],
                           env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -280,7 +281,8 @@ def test_a_worker_whose_port_is_taken_exits_2_naming_it():
          f"--cluster_spec=worker=localhost:{port}", "--task=0"], capture_output=True,
         text=True, timeout=120, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
   assert result.returncode == 2, result.stderr[-2000:]
-  errors = [line for line in result.stderr.splitlines() if not line.startswith(("I0000", "WARNING: All"))]
+  errors = [line for line in result.stderr.splitlines()
+            if not line.startswith(("I0000", "WARNING: All"))]  # TensorFlow's start-up lines
   assert errors == [f"error: port {port} of localhost:{port} (/job:worker/task:0 in the cluster "
                     "spec) cannot be served: in use by another process; stop what uses it or "
                     "give this task another port in the cluster spec"], result.stderr

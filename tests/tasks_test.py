@@ -89,16 +89,20 @@ def test_synthetic_text_names_a_sentence_too_long_for_the_sequence(key):
 
 
 @pytest.mark.parametrize("override, message", [
-    ("task.train.save_interval_steps=0", "task.train.save_interval_steps must be an int >= 1, got 0"),
+    ("task.train.save_interval_steps=0",
+     "task.train.save_interval_steps must be an int >= 1, got 0"),
     ("task.train.log_interval_steps=0", "task.train.log_interval_steps must be an int >= 1"),
-    ("task.train.summary_interval_steps=-3", "task.train.summary_interval_steps must be an int >= 1"),
-    ("task.train.max_checkpoints_to_keep=0", "task.train.max_checkpoints_to_keep must be an int >= 1"),
-    ("task.train.max_checkpoints_to_keep=-1", "task.train.max_checkpoints_to_keep must be an int >= 1"),
+    ("task.train.summary_interval_steps=-3",
+     "task.train.summary_interval_steps must be an int >= 1"),
+    ("task.train.max_checkpoints_to_keep=0",
+     "task.train.max_checkpoints_to_keep must be an int >= 1"),
+    ("task.train.max_checkpoints_to_keep=-1",
+     "task.train.max_checkpoints_to_keep must be an int >= 1"),
     ("task.train.eval_interval_steps=-1", "task.train.eval_interval_steps must be an int >= 0"),
     ("task.train.max_steps=-5", "task.train.max_steps must be an int >= 0"),
     ("task.pipeline.num_cells=-2", "task.pipeline: num_cells must be an int >= 0"),
     ("task.pipeline.num_micro_batches=0", "task.pipeline: num_micro_batches must be an int >= 1"),
-    ("task.pipeline.splits=[2,2]", "task.pipeline: splits must be increasing ints >= 1"),
+    ("task.pipeline.num_cells=0;task.pipeline.splits=[2,2]", "bad splits [2, 2]"),
     ("task.pipeline.devices=['/gpu:3']", "task.pipeline: devices names '/gpu:3', which this "
      "process does not have"),
     ("task.pipeline.num_replicas=0", "task.pipeline.num_replicas must be an int >= 1, got 0"),

@@ -68,7 +68,7 @@ def check_pipeline_params(p: hyperparams.Params, path: str) -> None:
   """Raises PipelineError naming the first value of pipeline params (PipeliningLayer's,
   or a task's `pipeline`, checked whether or not it pipelines) that no run accepts;
   `path` prefixes the message. What depends on the model (splits against its layers,
-  K against the devices) is checked where the cells are made."""
+  K against the devices) is checked where the cells are made (partition.py)."""
   def bad(key: str, valid: str) -> PipelineError:
     return PipelineError(f"{path}: {key} must be {valid}, got {getattr(p, key)!r}")
 
@@ -84,10 +84,6 @@ def check_pipeline_params(p: hyperparams.Params, path: str) -> None:
     raise bad("weight_gradient_group", "an int >= 1")
   if p.partition_cost not in PARTITION_COSTS:
     raise bad("partition_cost", f"one of {PARTITION_COSTS}")
-  splits = list(p.splits)
-  if any(not isinstance(s, int) for s in splits) or splits != sorted(set(splits)) or \
-      (splits and splits[0] < 1):
-    raise bad("splits", "increasing ints >= 1 (the end index of each cell)")
   if p.memory_cap_bytes is not None and not p.memory_cap_bytes > 0:
     raise bad("memory_cap_bytes", "None or > 0")
   if not p.bytes_per_param > 0:
