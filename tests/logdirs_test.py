@@ -132,3 +132,13 @@ def test_a_failed_params_write_keeps_the_old_params_txt(tmp_path, monkeypatch):
   monkeypatch.undo()
   assert (logdir / "params.txt").read_text() == before
   assert sorted(os.listdir(logdir)) == ["params.txt", "train"]
+
+
+@pytest.mark.parametrize("content, why", [(bytes(range(256)), "not UTF-8 text"),
+                                          (b"just words\n", "holds no 'key : value' lines")])
+def test_a_params_txt_that_is_not_params_text_is_refused_naming_it(tmp_path, content, why):
+  logdir = make_logdir(tmp_path)
+  (logdir / "params.txt").write_bytes(content)
+  with pytest.raises(logdirs.LogdirError, match=f"params.txt.*{why}"):
+    logdirs.check_resumable(str(logdir), demo_params())
+  assert (logdir / "params.txt").read_bytes() == content
