@@ -68,7 +68,6 @@ def probe(args, mode: str, num_layers: int) -> dict:
   from lingvo_gpipe import train_step
   from lingvo_gpipe.core import layers, optimizers
   from lingvo_gpipe.models import transformer
-  from lingvo_gpipe.pipeline import hybrid
   from lingvo_gpipe.pipeline import layer as gpipe
   from lingvo_gpipe.runtime.local_workers import local_cluster
   from lingvo_gpipe.runtime.memory_log import memory_log_path, read_memory_log
@@ -96,8 +95,8 @@ def probe(args, mode: str, num_layers: int) -> dict:
     variables = wrapped.trainable_variables
     optimizer = optimizers.Adam.Params().set(learning_rate=1e-4).instantiate()
     optimizer.create_slots(variables)
-    step = train_step.TrainStep(hybrid.Replicas([wrapped], [devices[0]]), [optimizer],
-                                tf.Variable(1, dtype=tf.int64))
+    step = train_step.TrainStep(wrapped, optimizer, tf.Variable(1, dtype=tf.int64),
+                                input_device=devices[0])
 
     @tf.function
     def run(batch):

@@ -85,8 +85,8 @@ def make_step(model_name: str, num_cells: int, num_micro_batches: int, devices: 
 
   from lingvo_gpipe import train_step
   from lingvo_gpipe.core import optimizers
-  from lingvo_gpipe.pipeline import hybrid, timeline
   from lingvo_gpipe.pipeline import layer as gpipe
+  from lingvo_gpipe.pipeline import timeline
 
   with tf.device(devices[0]):
     stack, inputs = model_layers(model_name)
@@ -103,18 +103,18 @@ def make_step(model_name: str, num_cells: int, num_micro_batches: int, devices: 
   wrapped = train_step.StackWithLoss(model, mean_square)
   optimizer = optimizers.SGD.Params().set(learning_rate=1e-4, momentum=0.0).instantiate()
   optimizer.create_slots(wrapped.trainable_variables)
-  step = train_step.TrainStep(hybrid.Replicas([wrapped], [devices[0]]), [optimizer],
-                              tf.Variable(0, dtype=tf.int64))
+  step = train_step.TrainStep(wrapped, optimizer, tf.Variable(0, dtype=tf.int64),
+                              input_device=devices[0])
   step_fn = tf.function(step)
   batch = {"inputs": inputs}
 
-  def run() -> tuple[float, timeline.Schedule]:
+  def run() -> tuple[float, timeline.MeasuredTimeline]:
     """One step: its wall time (seconds) and its measured schedule."""
     start = time.perf_counter()
     outputs, fetched = step_fn(batch)
     outputs["loss"].numpy()
     seconds = time.perf_counter() - start
-    return seconds, timeline.Schedule.from_fetched([t.numpy() for t in fetched])
+    return seconds, timeline.MeasuredTimeline.from_fetched([t.numpy() for t in fetched])
 
   run()  # trace and warm up
   run.graph_def = step_fn.get_concrete_function(batch).graph.as_graph_def()

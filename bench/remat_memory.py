@@ -42,7 +42,7 @@ import tensorflow as tf  # noqa: E402
 
 from lingvo_gpipe import train_step  # noqa: E402
 from lingvo_gpipe.core import layers, optimizers  # noqa: E402
-from lingvo_gpipe.pipeline import hybrid, memory  # noqa: E402
+from lingvo_gpipe.pipeline import memory  # noqa: E402
 from lingvo_gpipe.pipeline.layer import PipeliningLayer  # noqa: E402
 from lingvo_gpipe.runtime.devices import configure_devices
 
@@ -85,8 +85,8 @@ def measure(args, config: tuple, devices: list[str]) -> dict:
   variables = model.trainable_variables
   optimizer = optimizers.Adam.Params().set(learning_rate=1e-4).instantiate()
   optimizer.create_slots(variables)
-  step = tf.function(train_step.TrainStep(hybrid.Replicas([model], [devices[0]]),
-                                          [optimizer], tf.Variable(0, dtype=tf.int64)))
+  step = tf.function(train_step.TrainStep(model, optimizer, tf.Variable(0, dtype=tf.int64),
+                                          input_device=devices[0]))
   batch = {"inputs": tf.random.stateless_normal([args.batch, args.seq, args.dim], seed=[1, 2])}
   step(batch)[0]["loss"].numpy()  # trace, warm up
   start = time.perf_counter()

@@ -7,7 +7,7 @@ every `ckpt-N` on disk. Here the files themselves are the truth:
 
 - `find(directory)` lists every `ckpt-N` whose `.index` file exists (TensorFlow writes
   a checkpoint's `.index` last, after its data), newest first;
-- `CheckpointStore.find_restorable` tries them newest first; one that cannot be read
+- `CheckpointStore.restore_newest` tries them newest first; one that cannot be read
   (a truncated or corrupt data file, a damaged `.index`) is reported and the next older
   one is tried; a checkpoint of another model (`CheckpointMismatchError`, raised by the
   caller's restore function) stops the search: that is the user's mistake, not damage.
@@ -173,8 +173,8 @@ def variable_mismatches(path: str, root: Any) -> list[str]:
 
 
 @dataclasses.dataclass
-class Restorable:
-  """What `find_restorable` found: the checkpoint to use and the newer ones that failed."""
+class Restored:
+  """What `restore_newest` restored (the checkpoint used) and the newer ones that failed."""
   step: int | None                    # None: no checkpoint on disk at all
   path: str | None
   unreadable: list[tuple[str, str]]   # (prefix, why), newest first
@@ -206,7 +206,7 @@ class CheckpointStore:
 
   # -- restoring (reads only) --------------------------------------------------------
 
-  def find_restorable(self) -> Restorable:
+  def restore_newest(self) -> Restored:
     """Restores the newest checkpoint that can be read; changes nothing on disk.
 
     Raises `NoReadableCheckpointError` if checkpoints exist and none can be read (the
@@ -227,19 +227,19 @@ class CheckpointStore:
         self.log(f"warning: checkpoint {prefix} cannot be read ({first_line(e)}); "
                  "trying the next older one")
         continue
-      return Restorable(step, prefix, unreadable, index_names)
+      return Restored(step, prefix, unreadable, index_names)
     if unreadable:
       listed = "; ".join(f"{p}: {why}" for p, why in unreadable)
       raise NoReadableCheckpointError(
           f"none of the {len(unreadable)} checkpoints in {self.directory} can be read "
           f"({listed}); not starting from step 0 over them: move them elsewhere or use "
           "a new --logdir")
-    return Restorable(None, None, [], index_names)
+    return Restored(None, None, [], index_names)
 
   # -- making the directory consistent (writes) ----------------------------------------
 
-  def repair(self, found: Restorable) -> None:
-    """Sets aside what `find_restorable` could not read, removes interrupted saves and
+  def repair(self, found: Restored) -> None:
+    """Sets aside what `restore_newest` could not read, removes interrupted saves and
     makes the index list the checkpoints on disk; then saves may begin."""
     for prefix, _ in found.unreadable:
       aside = os.path.join(self.directory, UNREADABLE_DIR)

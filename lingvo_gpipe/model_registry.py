@@ -122,8 +122,28 @@ def load_param_files(paths: Iterable[str] = ()) -> None:
       raise FileNotFoundError(f"param path {entry!r} is neither a .py file nor a directory")
 
 
+def where_in_param_files(error: BaseException) -> str | None:
+  """'<file>, line <n>' of the innermost frame of `error`'s traceback that lies in a
+  loaded param file (a user's or a built-in one), or None: where in their own code a
+  user should look."""
+  files = {getattr(module, "__file__", None) for name, module in list(sys.modules.items())
+           if name.startswith((f"{USER_PACKAGE}.", f"{BUILTIN_PACKAGE}."))}
+  frames = [f for f in traceback.extract_tb(error.__traceback__) if f.filename in files]
+  return f"{frames[-1].filename}, line {frames[-1].lineno}" if frames else None
+
+
 def keys() -> list[str]:
   return sorted(_REGISTRY)
+
+
+def describe(key: str) -> str:
+  """One line for `key`: the first line of its class's docstring, and '(needs
+  --data_dir)' when its training input reads prepared TFDS data."""
+  model = get_class(key)
+  doc = (inspect.getdoc(model) or "").split("\n")[0].strip() or "(no description)"
+  train_input = get_params(key).train_input
+  needs_data = train_input is not None and "data_dir" in train_input
+  return f"{doc} (needs --data_dir)" if needs_data else doc
 
 
 def get_class(key: str) -> type:

@@ -57,21 +57,28 @@ def loss_and_gradients(model: Any, batch: Any, variables: Sequence[tf.Variable]
 class TrainStep:
   """Builds the step's graph when called inside a tf.function (see the module doc).
 
-    step = TrainStep(replicas, optimizers, global_step)
+    step = TrainStep(model, optimizer, global_step)          # one model (input_device=
+                                                             # where its batch goes)
+    step = TrainStep(replicas, optimizers, global_step)      # hybrid.Replicas, one each
     fn = tf.function(step)
-    outputs, schedule = fn(batch)     # outputs: loss, metrics, learning_rate,
+    outputs, timestamps = fn(batch)   # outputs: loss, metrics, learning_rate,
                                       # grad_norm, finite (loss and gradient norm),
                                       # update_finite (the variables after the update);
-                                      # schedule: timestamp tensors
-    timeline.Schedule.from_fetched([t.numpy() for t in schedule])
+                                      # timestamps: per device, its actions' times
+    timeline.MeasuredTimeline.from_fetched([t.numpy() for t in timestamps])
 
   `optimizers[r]` updates replica r's variables (each optimizer's slots live with its
-  variables). Replica 0 records the schedule; `plan` is the schedule its cells were
+  variables). Replica 0 records the timestamps; `plan` is the schedule its cells were
   given (None when not pipelined).
   """
 
-  def __init__(self, replicas: hybrid.Replicas, optimizers: Sequence[Any],
-               global_step: tf.Variable):
+  def __init__(self, replicas: hybrid.Replicas | Any, optimizers: Sequence[Any] | Any,
+               global_step: tf.Variable, input_device: str | None = None):
+    if not isinstance(replicas, hybrid.Replicas):  # one model
+      device = input_device or getattr(replicas, "input_device", None)
+      replicas = hybrid.Replicas([replicas], [device])
+    if not isinstance(optimizers, Sequence):
+      optimizers = [optimizers]
     if len(optimizers) != replicas.num_replicas:
       raise ValueError(f"{len(optimizers)} optimizers for {replicas.num_replicas} replicas")
     self.replicas = replicas
@@ -97,7 +104,7 @@ class TrainStep:
     grads = replicas.all_reduce_gradients(grads)
     metrics = device_loop.weighted_mean(per_replica)
     loss = metrics["loss"][0]
-    schedule = timeline.fetches(ctx.spans)
+    timestamps = timeline.fetches(ctx.spans)
     grad_norm = tf.linalg.global_norm(grads[0])
     finite = tf.logical_and(tf.math.is_finite(loss), tf.math.is_finite(grad_norm))
 
@@ -115,7 +122,7 @@ class TrainStep:
     out = {name: value for name, (value, _) in metrics.items()}
     out.update(learning_rate=lr, grad_norm=grad_norm, finite=finite,
                update_finite=update_finite)
-    return out, schedule
+    return out, timestamps
 
   def checkpointed_variables(self) -> list[tf.Variable]:
     """Replica 0's variables and its optimizer's slots: what a checkpoint saves (the
@@ -159,6 +166,11 @@ class StackWithLoss(tf.Module):
   @property
   def pipeline(self) -> PipeliningLayer | None:
     return self.stack if isinstance(self.stack, PipeliningLayer) else None
+
+  @property
+  def input_device(self) -> str | None:
+    """Where the batch goes: the first cell's device when pipelined."""
+    return self.pipeline.cell_devices[0] if self.pipeline is not None else None
 
   def stack_inputs(self, batch: dict[str, Any]) -> Any:
     return batch["inputs"]

@@ -39,6 +39,7 @@ from lingvo_gpipe.core import base_layer
 from lingvo_gpipe.core.hyperparams import Params
 from lingvo_gpipe.pipeline import hybrid, schedule_chart, timeline
 from lingvo_gpipe.pipeline.layer import PipelineError, requested_cells
+from lingvo_gpipe.tasks import base_task
 
 
 class TrainerError(RuntimeError):
@@ -115,6 +116,7 @@ class Trainer:
     self.eval_dir = os.path.join(logdir, "eval")
     self.log = log
     train_p = params.task.train
+    log("Building the input and the model ...")
     # The input first, so that missing data is reported before a large model is built.
     # Its position is checkpointed too, so a resumed run sees the batches the
     # uninterrupted run would have seen (no repeats, no skips).
@@ -123,7 +125,8 @@ class Trainer:
     # One task per data-parallel replica (task.pipeline.num_replicas); replica 0 is the
     # one checkpointed, evaluated and decoded. Each replica has its own optimizer (slots
     # live with their variables).
-    self.replicas = _build_replicas(params.task)
+    self.replicas = _build_replicas(
+        base_task.with_pipeline_input_specs(params.task, params.train_input))
     self.task = self.replicas.replicas[0]
     self._check_batch_splits()  # before the schedule of M micro-batches is made
     self.optimizers = [train_p.optimizer.instantiate() for _ in self.replicas.replicas]
@@ -167,7 +170,7 @@ class Trainer:
   def restore_latest(self) -> int | None:
     """Restores the newest readable checkpoint in <logdir>/train, if any, and returns
     its step; writes nothing (an unreadable newer one is only named in a warning)."""
-    found = self.checkpoints.find_restorable()
+    found = self.checkpoints.restore_newest()
     return None if found.step is None else int(self.global_step.numpy())
 
   def restore(self, path: str) -> None:
@@ -223,7 +226,7 @@ class Trainer:
     <logdir>/train (TensorBoard's profile tab).
     """
     train_p = self.params.task.train
-    found = self.checkpoints.find_restorable()
+    found = self.checkpoints.restore_newest()
     if found.step is not None:
       start = int(self.global_step.numpy())
       self.log(f"Resuming from checkpoint {found.path} at step {start}")
@@ -252,7 +255,7 @@ class Trainer:
     try:
       for batch in self.train_iterator:
         profiler.before(step + 1)
-        outputs, schedule = step_fn(batch)
+        outputs, timestamps = step_fn(batch)
         values = {k: v.numpy() for k, v in outputs.items()}
         profiler.after(step + 1)
         step += 1  # the global step this update would make (as the progress lines count)
@@ -277,8 +280,8 @@ class Trainer:
               if name not in ("finite", "update_finite"):
                 tf.summary.scalar(name, value, step=step)
             tf.summary.scalar("examples_per_sec", examples_per_sec, step=step)
-            if schedule:
-              self._write_schedule(schedule, step)
+            if timestamps:
+              self._write_timeline(timestamps, step)
         if step % train_p.log_interval_steps == 0 or step == max_steps:
           steps_per_sec = (step - start) / max(time.perf_counter() - run_start, 1e-9)
           self.log(f"step {step}/{max_steps}  loss {values['loss']:.4f}  "
@@ -338,9 +341,9 @@ class Trainer:
     self.log(f"Built the training step in {time.perf_counter() - start:.1f} s")
     return step_fn
 
-  def _write_schedule(self, fetched: list[tf.Tensor], step: int) -> None:
-    """Writes the measured pipeline schedule of this step: scalars and an image."""
-    measured = timeline.Schedule.from_fetched([t.numpy() for t in fetched])
+  def _write_timeline(self, fetched: list[tf.Tensor], step: int) -> None:
+    """Writes the measured timeline of this step's pipeline: scalars and an image."""
+    measured = timeline.MeasuredTimeline.from_fetched([t.numpy() for t in fetched])
     for name, value in measured.summary(self.train_step.plan).items():
       tf.summary.scalar(name, value, step=step)
     devices = self.task.pipeline.cell_devices if self.task.pipeline is not None else None
@@ -348,13 +351,15 @@ class Trainer:
     tf.summary.image("pipeline/schedule", image[None], step=step,
                      description="Replica 0's cells top to bottom (with their devices), "
                      "time in ms left to right; forward calls blue, backward (with "
-                     "recompute) orange, darker for later micro-batches; white is idle "
-                     "(the bubble).")
+                     "recompute) orange, deferred weight gradients green, darker for later "
+                     "micro-batches and numbered with the micro-batch where a bar is wide "
+                     "enough; white is idle (the bubble).")
 
   def evaluate(self) -> dict[str, float]:
     """Runs the eval input once; writes and returns the example-weighted mean metrics."""
     if self.params.eval_input is None:
       raise TrainerError("this model has no eval_input")
+    self.log(f"Evaluating at step {int(self.global_step.numpy())} ...")
     input_gen = self.params.eval_input.copy().set(repeat=False).instantiate()
     step_fn = tf.function(self._eval_step, input_signature=[input_gen.batch_spec()])
     totals: dict[str, float] = {}

@@ -49,7 +49,7 @@ def files(directory: Path) -> dict[str, str]:
 def saved(tmp_path) -> Path:
   """A directory with ckpt-10, ckpt-20, ckpt-30 (values 10, 20, 30) and their index."""
   model = Model(tmp_path)
-  model.store.repair(model.store.find_restorable())
+  model.store.repair(model.store.restore_newest())
   for step in (10, 20, 30):
     model.save(step)
   return tmp_path
@@ -63,7 +63,7 @@ def test_a_lost_index_still_finds_the_newest_checkpoint_and_is_rewritten(saved, 
   else:
     index.write_text("model_checkpoint_path: {{{ not a checkpoint state")
   model = Model(saved)
-  found = model.store.find_restorable()
+  found = model.store.restore_newest()
   assert found.step == 30 and found.path == str(saved / "ckpt-30")
   np.testing.assert_array_equal(model.value.numpy(), np.full([64, 64], 30.0))
   model.store.repair(found)
@@ -80,7 +80,7 @@ def test_an_unreadable_newest_checkpoint_is_named_set_aside_and_the_older_one_us
   os.truncate(data, 1000)
   before = files(saved)
   model = Model(saved)
-  found = model.store.find_restorable()
+  found = model.store.restore_newest()
   assert found.step == 20
   np.testing.assert_array_equal(model.value.numpy(), np.full([64, 64], 20.0))
   assert [prefix for prefix, _ in found.unreadable] == [str(saved / "ckpt-30")]
@@ -94,7 +94,7 @@ def test_an_unreadable_newest_checkpoint_is_named_set_aside_and_the_older_one_us
   assert tf.train.latest_checkpoint(str(saved)) == str(saved / "ckpt-20")
   model.save(30)  # the same step again: a new checkpoint, the old bytes untouched
   assert files(saved / checkpoints.UNREADABLE_DIR) == moved
-  assert Model(saved).store.find_restorable().step == 30
+  assert Model(saved).store.restore_newest().step == 30
 
 
 def test_when_no_checkpoint_can_be_read_the_run_refuses_and_changes_nothing(saved):
@@ -104,14 +104,14 @@ def test_when_no_checkpoint_can_be_read_the_run_refuses_and_changes_nothing(save
   before = files(saved)
   with pytest.raises(checkpoints.NoReadableCheckpointError,
                      match="none of the 3 checkpoints .* can be read"):
-    Model(saved).store.find_restorable()
+    Model(saved).store.restore_newest()
   assert files(saved) == before
 
 
 def test_a_checkpoint_of_another_model_is_not_mistaken_for_damage(saved):
   before = files(saved)
   with pytest.raises(Mismatch):
-    Model(saved, shape=(3,)).store.find_restorable()
+    Model(saved, shape=(3,)).store.restore_newest()
   assert files(saved) == before
 
 
@@ -122,7 +122,7 @@ def test_interrupted_saves_are_removed_at_start(saved):
   index_write = saved / "checkpoint.tmp4f1c0e9a2b7d4c3e8f6a5b4c3d2e1f00"
   index_write.write_text("model_checkpoint_path")
   model = Model(saved)
-  found = model.store.find_restorable()
+  found = model.store.restore_newest()
   assert found.step == 30 and leftover.exists()
   model.store.repair(found)
   assert not leftover.exists() and not index_write.exists()
@@ -132,7 +132,7 @@ def test_a_failed_save_names_the_last_good_checkpoint_and_leaves_no_partial_file
   """A file-size limit (RLIMIT_FSIZE: writes past it fail with EFBIG, as a full disk
   fails them with ENOSPC) stands in for a full disk."""
   model = Model(saved)
-  model.store.repair(model.store.find_restorable())
+  model.store.repair(model.store.restore_newest())
   before = files(saved)
   soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
   resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))  # the data file is 16 KB

@@ -9,7 +9,6 @@ import tensorflow as tf
 from lingvo_gpipe import train_step
 from lingvo_gpipe.core import base_layer, layers, optimizers
 from lingvo_gpipe.core.base_layer import BaseLayer
-from lingvo_gpipe.pipeline import hybrid
 from lingvo_gpipe.pipeline import layer as gpipe
 
 DIM = 8
@@ -172,8 +171,7 @@ def test_two_training_steps_give_the_same_weights(cpu_devices, num_cells, recomp
   pipeline_opt = optimizers.Adam.Params().set(learning_rate=0.05).instantiate()
   pipeline_opt.create_slots(model.trainable_variables)
   global_step = tf.Variable(0, dtype=tf.int64)
-  step = train_step.TrainStep(hybrid.Replicas([with_loss(model)], [None]), [pipeline_opt],
-                              global_step)
+  step = train_step.TrainStep(with_loss(model), pipeline_opt, global_step)
   run = tf.function(step)
   for _ in range(2):
     run({"inputs": (x, skip), "target": target})

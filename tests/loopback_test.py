@@ -92,7 +92,7 @@ def test_a_worker_warns_that_it_serves_every_interface_unauthenticated():
   assert f"serving on port {port} of every network interface" in said
   assert warned.startswith(f"warning: port {port} is open on all network interfaces with no "
                            "authentication"), warned
-  assert "README: Security" in warned
+  assert "docs/distributed.md: Security" in warned
 
 
 def _latest_checkpoint(logdir: Path) -> str | None:

@@ -83,6 +83,7 @@ def test_readme_param_file_example_registers_and_runs(tmp_path):
   model_registry.load_param_files([str(tmp_path)])
   params = model_registry.get_params("my_models.SmallMlp")
   task = params.task.instantiate()
+  assert len(task.pipeline.cells) == 2 and task.pipeline.params.num_micro_batches == 4
   batch = next(iter(params.train_input.instantiate().dataset()))
   loss, weight = task(batch)["loss"]
   assert loss.shape == [] and float(weight) == 64

@@ -1,5 +1,5 @@
 """The registered paper models: parameter counts from shapes against the GPipe paper's
-numbers and exactly as the README's table shows them, partition counts, and
+numbers and exactly as the table of docs/models.md shows them, partition counts, and
 `--mode=inspect_model` end to end."""
 
 import json
@@ -11,6 +11,7 @@ from conftest import run_trainer
 
 from lingvo_gpipe import model_registry
 from lingvo_gpipe.core import base_layer
+from lingvo_gpipe.tasks import base_task
 
 # key: (the paper's parameter count, tolerance, the paper's number of cells K)
 PAPER_MODELS = {
@@ -38,23 +39,24 @@ TINY_MODELS = ["image.AmoebaNetTiny", "lm.TransformerTiny", "mt.MultilingualTiny
 
 model_registry.load_param_files()
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+MODELS_PAGE = Path(__file__).resolve().parent.parent / "docs" / "models.md"
 _UNITS = {"k": 1e3, "M": 1e6, "B": 1e9}
 
 
 def readme_counts() -> dict[str, str]:
-  """{key: the params column} of the README's table of registered models."""
+  """{key: the params column} of the table of docs/models.md of registered models."""
   rows = re.findall(r"^\| `([\w.]+)` \| [^|]+ \| \d+ \| \d+ \| ([\d.]+[kMB]) \|",
-                    README.read_text(), flags=re.MULTILINE)
+                    MODELS_PAGE.read_text(), flags=re.MULTILINE)
   return dict(rows)
 
 
 def assert_readme_count(key: str, count: int) -> None:
-  """The README's figure is `count` rounded to the digits it shows."""
+  """The figure of docs/models.md is `count` rounded to the digits it shows."""
   shown = readme_counts()[key]
   number, unit = shown[:-1], _UNITS[shown[-1]]
   decimals = len(number.partition(".")[2])
-  assert f"{count / unit:.{decimals}f}" == number, f"{key}: README says {shown}, counted {count:,}"
+  assert f"{count / unit:.{decimals}f}" == number, \
+      f"{key}: docs/models.md says {shown}, counted {count:,}"
 
 
 def test_the_readme_table_lists_every_registered_paper_and_tiny_model():
@@ -62,10 +64,17 @@ def test_the_readme_table_lists_every_registered_paper_and_tiny_model():
   assert set(PAPER_MODELS) | set(TABLE2_MODELS) | set(TINY_MODELS) == listed
 
 
-def build_shapes_only(key):
+def task_params(key):
+  """The task params of `key` as the trainer builds them (a FLOP-balanced pipeline gets
+  its input_specs from the training input)."""
   params = model_registry.get_params(key).freeze()
+  return params, base_task.with_pipeline_input_specs(params.task, params.train_input)
+
+
+def build_shapes_only(key):
+  params, task = task_params(key)
   with base_layer.shapes_only():
-    return params, params.task.instantiate()
+    return params, task.instantiate()
 
 
 @pytest.mark.parametrize("key", sorted(PAPER_MODELS))
@@ -88,9 +97,8 @@ def test_table2_models_have_the_counts_the_readme_shows(key):
 
 @pytest.mark.parametrize("key", TINY_MODELS)
 def test_tiny_models_count_params_like_their_variables(key):
-  params = model_registry.get_params(key).freeze()
   _, shapes_task = build_shapes_only(key)
-  task = params.task.instantiate()
+  task = task_params(key)[1].instantiate()
   assert sum(int(v.shape.num_elements()) for v in task.trainable_variables) == \
       shapes_task.num_params()
   assert_readme_count(key, shapes_task.num_params())

@@ -15,7 +15,6 @@ from tensorflow.python.debug.lib import debug_events_reader
 
 from lingvo_gpipe import train_step
 from lingvo_gpipe.core import layers, optimizers
-from lingvo_gpipe.pipeline import hybrid
 from lingvo_gpipe.pipeline.layer import PipeliningLayer
 
 COMPUTE_OPS = {"MatMul", "Conv2D", "Conv2DBackpropInput", "Conv2DBackpropFilter", "Tanh",
@@ -66,8 +65,7 @@ def test_every_compute_op_executes_on_its_cells_device(cpu_devices, tmp_path, sc
   variables = wrapped.trainable_variables
   opt = optimizers.Adam.Params().instantiate()
   opt.create_slots(variables)
-  step = tf.function(train_step.TrainStep(hybrid.Replicas([wrapped], [None]), [opt],
-                                          tf.Variable(0, dtype=tf.int64)))
+  step = tf.function(train_step.TrainStep(wrapped, opt, tf.Variable(0, dtype=tf.int64)))
   batch = {"inputs": tf.ones([4, 4]), "y": tf.zeros([4, 1])}
   ran = executed_ops(lambda: step(batch), str(tmp_path))
 

@@ -40,23 +40,19 @@ def test_lm_partitioning_keeps_the_loss_curve(tmp_path):
   np.testing.assert_allclose(pipelined, reference, rtol=1e-4)
 
 
-def test_amoeba_net_tiny_learns_the_same_with_and_without_partitions(tmp_path):
-  """K=1, M=1 vs K=2, M=4: eval accuracy within 2 points (batch-norm statistics are
-  per micro-batch by design, so the curves differ slightly), and both >= 90%.
-
-  200 steps on a 200-step schedule (the model's own is 300): measured 98.6% and 98.7%,
-  in two thirds of the time."""
-  common = ("task.train.save_interval_steps=200;"
-            "task.train.optimizer.lr_schedule.total_steps=200")
-  single = model_params("image.AmoebaNetTiny", common + ";task.pipeline.num_cells=1;"
-                        "task.pipeline.num_micro_batches=1")
-  pipelined = model_params("image.AmoebaNetTiny", common + ";task.pipeline.num_cells=2;"
-                           "task.pipeline.num_micro_batches=4")
-  _, single_eval = train(single, tmp_path / "k1", 200, evaluate=True)
-  _, pipelined_eval = train(pipelined, tmp_path / "k2", 200, evaluate=True)
-  assert pipelined_eval["accuracy"] >= 0.90, pipelined_eval
-  assert single_eval["accuracy"] >= 0.90, single_eval
-  assert abs(pipelined_eval["accuracy"] - single_eval["accuracy"]) <= 0.02
+def test_amoeba_net_tiny_partitioning_keeps_the_loss_curve(tmp_path):
+  """AmoebaNetTiny (batch norm, drop-path, its FLOP-balanced split) on one cell and on
+  two, both with M=4 (batch norm normalizes per micro-batch, so M must match): the same
+  20 losses, and they fall. (It used to train K=1, M=1 and K=2, M=4 for 200 steps each
+  and compare eval accuracy within 2 points: 234 s of the suite; `make train` shows the
+  accuracy this model reaches.)"""
+  common = "task.train.save_interval_steps=20;task.pipeline.num_micro_batches=4"
+  one_cell, _ = train(model_params("image.AmoebaNetTiny", common + ";task.pipeline.num_cells=1"),
+                      tmp_path / "k1", 20)
+  two_cells, _ = train(model_params("image.AmoebaNetTiny", common + ";task.pipeline.num_cells=2"),
+                       tmp_path / "k2", 20)
+  assert one_cell[-5:].mean() < one_cell[:5].mean() - 0.2  # it learns
+  np.testing.assert_allclose(two_cells, one_cell, rtol=1e-4)
 
 
 def eval_scalars(event_dir) -> dict[str, float]:

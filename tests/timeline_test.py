@@ -28,10 +28,10 @@ def fill_drain(num_cells: int, num_micro: int, forward: float = 1.0, backward: f
   return rows
 
 
-def schedule_of(rows, offset: float = 1000.0) -> timeline.Schedule:
+def schedule_of(rows, offset: float = 1000.0) -> timeline.MeasuredTimeline:
   keys = [timeline.SpanKey(k, m, phase) for k, m, phase, _, _ in rows]
   times = np.array([[start + offset, end + offset] for *_, start, end in rows])
-  return timeline.Schedule.from_spans(times, keys)
+  return timeline.MeasuredTimeline.from_spans(times, keys)
 
 
 @pytest.mark.parametrize("num_cells, num_micro", [(1, 4), (2, 4), (4, 8), (3, 1)])
@@ -61,11 +61,15 @@ def test_the_chart_labels_cells_devices_time_and_bubbles_and_leaves_idle_white()
   plan = schedule.gpipe(2, 4)
   fig = schedule_chart.figure(measured, devices, plan)
   axes = fig.axes[0]
-  assert [t.get_text() for t in axes.get_yticklabels()] == ["cell 0  task:0 CPU:0",
-                                                           "cell 1  task:1 GPU:0"]
+  assert [t.get_text() for t in axes.get_yticklabels()] == ["cell 0\ntask:0 CPU:0",
+                                                           "cell 1\ntask:1 GPU:0"]
   assert axes.get_xlabel() == "time in the step (ms)" and axes.get_xlim() == (0, 15000)
-  assert axes.get_title() == ("2 cells × 4 micro-batches: bubble measured 20%, GPipe theory "
-                              f"20%, gpipe plan {plan.bubble():.0%}")
+  assert axes.get_title() == ("K=2 cells, M=4 micro-batches\nbubble: measured 20%, GPipe "
+                              f"theory 20%, gpipe plan {plan.bubble():.0%}")
+  # Sized for TensorBoard's card (about 330-400 px): no shrinking makes the text illegible.
+  assert fig.get_figwidth() * fig.dpi <= 410
+  # Every bar carries its micro-batch number (all are wide enough here).
+  assert sorted(t.get_text() for t in axes.texts) == sorted(str(m) for _, m, _, _, _ in rows)
   assert [t.get_text() for t in axes.get_legend().get_texts()] == [
       "forward", "backward (with recompute)", "idle (bubble)"]
   # Every call is one bar spanning its own milliseconds on its cell's row.
@@ -91,7 +95,7 @@ def test_the_chart_labels_cells_devices_time_and_bubbles_and_leaves_idle_white()
 
 def test_rows_must_match_the_keys():
   with pytest.raises(ValueError, match="3 spans for 2 keys"):
-    timeline.Schedule.from_spans(np.zeros((3, 2)), [timeline.SpanKey(0, 0, FORWARD)] * 2)
+    timeline.MeasuredTimeline.from_spans(np.zeros((3, 2)), [timeline.SpanKey(0, 0, FORWARD)] * 2)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
@@ -119,11 +123,16 @@ def test_a_step_stamps_every_action_in_the_loop_of_its_cell(cpu_devices, schedul
   assert not [op for op in graph.get_operations() if op.type == "Timestamp"]
 
   _, fetched = step()
-  measured = timeline.Schedule.from_fetched([t.numpy() for t in fetched])
+  measured = timeline.MeasuredTimeline.from_fetched([t.numpy() for t in fetched])
   assert sorted((k.cell, k.micro_batch, k.phase) for k in measured.keys) == sorted(
       (k, m, phase) for k in range(num_cells) for m in range(num_micro)
       for phase in (FORWARD, BACKWARD))
-  assert (measured.times[:, 1] >= measured.times[:, 0]).all()
+  # The stamps time the hand-offs: cell 1 starts F_m only after cell 0 finished it, and
+  # cell 0 starts B_m only after cell 1 finished B_m (its output gradient comes from there).
+  span = {(k.cell, k.micro_batch, k.phase): t for t, k in zip(measured.times, measured.keys)}
+  for m in range(num_micro):
+    assert span[1, m, FORWARD][0] >= span[0, m, FORWARD][1]
+    assert span[0, m, BACKWARD][0] >= span[1, m, BACKWARD][1]
   # Each device ran its calls one at a time, in the order the schedule lists.
   assert measured.followed(model.plan()) == [True] * num_cells
   summary = measured.summary(model.plan())

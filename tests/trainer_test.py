@@ -197,7 +197,11 @@ def test_inspect_model_json_counts_the_real_variables():
 
 def test_list_models_and_inspect_params():
   listed = run_trainer("--mode=list_models")
-  assert listed.returncode == 0 and "demo.TinyConvNet" in listed.stdout.split()
+  assert listed.returncode == 0, listed.stderr
+  lines = dict(line.split(maxsplit=1) for line in listed.stdout.strip().split("\n"))
+  assert lines["demo.TinyConvNet"].startswith("Two conv-BN-ReLU blocks and a softmax")
+  assert lines["image.AmoebaNetD_18_208"].endswith("(needs --data_dir)")
+  assert not lines["image.AmoebaNetTiny"].endswith("(needs --data_dir)")
   # As a user runs it (no TF_CPP_MIN_LOG_LEVEL of the test's own): no TensorFlow start-up
   # lines on stderr unless --verbosity asks for them.
   shown = subprocess.run(
@@ -290,6 +294,55 @@ def test_a_bug_in_a_layer_is_not_reported_as_bad_params(tmp_path):
   assert bad_value.returncode == 2, bad_value.stderr
   assert bad_value.stderr.startswith("error: bad model params: ") and \
       bad_value.stderr.count("\n") == 1, bad_value.stderr
+
+
+USER_MISTAKES_PARAM_FILE = textwrap.dedent("""
+    import lingvo_gpipe as g
+    from lingvo_gpipe_params import demo
+
+    @g.register
+    class TypoInTask(demo.TinyConvNet):
+      def task(self):
+        p = super().task()
+        p.pipeline.set(num_cell=2)
+        return p
+
+    @g.register
+    class TypoInInput(demo.TinyConvNet):
+      def train_input(self):
+        return super().train_input().set(batch_sise=8)
+
+    class Picky(g.BaseLayer):
+      def __init__(self, params):
+        super().__init__(params)
+        raise g.ParamsError(f"{self.path}: picky refuses")
+
+    @g.register
+    class PickyLayer(demo.TinyConvNet):
+      def task(self):
+        p = super().task()
+        p.body.layers.append(Picky.Params())
+        return p
+    """)
+
+
+@pytest.mark.parametrize("model, message, line", [
+    ("TypoInTask", "unknown param 'num_cell'; did you mean 'num_cells'", 9),
+    ("TypoInInput", "unknown param 'batch_sise'; did you mean 'batch_size'", 15),
+    ("PickyLayer", "tiny_conv_net/body/picky: picky refuses", 20),
+])
+def test_a_bad_value_in_a_users_param_file_is_one_line_naming_its_line(tmp_path, model,
+                                                                       message, line):
+  param_file = tmp_path / "mistakes.py"
+  param_file.write_text(USER_MISTAKES_PARAM_FILE)
+  logdir = tmp_path / "run"
+  result = run_trainer(f"--model=mistakes.{model}", f"--params_path={param_file}",
+                       f"--logdir={logdir}", "--max_steps=1")
+  assert result.returncode == 2, result.stderr
+  assert result.stderr.count("\n") == 1, result.stderr
+  assert result.stderr.startswith(f"error: bad model params: {message}"), result.stderr
+  assert result.stderr.rstrip().endswith(f"(at {param_file}, line {line})"), result.stderr
+  assert not logdir.exists()
 
 
 def test_unwritable_logdir_exits_2_before_training(tmp_path):

@@ -61,6 +61,7 @@ def _bad_params_are_usage_errors():
   """A bad params value (hyperparams.ParamsError, which the pipeline's errors extend)
   or missing data is the user's to fix: exit code 2. Any other exception is a bug of
   the library and keeps its traceback."""
+  from lingvo_gpipe import model_registry
   from lingvo_gpipe.core import hyperparams
   from lingvo_gpipe.inputs.tfds_inputs import MissingDataError
 
@@ -69,7 +70,8 @@ def _bad_params_are_usage_errors():
   except MissingDataError as e:
     raise UsageFailure(str(e)) from None
   except hyperparams.ParamsError as e:
-    raise UsageFailure(f"bad model params: {e}") from None
+    where = model_registry.where_in_param_files(e)
+    raise UsageFailure(f"bad model params: {e}" + (f" (at {where})" if where else "")) from None
 
 
 def _model_params():
@@ -106,9 +108,11 @@ def _model_params():
 def _inspect_model(params) -> None:
   from lingvo_gpipe.core import model_stats
   from lingvo_gpipe.pipeline import PipeliningLayer
+  from lingvo_gpipe.tasks.base_task import with_pipeline_input_specs
 
   batch_spec = params.train_input.instantiate().batch_spec()
-  stats = model_stats.analyze(params.task, batch_spec, max_depth=FLAGS.inspect_depth)
+  task_params = with_pipeline_input_specs(params.task, params.train_input)
+  stats = model_stats.analyze(task_params, batch_spec, max_depth=FLAGS.inspect_depth)
   print(model_stats.format_table(stats))
   cells = []
   for s in stats:
@@ -118,7 +122,8 @@ def _inspect_model(params) -> None:
             f"{s.layer.params.num_micro_batches} micro-batches, "
             f"recompute={s.layer.params.recompute}, schedule={s.layer.params.schedule}")
       print(model_stats.format_cells(described))
-      cells.extend({k: c[k] for k in ("device", "params", "cost_share")} for c in described)
+      cells.extend({k: c[k] for k in ("device", "params", "cost_share", "cost_by")}
+                   for c in described)
   root = stats[0]
   summary = {"model": FLAGS.model, "total_params": root.num_params,
              "total_flops_per_batch": root.flops,
@@ -171,7 +176,9 @@ def _run() -> int:
   except (FileNotFoundError, model_registry.ParamFileError) as e:
     raise UsageFailure(f"--params_path: {e}") from None
   if FLAGS.mode == "list_models":
-    print("\n".join(model_registry.keys()))
+    listed = model_registry.keys()
+    width = max(map(len, listed))
+    print("\n".join(f"{key.ljust(width)}  {model_registry.describe(key)}" for key in listed))
     return 0
   params = _model_params()
   if FLAGS.mode == "inspect_params":
@@ -234,6 +241,13 @@ def _run() -> int:
     raise
 
 
+def _tensorboard_command() -> str:
+  """`tensorboard` as this interpreter's environment has it (.venv/bin/tensorboard when
+  run as .venv/bin/python), so that the line works as pasted."""
+  beside = os.path.join(os.path.dirname(sys.executable), "tensorboard")
+  return beside if os.path.exists(beside) else "tensorboard"
+
+
 def _train_or_eval(params, profile_steps, watchdog) -> int:
   """Builds the trainer and runs --mode (train, eval or train_and_eval) in the logdir."""
   import tensorflow as tf
@@ -254,6 +268,8 @@ def _train_or_eval(params, profile_steps, watchdog) -> int:
     trainer.train(params.task.train.max_steps, eval_fn=eval_fn, profile_steps=profile_steps)
     if eval_fn is not None:
       trainer.evaluate()
+    print(f"Logs and checkpoints are in {FLAGS.logdir}; look at them with: "
+          f"{_tensorboard_command()} --logdir={FLAGS.logdir}")
   except trainer_lib.CheckpointMismatchError as e:
     differing = (logdirs.compare_params(FLAGS.logdir, params)
                  or logdirs.ParamsChange([], []))

@@ -13,7 +13,7 @@ environment does). The trainer joins with --cluster_spec and places cell k on
 
 TensorFlow's server listens on every network interface and authenticates nobody (it
 has no bind-address or TLS option); the worker says so in one warning line at start.
-Run it on a private network (README: Security).
+Run it on a private network (docs/distributed.md: Security).
 """
 
 from __future__ import annotations

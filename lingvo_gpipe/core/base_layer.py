@@ -106,7 +106,7 @@ class StepContext:
     layer_stats: where layers (batch norm) report statistics of this forward pass:
       a list of (layer, stats) pairs, or None to not collect (e.g. in a recompute).
     spans: where pipelines record the timestamps of each cell call, forward and
-      backward (a list of `timeline.CellTimes`; `timeline.Schedule` is what they measure),
+      backward (a list of `timeline.CellTimes`; `timeline.MeasuredTimeline` is what they measure),
       or None to not record.
     weight_products: where `layers.project` records each product x·W with a trainable
       variable W (a `WeightProducts`) and keeps the gradient from reaching W through
@@ -179,14 +179,15 @@ class VariableShape:
 
 
 @contextlib.contextmanager
-def shapes_only() -> Iterator[None]:
+def shapes_only(enabled: bool = True) -> Iterator[None]:
   """Layers built inside create no variables (not even graph nodes), only their shapes.
 
   Enough to count parameters of an 84B-parameter model in seconds; such layers
-  cannot run fprop.
+  cannot run fprop. `shapes_only(False)` turns it off inside (a FLOP estimate built
+  while counting shapes needs layers that run).
   """
   previous = getattr(_STATE, "shapes_only", False)
-  _STATE.shapes_only = True
+  _STATE.shapes_only = enabled
   try:
     yield
   finally:

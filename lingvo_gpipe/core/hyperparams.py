@@ -52,8 +52,23 @@ def _class_to_text(cls: type) -> str:
   return f"{cls.__module__}.{cls.__qualname__}"
 
 
+# Where the classes of older params texts live now: old module (or class) path prefix →
+# new one. A params.txt records each class by its module path, so a move would
+# otherwise orphan the logdirs written before it (tests/pipeline_compat_test.py).
+MOVED_CLASSES = {
+    "lingvo_gpipe.core.gpipe.": "lingvo_gpipe.pipeline.layer.",
+    "lingvo_gpipe.core.schedules.": "lingvo_gpipe.core.lr_schedules.",
+    # (after the line above: the base class was the constant schedule)
+    "lingvo_gpipe.core.lr_schedules.Schedule": "lingvo_gpipe.core.lr_schedules.Constant",
+}
+
+
 def _class_from_text(text: str) -> type:
-  """Imports `package.module.ClassName` (a nested qualname is allowed)."""
+  """Imports `package.module.ClassName` (a nested qualname is allowed); a path of an
+  older version (MOVED_CLASSES) is read as where the class lives now."""
+  for old, new in MOVED_CLASSES.items():
+    if text.startswith(old):
+      text = new + text[len(old):]
   parts = text.split(".")
   for split in range(len(parts) - 1, 0, -1):
     module_name = ".".join(parts[:split])

@@ -14,8 +14,8 @@ import tensorflow as tf
 from lingvo_gpipe.core.hyperparams import Instantiable, InstantiableParams, ParamsError
 
 
-class Schedule(Instantiable):
-  """Base: the constant multiplier 1."""
+class LearningRateSchedule(Instantiable):
+  """Base: the constant multiplier 1 (`Constant`)."""
 
   def __init__(self, params: InstantiableParams):
     super().__init__(params)
@@ -25,7 +25,8 @@ class Schedule(Instantiable):
     return tf.ones_like(tf.cast(step, tf.float32))
 
 
-Constant = Schedule
+class Constant(LearningRateSchedule):
+  """The constant multiplier 1: the base learning rate throughout."""
 
 
 def _check_steps(name: str, value: int, minimum: int) -> None:
@@ -33,7 +34,7 @@ def _check_steps(name: str, value: int, minimum: int) -> None:
     raise ParamsError(f"{name} must be >= {minimum}, got {value}")
 
 
-class LinearWarmupRsqrtDecay(Schedule):
+class LinearWarmupRsqrtDecay(LearningRateSchedule):
   """min(s / warmup, sqrt(warmup / s)) with s = max(step, 1): the Transformer schedule.
 
   Rises linearly to 1 at `warmup_steps`, then decays as 1/sqrt(step).
@@ -55,7 +56,7 @@ class LinearWarmupRsqrtDecay(Schedule):
     return tf.minimum(s / warmup, tf.sqrt(warmup / s))
 
 
-class CosineDecay(Schedule):
+class CosineDecay(LearningRateSchedule):
   """Linear warmup to 1, then cosine decay from 1 to `min_ratio` at `total_steps`."""
 
   @classmethod
@@ -83,7 +84,7 @@ class CosineDecay(Schedule):
     return tf.where(step < p.warmup_steps, warmup, cosine)
 
 
-class ExponentialDecay(Schedule):
+class ExponentialDecay(LearningRateSchedule):
   """decay_rate ** (step / decay_steps), floored to whole periods if `staircase`.
 
   The AmoebaNet paper's schedule: ×0.97 every 2.4 epochs, staircase.

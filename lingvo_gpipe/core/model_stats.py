@@ -139,7 +139,7 @@ def analyze(params: InstantiableParams, *input_specs: Any,
     outputs_of.setdefault(id(layer), outputs)
 
   observer = (on_enter, on_exit)
-  with graph.as_default():
+  with graph.as_default(), base_layer.shapes_only(False):  # graph variables: fprop runs
     root = params.instantiate()
     placeholders = tf.nest.map_structure(
         lambda s: tf.compat.v1.placeholder(s.dtype, s.shape), list(input_specs))
@@ -205,8 +205,10 @@ def format_table(stats: Sequence[LayerStats]) -> str:
 
 
 def format_cells(cells: Sequence[dict]) -> str:
-  """A table of pipeline cells: index, device, parameters, cost share, layers."""
-  rows = [("cell", "device", "params", "cost share", "layers")]
+  """A table of pipeline cells: index, device, parameters, cost share (of what the
+  partitioner balanced: `cost_by`), layers."""
+  by = cells[0].get("cost_by", "cost") if cells else "cost"
+  rows = [("cell", "device", "params", f"share of {by}", "layers")]
   for c in cells:
     names = c["layers"]
     shown = names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]} ({len(names)})"

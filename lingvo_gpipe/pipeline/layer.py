@@ -306,11 +306,12 @@ class PipeliningLayer(BaseLayer):
       return tf.nest.map_structure(lambda *ts: tf.concat(ts, axis=0), *outputs)
 
   def describe_cells(self) -> list[dict]:
-    """Per cell: its layers, device, parameter count and cost share."""
+    """Per cell: its layers, device, parameter count, and its share of the cost the
+    partitioner balanced (`cost_by`: partition_cost, e.g. 'params' or 'flops')."""
     counts = model_stats.param_counts(self.params.layers)
     return [{"cell": k, "layers": [lp.name for lp in self.params.layers[c.start:c.end]],
              "device": self.cell_devices[k], "params": int(sum(counts[c.start:c.end])),
-             "cost_share": round(c.cost_share, 6)}
+             "cost_share": round(c.cost_share, 6), "cost_by": self.params.partition_cost}
             for k, c in enumerate(self.cells)]
 
 

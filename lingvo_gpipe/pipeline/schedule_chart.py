@@ -2,10 +2,13 @@
 
 One row per cell, cell 0 on top, labelled with the cell and its device; the step's
 time on the x axis in milliseconds; forward calls blue, backward calls (recompute
-included) orange, deferred weight-gradient calls green, darker for later micro-batches;
-white is idle (the bubble). The title
-gives the measured bubble beside GPipe's theoretical (K−1)/(M+K−1) and, with the plan,
-the simulated bubble of the schedule that was run.
+included) orange, deferred weight-gradient calls green, darker for later micro-batches,
+each bar numbered with its micro-batch where it is wide enough; white is idle (the
+bubble). The title gives the measured bubble beside GPipe's theoretical (K−1)/(M+K−1)
+and, with the plan, the simulated bubble of the schedule that was run.
+
+Sized for TensorBoard's image card, which shows images about 330-400 px wide: the chart
+is 400 px wide with text of 10-12 px, so it is read without "show actual image size".
 
 Drawn with matplotlib's object API on its Agg canvas (no pyplot state, no display), so
 it is safe in the trainer's thread.
@@ -21,7 +24,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
 from lingvo_gpipe.pipeline.schedule import BACKWARD, FORWARD, WEIGHT_GRADIENT, PipelineSchedule
-from lingvo_gpipe.pipeline.timeline import Schedule
+from lingvo_gpipe.pipeline.timeline import MeasuredTimeline
 
 PHASE_COLORS = {FORWARD: (0.26, 0.52, 0.96), BACKWARD: (0.96, 0.56, 0.26),
                 WEIGHT_GRADIENT: (0.30, 0.70, 0.35)}
@@ -38,39 +41,53 @@ def _short_device(device: str) -> str:
   return " ".join(p.removeprefix("device:") for p in parts) or device
 
 
-def figure(schedule: Schedule, devices: Sequence[str] | None = None,
+WIDTH_INCHES, DPI = 4.2, 96  # 403 px
+# Below this many pixels a bar carries no micro-batch number (it would not fit).
+_MIN_NUMBERED_BAR_PX = 11
+
+
+def figure(schedule: MeasuredTimeline, devices: Sequence[str] | None = None,
            plan: PipelineSchedule | None = None) -> Figure:
   """The chart as a matplotlib Figure (tests read its artists; `render` rasterizes)."""
   num_cells, num_micro = schedule.num_cells, schedule.num_micro_batches
-  fig = Figure(figsize=(10, 1.2 + 0.45 * num_cells), dpi=96)
+  phases = [FORWARD, BACKWARD] + ([WEIGHT_GRADIENT] if any(
+      key.phase == WEIGHT_GRADIENT for key in schedule.keys) else [])
+  legend_rows = (len(phases) + 2) // 2  # two entries per row, idle included
+  legend_inches = 0.2 * legend_rows + 0.05
+  fig = Figure(figsize=(WIDTH_INCHES, 1.15 + 0.38 * num_cells + legend_inches), dpi=DPI)
   axes = fig.add_subplot()
+  duration_ms = schedule.duration * 1e3
+  px_per_ms = 0.78 * WIDTH_INCHES * DPI / max(duration_ms, 1e-9)  # the axes' share
   for (start, end), key in zip(schedule.times, schedule.keys):
     shade = 1.0 - 0.5 * key.micro_batch / max(num_micro - 1, 1)
     color = tuple(c * shade for c in PHASE_COLORS[key.phase])
-    axes.broken_barh([(start * 1e3, (end - start) * 1e3)], (key.cell - 0.4, 0.8),
+    start_ms, width_ms = start * 1e3, (end - start) * 1e3
+    axes.broken_barh([(start_ms, width_ms)], (key.cell - 0.4, 0.8),
                      facecolors=color, edgecolor="black", linewidth=0.3)
-  labels = [f"cell {k}" + (f"  {_short_device(devices[k])}" if devices else "")
+    if width_ms * px_per_ms >= _MIN_NUMBERED_BAR_PX:
+      axes.text(start_ms + width_ms / 2, key.cell, str(key.micro_batch), ha="center",
+                va="center", fontsize=7, color="white" if shade < 0.75 else "black")
+  labels = [f"cell {k}" + (f"\n{_short_device(devices[k])}" if devices else "")
             for k in range(num_cells)]
-  axes.set_yticks(range(num_cells), labels)
+  axes.set_yticks(range(num_cells), labels, fontsize=8)
   axes.set_ylim(num_cells - 0.5, -0.5)  # cell 0 on top
-  axes.set_xlim(0, schedule.duration * 1e3)
-  axes.set_xlabel("time in the step (ms)")
+  axes.set_xlim(0, duration_ms)
+  axes.set_xlabel("time in the step (ms)", fontsize=8)
+  axes.tick_params(axis="x", labelsize=7.5)
   axes.set_facecolor("white")
-  title = (f"{num_cells} cells × {num_micro} micro-batches: bubble measured "
+  title = (f"K={num_cells} cells, M={num_micro} micro-batches\nbubble: measured "
            f"{schedule.bubble():.0%}, GPipe theory {schedule.theoretical_bubble():.0%}")
   if plan is not None:
     title += f", {plan.name} plan {plan.bubble():.0%}"
-  axes.set_title(title, fontsize=10)
-  phases = [FORWARD, BACKWARD] + ([WEIGHT_GRADIENT] if any(
-      key.phase == WEIGHT_GRADIENT for key in schedule.keys) else [])
+  axes.set_title(title, fontsize=8.5)
   handles = [Patch(facecolor=PHASE_COLORS[p], edgecolor="black", label=LEGEND[p])
              for p in phases]
   handles.append(Patch(facecolor="white", edgecolor="black", label="idle (bubble)"))
-  legend_height = 0.35 / fig.get_figheight()  # a third of an inch, as a figure fraction
-  axes.legend(handles=handles, loc="lower center", bbox_to_anchor=(0.5, 0.0),
-              ncol=len(handles),
-              fontsize=8, frameon=False, bbox_transform=fig.transFigure)
-  fig.tight_layout(rect=(0, legend_height, 1, 1))
+  legend_height = legend_inches / fig.get_figheight()
+  axes.legend(handles=handles, loc="lower center", bbox_to_anchor=(0.5, 0.0), ncol=2,
+              fontsize=7.5, frameon=False, bbox_transform=fig.transFigure,
+              handlelength=1.2, columnspacing=1.0, labelspacing=0.3)
+  fig.tight_layout(rect=(0, legend_height, 1, 1), pad=0.3)
   return fig
 
 
@@ -81,7 +98,7 @@ def render(fig: Figure) -> np.ndarray:
   return np.asarray(canvas.buffer_rgba())[..., :3].copy()
 
 
-def chart(schedule: Schedule, devices: Sequence[str] | None = None,
+def chart(schedule: MeasuredTimeline, devices: Sequence[str] | None = None,
           plan: PipelineSchedule | None = None) -> np.ndarray:
   """uint8 [height, width, 3]: the labelled chart of `schedule`."""
   return render(figure(schedule, devices, plan))

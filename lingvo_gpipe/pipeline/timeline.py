@@ -7,7 +7,7 @@ are made and sent on, and returns them with what each action is as one float64
 the schedule the devices actually ran, without a profiler.
 
 `fetches(cell_times)` gives one tensor per device (one transfer each);
-`Schedule.from_fetched` turns the fetched numbers back into spans, and from them come
+`MeasuredTimeline.from_fetched` turns the fetched numbers back into spans, and from them come
 each cell's busy fraction and the measured bubble beside GPipe's (K−1)/(M+K−1);
 `schedule_chart` draws them for TensorBoard.
 
@@ -59,7 +59,7 @@ def fetches(cell_times: Sequence[CellTimes]) -> list[tf.Tensor]:
   rows of every cell there.
 
   The keys are constants of the graph, fetched with the timestamps, so a fetched
-  step describes itself (`Schedule.from_fetched`): nothing about it is kept on the
+  step describes itself (`MeasuredTimeline.from_fetched`): nothing about it is kept on the
   Python side while tracing.
   """
   by_device: dict[str, list[tf.Tensor]] = {}
@@ -88,7 +88,7 @@ def _union_length(intervals: np.ndarray) -> float:
 
 
 @dataclasses.dataclass
-class Schedule:
+class MeasuredTimeline:
   """The measured schedule of one step.
 
   times: float64 [num_spans, 2] (start, end) in seconds from the step's first start;
@@ -98,7 +98,7 @@ class Schedule:
   keys: list[SpanKey]
 
   @classmethod
-  def from_fetched(cls, fetched: Sequence[np.ndarray]) -> Schedule:
+  def from_fetched(cls, fetched: Sequence[np.ndarray]) -> MeasuredTimeline:
     """From the fetched values of `fetches(spans)`: float64 [spans, 5] per device."""
     rows = np.concatenate([np.asarray(t, np.float64).reshape(-1, 5) for t in fetched])
     keys = [SpanKey(int(cell), int(micro_batch), PHASES[int(phase)])
@@ -106,7 +106,7 @@ class Schedule:
     return cls.from_spans(rows[:, :2], keys)
 
   @classmethod
-  def from_spans(cls, times: np.ndarray, keys: Sequence[SpanKey]) -> Schedule:
+  def from_spans(cls, times: np.ndarray, keys: Sequence[SpanKey]) -> MeasuredTimeline:
     """times: [spans, 2] absolute (start, end) seconds; keys: what each row is."""
     times = np.asarray(times, np.float64).reshape(-1, 2)
     if len(keys) != len(times):

@@ -2,7 +2,8 @@
 specs, joining as the client, and asking a worker whether it answers.
 
 A TensorFlow server listens on every network interface and authenticates nobody
-(README: Security); `exposure_warning` is the line each process that serves one prints.
+(docs/distributed.md: Security); `exposure_warning` is the line each process that serves
+one prints.
 """
 
 from __future__ import annotations
@@ -74,11 +75,12 @@ def task_address(spec: dict[str, list[str]], job: str, task: int) -> str:
 
 
 def exposure_warning(port: int | str) -> str:
-  """The one line a process that serves TensorFlow's gRPC port prints (README: Security)."""
+  """The one line a process that serves TensorFlow's gRPC port prints
+  (docs/distributed.md: Security)."""
   return (f"warning: port {port} is open on all network interfaces with no "
           "authentication: anyone who reaches it can run any TensorFlow op in this process "
           "(read and write files, start programs); use a private network or a firewall that "
-          "admits only the cluster's hosts (README: Security)")
+          "admits only the cluster's hosts (docs/distributed.md: Security)")
 
 
 def port_in_use(port: int) -> str | None:

@@ -1,5 +1,5 @@
 """The trainer's watch over its workers: a worker that dies, freezes or becomes
-unreachable is named within a bounded time (README: When a worker fails)."""
+unreachable is named within a bounded time (docs/distributed.md: When a worker fails)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ class WorkerWatchdog:
   deadline: `worker_status`) every `interval_s`; once one has failed `max_failures`
   calls in a row it calls `on_failure(task, address, why)` (once). Time to notice: at
   most about max_failures · (interval_s + probe_timeout_s) (12 s with the defaults;
-  measured on loopback: docs in README, *When a worker fails*).
+  measured on loopback: docs/distributed.md, *When a worker fails*).
   """
 
   def __init__(self, addresses: list[str], on_failure: Callable[[int, str, str], None],

@@ -74,6 +74,34 @@ def check_train_params(p: Params) -> None:
       raise ParamsError(f"task.train.{key} must be an int >= {minimum}{meaning}, got {value!r}")
 
 
+def with_pipeline_input_specs(task_params: Params, input_params: Params) -> Params:
+  """`task_params` with `pipeline.input_specs` derived from the batches of
+  `input_params` (the training input), when the partitioner needs it
+  (partition_cost='flops') and the params do not set it; otherwise `task_params`
+  itself (and the input is not built). So `partition_cost=flops` works from the command
+  line.
+
+  The specs are those of `stack_inputs(batch)` (nested, batch size included), found by
+  building the task unpipelined in a scratch graph: nothing is allocated.
+  """
+  pipeline = task_params.pipeline
+  if pipeline.partition_cost != "flops" or pipeline.input_specs is not None or \
+      not requested_cells(pipeline):
+    return task_params
+  batch_spec = input_params.instantiate().batch_spec()
+  probe = task_params.copy()
+  probe.pipeline.set(num_cells=0, splits=[], num_replicas=1)
+  with tf.Graph().as_default():
+    task = probe.instantiate()
+    batch = tf.nest.map_structure(lambda s: tf.compat.v1.placeholder(s.dtype, s.shape),
+                                  batch_spec)
+    specs = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype),
+                                  task.stack_inputs(batch))
+  completed = task_params.copy()
+  completed.pipeline.input_specs = specs
+  return completed.freeze() if task_params.is_frozen else completed
+
+
 class BaseTask(base_layer.BaseLayer):
   """Base class of tasks."""
 
