@@ -115,8 +115,27 @@ def reference():
   return reference_loss_and_grads(model_params(layers.Sequential).instantiate())
 
 
-GRID = list(itertools.product(["gpipe", "1f1b"], [1, 2, 4], [1, 2, 3, 4, 8],
-                               ["always", "never"]))
+# A covering set of schedule × K ∈ {1, 2, 4} × M ∈ {1, 2, 3, 4, 8} × recompute (60
+# cases): every K·M, and every pair of values of any two of the four, once at least
+# (`test_the_grid_covers_every_pair` checks it); K=4·M=8 with both schedules and both
+# policies. BATCH=13 makes every M > 1 an uneven split.
+GRID = [
+    ("1f1b", 1, 1, "always"), ("gpipe", 1, 2, "never"), ("1f1b", 1, 3, "never"),
+    ("1f1b", 1, 4, "never"), ("gpipe", 1, 8, "always"), ("gpipe", 2, 1, "never"),
+    ("gpipe", 2, 2, "always"), ("1f1b", 2, 3, "always"), ("gpipe", 2, 4, "never"),
+    ("1f1b", 2, 8, "never"), ("1f1b", 4, 1, "never"), ("1f1b", 4, 2, "never"),
+    ("gpipe", 4, 3, "always"), ("1f1b", 4, 4, "always"), ("gpipe", 4, 8, "never"),
+    ("1f1b", 4, 8, "always"),
+]
+FULL_GRID = list(itertools.product(["gpipe", "1f1b"], [1, 2, 4], [1, 2, 3, 4, 8],
+                                   ["always", "never"]))
+
+
+def test_the_grid_covers_every_pair():
+  def pairs(rows):
+    return {(i, j, row[i], row[j]) for row in rows for i, j in itertools.combinations(range(4), 2)}
+  assert pairs(GRID) == pairs(FULL_GRID)
+  assert {("gpipe", 4, 8), ("1f1b", 4, 8)} <= {row[:3] for row in GRID}
 
 
 def assert_matches_reference(got, reference):

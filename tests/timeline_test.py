@@ -127,12 +127,13 @@ def test_a_step_stamps_every_action_in_the_loop_of_its_cell(cpu_devices, schedul
   assert sorted((k.cell, k.micro_batch, k.phase) for k in measured.keys) == sorted(
       (k, m, phase) for k in range(num_cells) for m in range(num_micro)
       for phase in (FORWARD, BACKWARD))
-  # The stamps time the hand-offs: cell 1 starts F_m only after cell 0 finished it, and
-  # cell 0 starts B_m only after cell 1 finished B_m (its output gradient comes from there).
+  # The stamps follow the hand-offs: cell 1 ends F_m only after cell 0 ended it (its input
+  # comes from there), and cell 0 ends B_m only after cell 1 ended B_m (its output
+  # gradient). (A span starts when the action starts, wait for the hand-off included.)
   span = {(k.cell, k.micro_batch, k.phase): t for t, k in zip(measured.times, measured.keys)}
   for m in range(num_micro):
-    assert span[1, m, FORWARD][0] >= span[0, m, FORWARD][1]
-    assert span[0, m, BACKWARD][0] >= span[1, m, BACKWARD][1]
+    assert span[1, m, FORWARD][1] >= span[0, m, FORWARD][1]
+    assert span[0, m, BACKWARD][1] >= span[1, m, BACKWARD][1]
   # Each device ran its calls one at a time, in the order the schedule lists.
   assert measured.followed(model.plan()) == [True] * num_cells
   summary = measured.summary(model.plan())
