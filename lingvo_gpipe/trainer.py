@@ -126,7 +126,7 @@ class Trainer:
     # one checkpointed, evaluated and decoded. Each replica has its own optimizer (slots
     # live with their variables).
     self.replicas = _build_replicas(
-        base_task.with_pipeline_input_specs(params.task, params.train_input))
+        base_task.with_partition_costs(params.task, params.train_input))
     self.task = self.replicas.replicas[0]
     self._check_batch_splits()  # before the schedule of M micro-batches is made
     self.optimizers = [train_p.optimizer.instantiate() for _ in self.replicas.replicas]

@@ -68,7 +68,7 @@ def task_params(key):
   """The task params of `key` as the trainer builds them (a FLOP-balanced pipeline gets
   its input_specs from the training input)."""
   params = model_registry.get_params(key).freeze()
-  return params, base_task.with_pipeline_input_specs(params.task, params.train_input)
+  return params, base_task.with_partition_costs(params.task, params.train_input)
 
 
 def build_shapes_only(key):

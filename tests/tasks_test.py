@@ -9,6 +9,8 @@ from conftest import run_trainer
 
 from lingvo_gpipe import model_registry, trainer
 from lingvo_gpipe.core import hyperparams
+from lingvo_gpipe.pipeline import partition
+from lingvo_gpipe.tasks import base_task
 
 model_registry.load_param_files()
 
@@ -110,3 +112,28 @@ def test_a_task_refuses_every_bad_training_and_pipeline_value_when_built(overrid
   params = model_params("demo.TinyConvNet", override)
   with pytest.raises(hyperparams.ParamsError, match=re.escape(message)):
     params.task.instantiate()
+
+
+def test_flops_and_measured_partitions_get_what_they_need_from_the_input():
+  """partition_cost='flops' needs the pipeline input's specs, 'measured' also each
+  layer's time: both come from the training input, so an override is enough."""
+  flops = model_params("demo.TinyConvNet", "task.pipeline.num_cells=2;"
+                       "task.pipeline.partition_cost=flops")
+  completed = base_task.with_partition_costs(flops.task, flops.train_input)
+  batch = flops.train_input.batch_size
+  assert completed.pipeline.input_specs == tf.TensorSpec([batch, 32, 32, 3], tf.float32)
+  task = completed.instantiate()
+  assert [c["cost_by"] for c in task.pipeline.describe_cells()] == ["flops", "flops"]
+
+  measured = model_params("demo.TinyConvNet", "task.pipeline.num_cells=2;"
+                          "task.pipeline.partition_cost=measured")
+  completed = base_task.with_partition_costs(measured.task, measured.train_input)
+  costs = completed.pipeline.layer_costs
+  assert len(costs) == len(measured.task.body.layers) and all(c > 0 for c in costs)
+  task = completed.instantiate()
+  cells = task.pipeline.cells
+  assert [(c.start, c.end) for c in cells] == [
+      (c.start, c.end) for c in partition.balance(costs, 2)]
+  # Without a pipeline nothing is derived, and the input is not even built.
+  plain = model_params("demo.TinyConvNet", "task.pipeline.partition_cost=measured")
+  assert base_task.with_partition_costs(plain.task, None) is plain.task

@@ -454,9 +454,11 @@ PIPELINE = "task.pipeline.num_cells=2;task.pipeline.num_micro_batches=4"
 
 
 def test_pipelined_model_trains_and_inspects_as_two_cells(tmp_path):
+  # partition_cost=flops from the command line: the trainer derives the input's specs.
   shown = run_trainer(MODEL, "--mode=inspect_model", "--devices=cpu:2",
-                      f"--params_override={PIPELINE}")
+                      f"--params_override={PIPELINE};task.pipeline.partition_cost=flops")
   assert shown.returncode == 0, shown.stderr
+  assert "share of flops" in shown.stdout
   summary = json.loads(shown.stdout.strip().split("\n")[-1])
   cells = summary["cells"]
   assert [tf.DeviceSpec.from_string(c["device"]).device_index for c in cells] == [0, 1]
@@ -468,7 +470,8 @@ def test_pipelined_model_trains_and_inspects_as_two_cells(tmp_path):
 
   logdir = tmp_path / "run"
   trained = run_trainer(MODEL, "--devices=cpu:2", f"--logdir={logdir}", "--max_steps=10",
-                        "--profile_steps=4,5", f"--params_override={FAST};{PIPELINE}")
+                        "--profile_steps=4,5", f"--params_override={FAST};{PIPELINE};"
+                        "task.pipeline.partition_cost=measured")
   assert trained.returncode == 0, trained.stderr
   assert tf.train.latest_checkpoint(str(logdir / "train")).endswith("ckpt-10")
   # The measured schedule: per-cell busy fractions, bubbles, and its image.

@@ -108,10 +108,10 @@ def _model_params():
 def _inspect_model(params) -> None:
   from lingvo_gpipe.core import model_stats
   from lingvo_gpipe.pipeline import PipeliningLayer
-  from lingvo_gpipe.tasks.base_task import with_pipeline_input_specs
+  from lingvo_gpipe.tasks.base_task import with_partition_costs
 
   batch_spec = params.train_input.instantiate().batch_spec()
-  task_params = with_pipeline_input_specs(params.task, params.train_input)
+  task_params = with_partition_costs(params.task, params.train_input)
   stats = model_stats.analyze(task_params, batch_spec, max_depth=FLAGS.inspect_depth)
   print(model_stats.format_table(stats))
   cells = []

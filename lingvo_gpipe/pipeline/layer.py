@@ -37,7 +37,8 @@ from lingvo_gpipe.pipeline.cell_function import CellFunctions, Head, call_layers
 from lingvo_gpipe.runtime.devices import available_devices, default_devices, known_device
 
 RECOMPUTE_POLICIES = ("always", "except_last", "never")
-PARTITION_COSTS = ("params", "flops", "given")
+PARTITION_COSTS = ("params", "flops", "measured", "given")
+NEEDS_INPUT_SPECS = ("flops", "measured")
 
 
 class PipelineError(ParamsError):
@@ -122,9 +123,13 @@ class PipeliningLayer(BaseLayer):
              "[G·b, I]ᵀ·[G·b, O] product instead of G products of b rows summed (faster "
              "for small micro-batches), at the cost of keeping each projection's input "
              "and output gradient for G micro-batches. 1: per micro-batch.")
-    p.define("partition_cost", "params", f"Cost the partitioner balances: {PARTITION_COSTS}.")
+    p.define("partition_cost", "params", f"Cost the partitioner balances: {PARTITION_COSTS}. "
+             "'measured': each layer's forward + backward time on this machine, profiled "
+             "when the pipeline is built unless layer_costs holds them already "
+             "(partition.profile_layer_costs; the trainer profiles before it builds).")
     p.define("input_specs", None, "Nested tf.TensorSpec of the pipeline input with the batch "
-             "size (needed by partition_cost='flops').")
+             "size (needed by partition_cost='flops' and 'measured'; the trainer derives "
+             "it from the training input).")
     p.define("layer_costs", [], "Per-layer costs for partition_cost='given' (e.g. measured by "
              "partition.profile_layer_costs).")
     p.define("memory_cap_bytes", None, "If set, the most bytes of weights and optimizer state "
@@ -152,7 +157,7 @@ class PipeliningLayer(BaseLayer):
   def layer_costs(self) -> list[float]:
     """The cost of each layer the partitioner balances (no variables are allocated)."""
     p = self.params
-    if p.partition_cost == "given":
+    if p.partition_cost == "given" or (p.partition_cost == "measured" and p.layer_costs):
       if len(p.layer_costs) != len(p.layers):
         raise PipelineError(f"{self.path}: layer_costs has {len(p.layer_costs)} entries for "
                             f"{len(p.layers)} layers")
@@ -160,8 +165,15 @@ class PipeliningLayer(BaseLayer):
     if p.partition_cost == "params":
       return [float(n) for n in model_stats.param_counts(p.layers)]
     if p.input_specs is None:
-      raise PipelineError(f"{self.path}: partition_cost='flops' needs input_specs (the "
-                          "pipeline input's nested tf.TensorSpec, batch size included)")
+      raise PipelineError(f"{self.path}: partition_cost={p.partition_cost!r} needs "
+                          "input_specs (the pipeline input's nested tf.TensorSpec, batch size "
+                          "included)")
+    if p.partition_cost == "measured":
+      if not tf.executing_eagerly():
+        raise PipelineError(f"{self.path}: partition_cost='measured' profiles the layers, "
+                            "which needs eager execution; build the pipeline eagerly, or "
+                            "measure first and give the costs (partition_cost='given')")
+      return partition.profile_layer_costs(p.layers, p.input_specs)  # seconds per layer
     from lingvo_gpipe.core import layers as layers_lib
 
     seq = layers_lib.Sequential.Params().set(name="cost_probe", layers=p.layers)

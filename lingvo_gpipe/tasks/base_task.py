@@ -25,7 +25,13 @@ import tensorflow as tf
 
 from lingvo_gpipe.core import base_layer, layers, optimizers
 from lingvo_gpipe.core.hyperparams import InstantiableParams, Params, ParamsError
-from lingvo_gpipe.pipeline.layer import PipeliningLayer, check_pipeline_params, requested_cells
+from lingvo_gpipe.pipeline import partition
+from lingvo_gpipe.pipeline.layer import (
+  NEEDS_INPUT_SPECS,
+  PipeliningLayer,
+  check_pipeline_params,
+  requested_cells,
+)
 
 Metrics = dict[str, tuple[tf.Tensor, tf.Tensor]]
 
@@ -74,20 +80,37 @@ def check_train_params(p: Params) -> None:
       raise ParamsError(f"task.train.{key} must be an int >= {minimum}{meaning}, got {value!r}")
 
 
-def with_pipeline_input_specs(task_params: Params, input_params: Params) -> Params:
-  """`task_params` with `pipeline.input_specs` derived from the batches of
-  `input_params` (the training input), when the partitioner needs it
-  (partition_cost='flops') and the params do not set it; otherwise `task_params`
-  itself (and the input is not built). So `partition_cost=flops` works from the command
-  line.
+def with_partition_costs(task_params: Params, input_params: Params) -> Params:
+  """`task_params` completed with what the partitioner needs, from `input_params` (the
+  training input), so that every `partition_cost` works from the command line:
 
-  The specs are those of `stack_inputs(batch)` (nested, batch size included), found by
-  building the task unpipelined in a scratch graph: nothing is allocated.
+  - 'flops' or 'measured' without `input_specs`: the specs of `stack_inputs(batch)`
+    (nested, batch size included), found by building the task unpipelined in a scratch
+    graph (nothing is allocated);
+  - 'measured': each layer's forward + backward seconds, profiled here and now on this
+    machine (partition.profile_layer_costs: each layer is built and run alone, a few
+    times), recorded as its `layer_costs`.
+
+  Otherwise `task_params` itself (and the input is not built).
   """
   pipeline = task_params.pipeline
-  if pipeline.partition_cost != "flops" or pipeline.input_specs is not None or \
-      not requested_cells(pipeline):
+  if pipeline.partition_cost not in NEEDS_INPUT_SPECS or not requested_cells(pipeline):
     return task_params
+  completed = task_params.copy()
+  specs, layers_params = _probe_main_stack(task_params, input_params)
+  if pipeline.input_specs is None:
+    completed.pipeline.input_specs = specs
+  if pipeline.partition_cost == "measured":
+    # 7 timed runs per layer after a warm-up: 3 let a noisy machine pick another split.
+    costs = partition.profile_layer_costs(layers_params, completed.pipeline.input_specs,
+                                          steps=7)
+    completed.pipeline.layer_costs = costs
+  return completed.freeze() if task_params.is_frozen else completed
+
+
+def _probe_main_stack(task_params: Params, input_params: Params) -> tuple[Any, list]:
+  """(nested tf.TensorSpec of `stack_inputs(batch)` for the batches of `input_params`,
+  the params of the main stack's layers)."""
   batch_spec = input_params.instantiate().batch_spec()
   probe = task_params.copy()
   probe.pipeline.set(num_cells=0, splits=[], num_replicas=1)
@@ -97,9 +120,7 @@ def with_pipeline_input_specs(task_params: Params, input_params: Params) -> Para
                                   batch_spec)
     specs = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype),
                                   task.stack_inputs(batch))
-  completed = task_params.copy()
-  completed.pipeline.input_specs = specs
-  return completed.freeze() if task_params.is_frozen else completed
+    return specs, list(task.main_stack.params.layers)
 
 
 class BaseTask(base_layer.BaseLayer):
