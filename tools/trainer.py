@@ -42,7 +42,8 @@ flags.DEFINE_list("params_path", [], "Extra param files or directories to regist
                   "from (also $LINGVO_GPIPE_PARAMS_PATH, ':'-separated).")
 flags.DEFINE_integer("inspect_depth", 3, "Layer depth shown by --mode=inspect_model.")
 flags.DEFINE_string("profile_steps", "", "A,B: capture a TensorFlow profile of global steps "
-                    "A..B into <logdir>/train (TensorBoard's profile tab), e.g. 10,12.")
+                    "A..B into <logdir>/train/plugins/profile (TensorBoard's profile tab), "
+                    "e.g. 10,12.")
 flags.DEFINE_string("data_dir", None, "Prepared TFDS data for the model's TFDS inputs "
                     "(sets train_input.data_dir and eval_input.data_dir).")
 

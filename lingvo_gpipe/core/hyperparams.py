@@ -263,14 +263,6 @@ class Params:
       setattr(node, leaf, value)
     return self
 
-  def delete(self, *names: str) -> Params:
-    """Removes params (dotted names allowed); returns self."""
-    for name in names:
-      node, leaf = self._resolve(name)
-      node._check_not_frozen(leaf)
-      del node._params[leaf]
-    return self
-
   def description(self, name: str) -> str:
     node, leaf = self._resolve(name)
     return node._params[leaf].description
