@@ -87,9 +87,9 @@ def with_partition_costs(task_params: Params, input_params: Params) -> Params:
   - 'flops' or 'measured' without `input_specs`: the specs of `stack_inputs(batch)`
     (nested, batch size included), found by building the task unpipelined in a scratch
     graph (nothing is allocated);
-  - 'measured': each layer's forward + backward seconds, profiled here and now on this
-    machine (partition.profile_layer_costs: each layer is built and run alone, a few
-    times), recorded as its `layer_costs`.
+  - 'measured' without `layer_costs`: each layer's forward + backward seconds, profiled
+    here and now on this machine (partition.profile_layer_costs: each layer is built and
+    run alone, a few times), recorded as its `layer_costs`.
 
   Otherwise `task_params` itself (and the input is not built).
   """
@@ -100,7 +100,7 @@ def with_partition_costs(task_params: Params, input_params: Params) -> Params:
   specs, layers_params = _probe_main_stack(task_params, input_params)
   if pipeline.input_specs is None:
     completed.pipeline.input_specs = specs
-  if pipeline.partition_cost == "measured":
+  if pipeline.partition_cost == "measured" and not pipeline.layer_costs:
     # 7 timed runs per layer after a warm-up: 3 let a noisy machine pick another split.
     costs = partition.profile_layer_costs(layers_params, completed.pipeline.input_specs,
                                           steps=7)
