@@ -162,7 +162,7 @@ class Trainer:
       return
     num_micro_batches = self.task.pipeline.params.num_micro_batches
     per_replica = batch // num_replicas
-    if not 1 <= num_micro_batches <= per_replica:
+    if num_micro_batches > per_replica:  # (>= 1 is checked with the other task.pipeline values)
       shared = f" / {num_replicas} replicas" if num_replicas > 1 else ""
       raise PipelineError(
           f"task.pipeline.num_micro_batches={num_micro_batches} does not fit a batch of "

@@ -67,9 +67,11 @@ def eval_scalars(event_dir) -> dict[str, float]:
 
 
 def test_multilingual_tiny_translates_every_language_far_above_copying(tmp_path):
+  """200 steps on a 200-step schedule (the model's own is 300): at 150 steps the languages
+  measured BLEU 50-84 against copy baselines of 0-2; at 300, about 99."""
   result = run_trainer("--model=mt.MultilingualTiny", "--mode=train_and_eval", "--devices=cpu:2",
-                       f"--logdir={tmp_path}", "--max_steps=300",
-                       "--params_override=task.train.optimizer.lr_schedule.total_steps=300",
+                       f"--logdir={tmp_path}", "--max_steps=200",
+                       "--params_override=task.train.optimizer.lr_schedule.total_steps=200",
                        timeout=600)
   assert result.returncode == 0, result.stderr
   scalars = eval_scalars(tmp_path / "eval")
