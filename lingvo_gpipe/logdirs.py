@@ -70,13 +70,7 @@ class LogdirLock:
   def acquire(self) -> None:
     """Takes the lock (creating the logdir if needed); raises LogdirInUseError naming
     the holder if another process has it."""
-    missing, path = [], os.path.abspath(self.logdir)
-    while not os.path.lexists(path) and os.path.dirname(path) != path:
-      missing.append(path)
-      path = os.path.dirname(path)
-    for directory in reversed(missing):
-      os.mkdir(directory)
-      self._created.append(directory)
+    _make_dirs(self.logdir, self._created)
     fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
       fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -133,19 +127,25 @@ def check_writable(logdir: str, with_eval: bool = False) -> None:
     _check_writable_dir(logdir, name)
 
 
-def _check_writable_dir(logdir: str, name: str) -> None:
-  train_dir = os.path.join(os.path.abspath(logdir), name)
+def _make_dirs(path: str, created: list[str]) -> None:
+  """Creates `path` and its missing parents, appending each directory it creates to
+  `created` (outermost first) as it goes, so a caller can remove exactly those."""
   missing = []
-  path = train_dir
+  path = os.path.abspath(path)
   while not os.path.lexists(path) and os.path.dirname(path) != path:
     missing.append(path)
     path = os.path.dirname(path)
+  for directory in reversed(missing):
+    os.mkdir(directory)
+    created.append(directory)
+
+
+def _check_writable_dir(logdir: str, name: str) -> None:
+  directory = os.path.join(os.path.abspath(logdir), name)
   created: list[str] = []
-  probe = os.path.join(train_dir, f".write_probe_{os.getpid()}")
+  probe = os.path.join(directory, f".write_probe_{os.getpid()}")
   try:
-    for directory in reversed(missing):
-      os.mkdir(directory)
-      created.append(directory)
+    _make_dirs(directory, created)
     try:
       with open(probe, "w") as f:
         f.write("ok")
@@ -155,9 +155,9 @@ def _check_writable_dir(logdir: str, name: str) -> None:
   except OSError as e:
     raise LogdirError(f"logdir {logdir!r} is not writable: {e.strerror or e}") from None
   finally:
-    for directory in reversed(created):
+    for made in reversed(created):
       try:
-        os.rmdir(directory)
+        os.rmdir(made)
       except OSError:
         pass
 

@@ -125,11 +125,8 @@ class Trainer:
     # One task per data-parallel replica (task.pipeline.num_replicas); replica 0 is the
     # one checkpointed, evaluated and decoded. Each replica has its own optimizer (slots
     # live with their variables).
-    if params.task.pipeline.partition_cost == "measured" and \
-        not params.task.pipeline.layer_costs:
-      log("Measuring each layer's forward and backward time for the partition ...")
     self.replicas = _build_replicas(
-        base_task.with_partition_costs(params.task, params.train_input))
+        base_task.with_partition_costs(params.task, params.train_input, log))
     self.task = self.replicas.replicas[0]
     self._check_batch_splits()  # before the schedule of M micro-batches is made
     self.optimizers = [train_p.optimizer.instantiate() for _ in self.replicas.replicas]

@@ -225,21 +225,17 @@ def _run() -> int:
   # One trainer per logdir; eval only reads checkpoints and may run beside it.
   lock = logdirs.LogdirLock(FLAGS.logdir) if FLAGS.mode != "eval" else None
   try:
-    try:
-      if lock is not None:
-        lock.acquire()
-      changed = (logdirs.check_resumable(FLAGS.logdir, params) if FLAGS.mode != "eval"
-                 else [])
-    except logdirs.LogdirError as e:
-      raise UsageFailure(str(e)) from None
+    if lock is not None:
+      lock.acquire()
+    changed = logdirs.check_resumable(FLAGS.logdir, params) if lock is not None else []
     if changed:
       print(f"Note: params that differ from {os.path.join(FLAGS.logdir, 'params.txt')} "
             f"(fine for its checkpoints): {logdirs.ParamsChange.describe(changed)}")
     return _train_or_eval(params, profile_steps, watchdog)
-  except UsageFailure:
+  except (logdirs.LogdirError, UsageFailure) as e:  # refused before the run wrote
     if lock is not None:
       lock.release(remove_if_unused=True)
-    raise
+    raise e if isinstance(e, UsageFailure) else UsageFailure(str(e)) from None
 
 
 def _tensorboard_command() -> str:

@@ -58,10 +58,8 @@ def micro_batch_sizes(batch_size: int, num_micro_batches: int) -> list[int]:
 
 def requested_cells(p: hyperparams.Params) -> int:
   """K that pipeline params (PipeliningLayer's, or a task's `pipeline`) ask for:
-  len(splits) when splits are given, else num_cells; 0 means no pipelining."""
-  if not isinstance(p.num_cells, int) or p.num_cells < 0:
-    raise PipelineError(f"num_cells must be an int >= 0 (0: no pipelining unless splits "
-                        f"are given), got {p.num_cells!r}")
+  len(splits) when splits are given, else num_cells; 0 means no pipelining (a negative
+  num_cells is refused by check_pipeline_params, which every task runs)."""
   return len(p.splits) or p.num_cells
 
 

@@ -19,6 +19,7 @@ that the weighted mean over micro-batches is the whole batch's loss.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import tensorflow as tf
@@ -80,7 +81,8 @@ def check_train_params(p: Params) -> None:
       raise ParamsError(f"task.train.{key} must be an int >= {minimum}{meaning}, got {value!r}")
 
 
-def with_partition_costs(task_params: Params, input_params: Params) -> Params:
+def with_partition_costs(task_params: Params, input_params: Params,
+                         log: Callable[[str], None] | None = None) -> Params:
   """`task_params` completed with what the partitioner needs, from `input_params` (the
   training input), so that every `partition_cost` works from the command line:
 
@@ -91,7 +93,8 @@ def with_partition_costs(task_params: Params, input_params: Params) -> Params:
     here and now on this machine (partition.profile_layer_costs: each layer is built and
     run alone, a few times), recorded as its `layer_costs`.
 
-  Otherwise `task_params` itself (and the input is not built).
+  Otherwise `task_params` itself (and the input is not built). `log` hears when layers
+  are profiled (seconds of silence otherwise).
   """
   pipeline = task_params.pipeline
   if pipeline.partition_cost not in NEEDS_INPUT_SPECS or not requested_cells(pipeline):
@@ -101,6 +104,8 @@ def with_partition_costs(task_params: Params, input_params: Params) -> Params:
   if pipeline.input_specs is None:
     completed.pipeline.input_specs = specs
   if pipeline.partition_cost == "measured" and not pipeline.layer_costs:
+    if log is not None:
+      log("Measuring each layer's forward and backward time for the partition ...")
     # 7 timed runs per layer after a warm-up: 3 let a noisy machine pick another split.
     costs = partition.profile_layer_costs(layers_params, completed.pipeline.input_specs,
                                           steps=7)
