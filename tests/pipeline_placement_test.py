@@ -34,7 +34,8 @@ def _layer_index(op_name: str, prefix: str) -> int | None:
 
 def executed_ops(fn, dump_root: str) -> list[tuple[str, str, str, str]]:
   """(function graph name, op name, op type, device) of every graph op `fn()` ran."""
-  tf.debugging.experimental.enable_dump_debug_info(dump_root, tensor_debug_mode="NO_TENSOR")
+  tf.debugging.experimental.enable_dump_debug_info(
+      dump_root, tensor_debug_mode="NO_TENSOR", circular_buffer_size=-1)  # keep every op
   try:
     fn()
   finally:
@@ -45,17 +46,15 @@ def executed_ops(fn, dump_root: str) -> list[tuple[str, str, str, str]]:
             for t in reader.graph_execution_traces()]
 
 
-@pytest.mark.parametrize("schedule, recompute", [("gpipe", "always"), ("1f1b", "always"),
-                                                 ("gpipe", "never"), ("1f1b", "except_last")])
-def test_every_compute_op_executes_on_its_cells_device(cpu_devices, tmp_path, schedule,
-                                                       recompute):
+def run_step(dump_root: str, devices, schedule: str, recompute: str, share: bool):
+  """One Adam step of four Linear layers on two cells: (ops that ran, model, optimizer)."""
   num_micro = 2
-  devices = cpu_devices[1:3]  # not the default device, so defaults would show up
   fcs = [layers.Linear.Params().set(name=f"fc{i}", input_dim=4, output_dim=4,
                                     activation="TANH") for i in range(4)]
   model = PipeliningLayer.Params().set(
       name="stack", layers=fcs, splits=[2, 4], devices=devices, schedule=schedule,
-      recompute=recompute, num_micro_batches=num_micro).instantiate()
+      recompute=recompute, num_micro_batches=num_micro,
+      share_layer_functions=share).instantiate()
   head = layers.Linear.Params().set(name="head", input_dim=4, output_dim=1)
   with tf.device(model.output_device):
     head_layer = head.instantiate()
@@ -67,7 +66,36 @@ def test_every_compute_op_executes_on_its_cells_device(cpu_devices, tmp_path, sc
   opt.create_slots(variables)
   step = tf.function(train_step.TrainStep(wrapped, opt, tf.Variable(0, dtype=tf.int64)))
   batch = {"inputs": tf.ones([4, 4]), "y": tf.zeros([4, 1])}
-  ran = executed_ops(lambda: step(batch), str(tmp_path))
+  return executed_ops(lambda: step(batch), dump_root), model, opt
+
+
+def compute_ops_by_device(ran) -> collections.Counter:
+  return collections.Counter((_device(device), op_type) for _, _, op_type, device in ran
+                             if op_type in COMPUTE_OPS)
+
+
+@pytest.mark.parametrize("schedule, recompute", [("gpipe", "always"), ("1f1b", "always"),
+                                                 ("gpipe", "never"), ("1f1b", "except_last")])
+def test_every_compute_op_executes_on_its_cells_device(cpu_devices, tmp_path, schedule,
+                                                       recompute):
+  """Each layer traced apart: its ops are named after it, so each op's device is
+  checked against its layer's cell. Layers sharing one traced function
+  (share_layer_functions) run ops named after the kind's first layer; their run must
+  execute the same compute ops on each device."""
+  num_micro = 2
+  devices = cpu_devices[1:3]  # not the default device, so defaults would show up
+  ran, model, opt = run_step(str(tmp_path / "apart"), devices, schedule, recompute,
+                             share=False)
+  shared_ran, _, _ = run_step(str(tmp_path / "shared"), devices, schedule, recompute,
+                              share=True)
+  assert any(graph.endswith("_layer_body") for graph, _, _, _ in shared_ran)
+  shared_ops, apart_ops = compute_ops_by_device(shared_ran), compute_ops_by_device(ran)
+  assert set(shared_ops) == set(apart_ops)  # the same op types on the same devices
+  # ... each as often, except that a layer function's backward also computes the
+  # gradient of the first cell's input, which a cell traced apart prunes (MatMul).
+  assert all(shared_ops[key] >= count for key, count in apart_ops.items())
+  assert shared_ops - apart_ops <= collections.Counter({(_device(devices[0]), "MatMul"):
+                                                        num_micro})
 
   cell_of = {i: 0 if i < 2 else 1 for i in range(4)}
   seen = collections.Counter()

@@ -194,6 +194,49 @@ def shapes_only(enabled: bool = True) -> Iterator[None]:
     _STATE.shapes_only = previous
 
 
+def seed_tensor(layer: BaseLayer, purpose: str) -> tf.Tensor:
+  """int64 scalar: `layer.seed_for(purpose)` as a tensor for a forward pass (dropout).
+
+  A constant, except while a function shared by layers of one kind is traced
+  (`pipeline/layer_function.py`): there it is an element of the function's seeds
+  argument, so that each layer calling the shared function draws its own masks.
+  """
+  source = getattr(_STATE, "seed_source", None)
+  if source is not None:
+    return source(layer, purpose)
+  return tf.constant(layer.seed_for(purpose), tf.int64)
+
+
+@contextlib.contextmanager
+def seed_source(source: Callable[[BaseLayer, str], tf.Tensor]) -> Iterator[None]:
+  """Within, `seed_tensor(layer, purpose)` returns `source(layer, purpose)`."""
+  previous = getattr(_STATE, "seed_source", None)
+  _STATE.seed_source = source
+  try:
+    yield
+  finally:
+    _STATE.seed_source = previous
+
+
+@contextlib.contextmanager
+def variables_read_as(layers: Sequence[BaseLayer], variables: Sequence[Any]) -> Iterator[None]:
+  """Within, the variables of `layers` (each layer's own, in creation order, layer after
+  layer) are the attributes `variables` instead, e.g. a traced function's variable
+  arguments; restored on exit. Checkpoint tracking is not touched (the attributes
+  are set past tf.Module's tracking)."""
+  replaced = [(layer, name) for layer in layers for name in layer._var_names]
+  if len(replaced) != len(variables):
+    raise ValueError(f"{len(variables)} variables given for {len(replaced)}")
+  originals = [getattr(layer, name) for layer, name in replaced]
+  for (layer, name), variable in zip(replaced, variables):
+    object.__setattr__(layer, name, variable)
+  try:
+    yield
+  finally:
+    for (layer, name), original in zip(replaced, originals):
+      object.__setattr__(layer, name, original)
+
+
 def _layer_stack() -> list:
   return _STATE.__dict__.setdefault("building", [])
 
@@ -211,6 +254,13 @@ def _module_name(name: str) -> str:
 
 class BaseLayer(hyperparams.Instantiable, tf.Module):
   """Base class of all layers."""
+
+  # Whether layers of this class with equal params (name aside) may share one traced
+  # function in a pipeline (pipeline/layer_function.py): true when fprop depends only
+  # on the params, the variables (read as attributes), the inputs and the StepContext,
+  # and draws its seeds through `seed_tensor`. A subclass keeping other per-instance
+  # state that fprop reads sets it to False.
+  shares_traces = True
 
   @classmethod
   def Params(cls) -> InstantiableParams:  # noqa: N802

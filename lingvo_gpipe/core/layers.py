@@ -360,7 +360,7 @@ def dropout_seed(layer: BaseLayer, purpose: str = "dropout") -> tf.Tensor:
   layer or purpose (e.g. each drop-path of a cell) gets another one.
   """
   step = tf.cast(base_layer.current_context().step, tf.int64)
-  return tf.stack([tf.constant(layer.seed_for(purpose), tf.int64), step])
+  return tf.stack([base_layer.seed_tensor(layer, purpose), step])
 
 
 class Dropout(BaseLayer):

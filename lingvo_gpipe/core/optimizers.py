@@ -106,13 +106,24 @@ class Optimizer(Instantiable, tf.Module):
       grads, _ = tf.clip_by_global_norm(grads, self.params.clip_gradient_norm,
                                         use_norm=grad_norm)
     lr = self.learning_rate(step)
+    # The step's scalars (learning rate, bias corrections...) once per device and
+    # dtype, not once per variable: a deep model has thousands of variables.
+    scalars: dict[tuple[str, tf.DType], dict[str, tf.Tensor]] = {}
     for grad, var in zip(grads, variables):
       with tf.device(var.device):
-        self._update(var, tf.cast(grad, var.dtype), self.slots_of(var),
-                     tf.cast(lr, var.dtype), step)
+        key = (var.device, var.dtype)
+        if key not in scalars:
+          scalars[key] = self._step_scalars(tf.cast(lr, var.dtype), step, var.dtype)
+        self._update(var, tf.cast(grad, var.dtype), self.slots_of(var), scalars[key])
     return lr, grad_norm
 
-  def _update(self, var, grad, slots, lr, step) -> None:
+  def _step_scalars(self, lr: tf.Tensor, step: tf.Tensor, dtype: tf.DType
+                    ) -> dict[str, tf.Tensor]:
+    """The scalars of this update that every variable of `dtype` on the current
+    device shares: at least the learning rate "lr"."""
+    return {"lr": lr}
+
+  def _update(self, var, grad, slots, scalars) -> None:
     raise NotImplementedError
 
 
@@ -129,14 +140,17 @@ class SGD(Optimizer):
   def _slot_shapes(self, var):
     return {"momentum": (var.shape.as_list(), 0.0)} if self.params.momentum else {}
 
-  def _update(self, var, grad, slots, lr, step):
-    p = self.params
-    if not p.momentum:
-      tf.raw_ops.ResourceApplyGradientDescent(var=var.handle, alpha=lr, delta=grad)
+  def _step_scalars(self, lr, step, dtype):
+    return {"lr": lr, "momentum": tf.cast(self.params.momentum, dtype)}
+
+  def _update(self, var, grad, slots, scalars):
+    if not self.params.momentum:
+      tf.raw_ops.ResourceApplyGradientDescent(var=var.handle, alpha=scalars["lr"], delta=grad)
       return
-    tf.raw_ops.ResourceApplyMomentum(var=var.handle, accum=slots["momentum"].handle, lr=lr,
-                                     grad=grad, momentum=tf.cast(p.momentum, var.dtype),
-                                     use_nesterov=p.nesterov)
+    tf.raw_ops.ResourceApplyMomentum(var=var.handle, accum=slots["momentum"].handle,
+                                     lr=scalars["lr"], grad=grad,
+                                     momentum=scalars["momentum"],
+                                     use_nesterov=self.params.nesterov)
 
 
 class RMSProp(Optimizer):
@@ -158,12 +172,14 @@ class RMSProp(Optimizer):
     shape = var.shape.as_list()
     return {"ms": (shape, 1.0), "mom": (shape, 0.0)}
 
-  def _update(self, var, grad, slots, lr, step):
+  def _step_scalars(self, lr, step, dtype):
     p = self.params
-    tf.raw_ops.ResourceApplyRMSProp(
-        var=var.handle, ms=slots["ms"].handle, mom=slots["mom"].handle, lr=lr,
-        rho=tf.cast(p.decay, var.dtype), momentum=tf.cast(p.momentum, var.dtype),
-        epsilon=tf.cast(p.epsilon, var.dtype), grad=grad)
+    return {"lr": lr, "rho": tf.cast(p.decay, dtype), "momentum": tf.cast(p.momentum, dtype),
+            "epsilon": tf.cast(p.epsilon, dtype)}
+
+  def _update(self, var, grad, slots, scalars):
+    tf.raw_ops.ResourceApplyRMSProp(var=var.handle, ms=slots["ms"].handle,
+                                    mom=slots["mom"].handle, grad=grad, **scalars)
 
 
 class Adam(Optimizer):
@@ -185,14 +201,16 @@ class Adam(Optimizer):
     shape = var.shape.as_list()
     return {"m": (shape, 0.0), "v": (shape, 0.0)}
 
-  def _update(self, var, grad, slots, lr, step):
+  def _step_scalars(self, lr, step, dtype):
     p = self.params
-    t = tf.cast(step, var.dtype) + 1.0
-    beta1, beta2 = tf.cast(p.beta1, var.dtype), tf.cast(p.beta2, var.dtype)
-    tf.raw_ops.ResourceApplyAdam(
-        var=var.handle, m=slots["m"].handle, v=slots["v"].handle,
-        beta1_power=tf.pow(beta1, t), beta2_power=tf.pow(beta2, t), lr=lr, beta1=beta1,
-        beta2=beta2, epsilon=tf.cast(p.epsilon, var.dtype), grad=grad)
+    t = tf.cast(step, dtype) + 1.0
+    beta1, beta2 = tf.cast(p.beta1, dtype), tf.cast(p.beta2, dtype)
+    return {"lr": lr, "beta1": beta1, "beta2": beta2, "beta1_power": tf.pow(beta1, t),
+            "beta2_power": tf.pow(beta2, t), "epsilon": tf.cast(p.epsilon, dtype)}
+
+  def _update(self, var, grad, slots, scalars):
+    tf.raw_ops.ResourceApplyAdam(var=var.handle, m=slots["m"].handle, v=slots["v"].handle,
+                                 grad=grad, **scalars)
 
 
 class Adafactor(Optimizer):
@@ -239,10 +257,13 @@ class Adafactor(Optimizer):
       slots["m"] = (shape, 0.0)
     return slots
 
-  def _update(self, var, grad, slots, lr, step):
+  def _step_scalars(self, lr, step, dtype):
+    t = tf.cast(step, dtype) + 1.0
+    return {"lr": lr, "beta2": 1.0 - tf.pow(t, -self.params.decay_exponent)}
+
+  def _update(self, var, grad, slots, scalars):
     p = self.params
-    t = tf.cast(step, var.dtype) + 1.0
-    beta2 = 1.0 - tf.pow(t, -p.decay_exponent)
+    lr, beta2 = scalars["lr"], scalars["beta2"]
     grad_sq = tf.square(grad) + p.epsilon1
     if "vr" in slots:
       vr = slots["vr"].assign(beta2 * slots["vr"]

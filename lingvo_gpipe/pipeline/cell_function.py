@@ -44,6 +44,7 @@ import tensorflow as tf
 from lingvo_gpipe.core import base_layer
 from lingvo_gpipe.core.base_layer import BaseLayer
 from lingvo_gpipe.pipeline import tf_internals
+from lingvo_gpipe.pipeline.layer_function import LayerFunctions
 from lingvo_gpipe.pipeline.tf_internals import NOT_INLINED
 
 # Head(outputs of the last cell, head inputs of the micro-batch) → metrics
@@ -124,8 +125,11 @@ class CellFunctions:
 
   def __init__(self, layers: Sequence[BaseLayer], device: str | None, index: int,
                recompute: bool, head: Head | None = None, needs_input_grads: bool = True,
-               weight_gradient_group: int = 1):
+               weight_gradient_group: int = 1,
+               layer_functions: LayerFunctions | None = None):
     self.layers = list(layers)
+    # Where layers of one kind share a traced function (None: each traced inline).
+    self.layer_functions = layer_functions
     self.device = device
     self.index = index
     self.recompute = recompute
@@ -163,8 +167,10 @@ class CellFunctions:
     with base_layer.step_context(training=True, step=step, micro_batch=micro_batch,
                                  example_offset=example_offset, layer_stats=stats,
                                  spans=None, weight_products=products):
-      outputs = call_layers(self.layers,
-                            tf.nest.pack_sequence_as(self.input_structure, flat_inputs))
+      run_layers = (self.layer_functions.call_layers if self.layer_functions is not None
+                    else call_layers)
+      outputs = run_layers(self.layers,
+                           tf.nest.pack_sequence_as(self.input_structure, flat_inputs))
       if self.head is not None:
         outputs = self.head(outputs, tf.nest.pack_sequence_as(self.head_structure,
                                                              flat_head_inputs))

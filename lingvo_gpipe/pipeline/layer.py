@@ -34,6 +34,7 @@ from lingvo_gpipe.core.base_layer import BaseLayer
 from lingvo_gpipe.core.hyperparams import ParamsError
 from lingvo_gpipe.pipeline import channels, device_loop, partition, schedule, tf_internals
 from lingvo_gpipe.pipeline.cell_function import CellFunctions, Head, call_layers
+from lingvo_gpipe.pipeline.layer_function import LayerFunctions
 from lingvo_gpipe.runtime.devices import available_devices, default_devices, known_device
 
 RECOMPUTE_POLICIES = ("always", "except_last", "never")
@@ -87,6 +88,8 @@ def check_pipeline_params(p: hyperparams.Params, path: str) -> None:
     raise bad("memory_cap_bytes", "None or > 0")
   if not p.bytes_per_param > 0:
     raise bad("bytes_per_param", "> 0")
+  if not isinstance(p.share_layer_functions, bool):
+    raise bad("share_layer_functions", "True or False")
   for device in p.devices:
     if not known_device(device):
       raise PipelineError(f"{path}: devices names {device!r}, which this process does "
@@ -130,6 +133,11 @@ class PipeliningLayer(BaseLayer):
              "it from the training input).")
     p.define("layer_costs", [], "Per-layer costs for partition_cost='given' (e.g. measured by "
              "partition.profile_layer_costs).")
+    p.define("share_layer_functions", True, "Layers of one kind (class and params, name "
+             "aside) share one traced function, called with each layer's variables and "
+             "dropout seeds (pipeline/layer_function.py): tracing and the first step's "
+             "cost grow with the kinds of layer, not their number. False: each layer is "
+             "traced into its cell's functions on its own.")
     p.define("memory_cap_bytes", None, "If set, the most bytes of weights and optimizer state "
              "one cell may hold; see bytes_per_param.")
     p.define("bytes_per_param", 12, "Bytes per parameter for the memory cap (float32 weight "
@@ -147,7 +155,7 @@ class PipeliningLayer(BaseLayer):
     layer_devices = [self.cell_devices[k] for k, cell in enumerate(self.cells)
                      for _ in range(cell.start, cell.end)]
     self.create_children("layers", p.layers, devices=layer_devices)
-    self._function_cache = _FunctionCache()
+    self._function_cache = _FunctionCache(p.share_layer_functions)
     self._channel_prefix = channels.channel_prefix(self.path)
 
   # -- partition and placement ----------------------------------------------------
@@ -251,7 +259,8 @@ class PipeliningLayer(BaseLayer):
       cache[head] = [CellFunctions(self.cell_layers(k), self.cell_devices[k], k,
                                    self._recompute_cell(k), head if k == last else None,
                                    needs_input_grads=k > 0,
-                                   weight_gradient_group=self.params.weight_gradient_group)
+                                   weight_gradient_group=self.params.weight_gradient_group,
+                                   layer_functions=self._function_cache.layers)
                      for k in range(len(self.cells))]
     return cache[head]
 
@@ -296,7 +305,7 @@ class PipeliningLayer(BaseLayer):
       x = structure
       for k in range(len(self.cells)):
         with tf.device(self.cell_devices[k]):
-          x = call_layers(self.cell_layers(k), x)
+          x = self._function_cache.call_layers(self.cell_layers(k), x)
       return x
     sizes, offsets = self._micro_batches(structure, self.params.num_micro_batches)
     cells = self.cell_functions()
@@ -326,8 +335,15 @@ class PipeliningLayer(BaseLayer):
 
 
 class _FunctionCache:
-  """Holds a pipeline's CellFunctions per head; a plain object, so that tf.Module's
-  attribute tracking (checkpoints, variable collection) does not walk into it."""
+  """Holds a pipeline's CellFunctions per head and the functions its kinds of layer
+  share (None: not shared); a plain object, so that tf.Module's attribute tracking
+  (checkpoints, variable collection) does not walk into it."""
 
-  def __init__(self):
+  def __init__(self, share_layer_functions: bool):
     self.by_head: dict[Any, list[CellFunctions]] = {}
+    self.layers = LayerFunctions() if share_layer_functions else None
+
+  def call_layers(self, layers: list[BaseLayer], x: Any) -> Any:
+    """`layers` in order on x, through the shared functions when there are some."""
+    return (self.layers.call_layers(layers, x) if self.layers is not None
+            else call_layers(layers, x))

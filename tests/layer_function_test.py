@@ -1,0 +1,155 @@
+"""Layers of one kind share one traced function (pipeline/layer_function.py).
+
+References: the same pipeline with every layer traced on its own
+(share_layer_functions=False), which the equivalence grid (gpipe_test.py) checks
+against the unpartitioned model; and the tracing counts and library sizes of stacks
+that differ only in their number of layers.
+"""
+
+import collections
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from lingvo_gpipe import train_step
+from lingvo_gpipe.core import base_layer, layers
+from lingvo_gpipe.pipeline.layer import PipeliningLayer
+
+DIM = 8
+BATCH = 8
+
+
+def block(name: str, keep_prob: float = 0.8):
+  """A layer with sublayers: Linear, batch norm (statistics) and dropout (seeds)."""
+  return layers.Sequential.Params().set(name=name, layers=[
+      layers.Linear.Params().set(name="fc", input_dim=DIM, output_dim=DIM, activation="TANH"),
+      layers.BatchNorm.Params().set(name="bn", dim=DIM),
+      layers.Dropout.Params().set(name="drop", keep_prob=keep_prob)])
+
+
+def build(keep_probs, share: bool = True, recompute: str = "always", num_micro_batches=2):
+  model = PipeliningLayer.Params().set(
+      name="stack", layers=[block(f"block{i}", p) for i, p in enumerate(keep_probs)],
+      num_cells=2, num_micro_batches=num_micro_batches, recompute=recompute,
+      share_layer_functions=share, random_seed=5).instantiate()
+  wrapped = train_step.StackWithLoss(model, lambda out, h: {
+      "loss": (tf.reduce_mean(tf.square(out - h["y"])), tf.cast(tf.shape(out)[0], tf.float32))})
+  return model, wrapped
+
+
+def batch():
+  rng = np.random.RandomState(1)
+  return {"inputs": tf.constant(rng.randn(BATCH, DIM), tf.float32),
+          "y": tf.constant(rng.randn(BATCH, DIM), tf.float32)}
+
+
+def step_function(model, wrapped):
+  """A training step: (loss, gradients, each batch norm's reported statistics)."""
+  data = batch()
+
+  @tf.function
+  def step():
+    stats = []
+    with base_layer.step_context(training=True, step=tf.constant(7, tf.int64),
+                                 layer_stats=stats):
+      metrics, grads = train_step.loss_and_gradients(wrapped, data,
+                                                      model.trainable_variables)
+    return metrics["loss"][0], grads, [(layer.path, s) for layer, s in stats]
+
+  return step
+
+
+def shared(model):
+  return model._function_cache.layers
+
+
+@pytest.mark.parametrize("recompute", ["always", "never"])
+def test_shared_functions_give_what_layers_traced_apart_give(cpu_devices, recompute):
+  """Dropout masks (seeds as arguments), batch statistics (reported for the calling
+  layer's own batch norm) and gradients equal those of every layer traced alone."""
+  keep_probs = [0.8] * 5
+  results = []
+  for share in (True, False):
+    model, wrapped = build(keep_probs, share, recompute)
+    loss, grads, stats = step_function(model, wrapped)()
+    results.append((loss.numpy(), [g.numpy() for g in grads],
+                    [(path, {k: v.numpy() for k, v in s.items()}) for path, s in stats]))
+  (loss, grads, stats), (want_loss, want_grads, want_stats) = results
+  np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+  for got, want in zip(grads, want_grads):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+  assert [path for path, _ in stats] == [path for path, _ in want_stats]
+  assert len(stats) == len(keep_probs) * 2  # each batch norm, each micro-batch
+  for (_, got), (_, want) in zip(stats, want_stats):
+    for key in want:
+      np.testing.assert_allclose(got[key], want[key], rtol=1e-6)
+
+
+def test_identical_layers_trace_their_function_once_whatever_their_number(cpu_devices):
+  for num_layers in (3, 9):
+    model, wrapped = build([0.8] * num_layers)
+    step_function(model, wrapped).get_concrete_function()
+    assert shared(model).num_kinds == 1
+    # forward, recompute and backward of every layer, both cells: one trace
+    assert shared(model).tracing_count() == 1, num_layers
+
+
+def test_layers_that_differ_in_a_param_trace_apart(cpu_devices):
+  model, wrapped = build([0.8, 0.9] * 3)
+  step_function(model, wrapped).get_concrete_function()
+  assert shared(model).num_kinds == 2
+  assert shared(model).tracing_count() == 2
+
+
+def library_ops(num_layers: int, share: bool = True) -> tuple[int, collections.Counter]:
+  """(functions, op type → nodes) of the traced step's function library."""
+  model, wrapped = build([0.8] * num_layers, share)
+  graph_def = step_function(model, wrapped).get_concrete_function().graph.as_graph_def()
+  functions = graph_def.library.function
+  return len(functions), collections.Counter(n.op for f in functions for n in f.node_def)
+
+
+# What a layer adds to a cell's loop besides its calls: each variable's running sum
+# (passed through the loop and its branches, added to) and each batch statistic's
+# per-micro-batch slot.
+LOOP_STATE_OPS = {"Identity", "Const", "AddV2", "TensorListSetItem"}
+CALL_OPS = {"PartitionedCall", "StatefulPartitionedCall"}
+
+
+def test_the_library_grows_by_calls_and_loop_state_only(cpu_devices):
+  """Six more identical layers add no function and none of the layers' own ops: three
+  calls each (forward; recompute and its gradient in the backward) and their
+  variables' and statistics' places in the loop. Traced apart, each layer adds its
+  ops (matmul, tanh, dropout's random draws, batch norm's moments, their gradients)."""
+  num_small, small = library_ops(3)
+  num_large, large = library_ops(9)
+  grown = large - small
+  assert num_small == num_large
+  assert set(grown) <= LOOP_STATE_OPS | CALL_OPS, grown
+  assert sum(grown[op] for op in CALL_OPS) == 3 * 6
+  _, apart = library_ops(3, share=False)
+  assert {"MatMul", "Tanh", "StatelessRandomUniformV2"} <= set(apart - small)
+
+
+def test_eval_calls_the_shared_functions(cpu_devices):
+  outputs = []
+  for share in (True, False):
+    model, _ = build([0.8] * 4, share)
+    outputs.append(tf.function(model)(batch()["inputs"]).numpy())
+    if share:
+      assert shared(model).num_kinds == 1  # the eval kind (batch norm's moving averages)
+  np.testing.assert_allclose(outputs[0], outputs[1], rtol=1e-5, atol=1e-6)
+
+
+class _Counter(layers.Linear):
+  shares_traces = False
+
+
+def test_a_class_can_opt_out(cpu_devices):
+  model = PipeliningLayer.Params().set(
+      name="stack", num_cells=1, layers=[
+          _Counter.Params().set(name=f"fc{i}", input_dim=DIM, output_dim=DIM)
+          for i in range(3)]).instantiate()
+  tf.function(lambda: model(batch()["inputs"])).get_concrete_function()
+  assert shared(model).num_kinds == 0
