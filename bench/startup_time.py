@@ -9,9 +9,16 @@ Configurations (synthetic data, logical CPU devices, one per cell):
 
   l{L}_m{M}         a 64-wide Transformer LM (hidden 256, 4 heads) of L layers, K=2 cells,
                     M micro-batches, batch 32, for L in --layers and M in --micro_batches;
+  depth{L}          the depth sweep: the same LM of L layers (--depths), K=4, M=8, batch 32;
   transformer48     lm.Transformer48's shape: 48 layers, K=8, M=32 (64 wide, batch 32);
   multilingual128   mt.Multilingual128L6B's shape: 64 encoder + 64 decoder layers, K=16,
-                    M=64 (64 wide, batch 64).
+                    M=64 (64 wide, batch 64);
+  l1663             lm.TransformerL1663's shape: 1663 layers, K=128, M=512, batch 512 (not
+                    run unless named in --only).
+
+--apart runs each configuration a second time with every layer traced on its own
+(task.pipeline.share_layer_functions=False), named <config>_apart: the engine before
+layers of one kind shared a traced function, measured in the same run.
 
 The models are registered in a param file written to a temporary directory and
 passed with --params_path, as a user would.
@@ -20,8 +27,9 @@ passed with --params_path, as a user would.
   python bench/startup_time.py --only l8_m4,l8_m32
 
 The last line printed is one JSON object: first_step_s_<config>, steady_step_s_<config>
-and peak_rss_gb_<config> (the trainer process's peak resident memory) for each, and
-first_step_ratio_l8_m32_over_m4.
+and peak_rss_gb_<config> (the trainer process's peak resident memory) for each,
+first_step_ratio_l8_m32_over_m4, and first_step_s_per_layer: the least-squares slope of
+the depth sweep's first-step times over L.
 """
 
 from __future__ import annotations
@@ -57,6 +65,7 @@ PARAM_FILE = textwrap.dedent('''
     class _Shape(SingleTaskModelParams):
       LAYERS, CELLS, MICRO_BATCHES, BATCH = 8, 2, 4, 32
       TRANSLATION = False
+      SHARE = True
 
       def task(self):
         vocab = self.train_input().instantiate().vocab.size
@@ -67,7 +76,8 @@ PARAM_FILE = textwrap.dedent('''
           p = LanguageModelTask.Params().set(name="startup")
           p.stack = transformer.lm_stack(vocab, num_layers=self.LAYERS, residual_keep_prob=0.9,
                                          **WIDTH)
-        p.pipeline.set(num_cells=self.CELLS, num_micro_batches=self.MICRO_BATCHES)
+        p.pipeline.set(num_cells=self.CELLS, num_micro_batches=self.MICRO_BATCHES,
+                       share_layer_functions=self.SHARE)
         p.train.optimizer = optimizers.Adam.Params().set(learning_rate=1e-3)
         p.train.set(save_interval_steps=100000, summary_interval_steps=100000,
                     log_interval_steps=1)
@@ -93,10 +103,25 @@ def configs(args) -> dict[str, dict]:
   for layers in args.layers:
     for m in args.micro_batches:
       out[f"l{layers}_m{m}"] = dict(LAYERS=layers, CELLS=2, MICRO_BATCHES=m, BATCH=32)
+  for layers in args.depths:
+    out[f"depth{layers}"] = dict(LAYERS=layers, CELLS=4, MICRO_BATCHES=8, BATCH=32)
   out["transformer48"] = dict(LAYERS=48, CELLS=8, MICRO_BATCHES=32, BATCH=32)
   out["multilingual128"] = dict(LAYERS=64, CELLS=16, MICRO_BATCHES=64, BATCH=64,
                                 TRANSLATION=True)
+  if "l1663" in args.only.split(","):
+    out["l1663"] = dict(LAYERS=1663, CELLS=128, MICRO_BATCHES=512, BATCH=512)
+  if args.apart:
+    out.update({f"{name}_apart": dict(settings, SHARE=False)
+                for name, settings in list(out.items())})
   return out
+
+
+def slope(points: list[tuple[float, float]]) -> float:
+  """Least-squares slope of y over x."""
+  mean_x = statistics.mean(x for x, _ in points)
+  mean_y = statistics.mean(y for _, y in points)
+  return (sum((x - mean_x) * (y - mean_y) for x, y in points)
+          / sum((x - mean_x) ** 2 for x, _ in points))
 
 
 def run_one(name: str, settings: dict, param_dir: Path, steps: int) -> dict:
@@ -138,6 +163,10 @@ def main() -> None:
                       default=[8, 32])
   parser.add_argument("--micro_batches", type=lambda s: [int(x) for x in s.split(",")],
                       default=[1, 4, 16, 32])
+  parser.add_argument("--depths", type=lambda s: [int(x) for x in s.split(",")],
+                      default=[8, 32, 128])
+  parser.add_argument("--apart", action="store_true",
+                      help="also run each configuration with every layer traced apart")
   parser.add_argument("--steps", type=int, default=6, help="steps per run (>= 4)")
   parser.add_argument("--only", default="", help="comma-separated configuration names")
   args = parser.parse_args()
@@ -163,6 +192,11 @@ def main() -> None:
   if "first_step_s_l8_m4" in summary and "first_step_s_l8_m32" in summary:
     summary["first_step_ratio_l8_m32_over_m4"] = round(
         summary["first_step_s_l8_m32"] / summary["first_step_s_l8_m4"], 3)
+  for suffix in ("", "_apart"):
+    depth = [(d, summary[f"first_step_s_depth{d}{suffix}"]) for d in args.depths
+             if f"first_step_s_depth{d}{suffix}" in summary]
+    if len(depth) >= 2:
+      summary[f"first_step_s_per_layer{suffix}"] = round(slope(depth), 4)
   print(json.dumps(summary))
 
 

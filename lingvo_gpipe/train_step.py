@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from lingvo_gpipe.core import base_layer
+from lingvo_gpipe.core import base_layer, variable_chunks
 from lingvo_gpipe.pipeline import device_loop, hybrid, timeline
 from lingvo_gpipe.pipeline.device_loop import Metrics
 from lingvo_gpipe.pipeline.layer import PipelineError, PipeliningLayer
@@ -105,7 +105,7 @@ class TrainStep:
     metrics = device_loop.weighted_mean(per_replica)
     loss = metrics["loss"][0]
     timestamps = timeline.fetches(ctx.spans)
-    grad_norm = tf.linalg.global_norm(grads[0])
+    grad_norm = variable_chunks.global_norm(grads[0], replicas.trainable_variables[0])
     finite = tf.logical_and(tf.math.is_finite(loss), tf.math.is_finite(grad_norm))
 
     def apply() -> tuple[tf.Tensor, tf.Tensor]:
@@ -115,7 +115,7 @@ class TrainStep:
       replicas.apply_layer_stats(ctx.layer_stats)
       self.global_step.assign_add(1)
       with tf.control_dependencies([lr]):
-        return lr, all_finite(self.checkpointed_variables())
+        return lr, variable_chunks.all_finite(self.checkpointed_variables())
 
     lr, update_finite = tf.cond(finite, apply,
                                 lambda: (tf.constant(float("nan")), tf.constant(True)))
@@ -130,20 +130,9 @@ class TrainStep:
     return list(self.replicas.replicas[0].variables) + list(self.optimizers[0].variables)
 
 
-def all_finite(variables: Sequence[tf.Variable]) -> tf.Tensor:
-  """Whether every floating-point variable holds only finite values: a scalar bool,
-  reduced on each variable's own device so no weights move."""
-  checks = []
-  for variable in variables:
-    if variable.dtype.is_floating:
-      with tf.device(variable.device):
-        checks.append(tf.reduce_all(tf.math.is_finite(variable.read_value())))
-  return tf.reduce_all(tf.stack(checks)) if checks else tf.constant(True)
-
-
 def non_finite_variables(variables: Sequence[tf.Variable]) -> list[str]:
   """The names of the floating-point variables holding an inf or a NaN (eagerly; for
-  the error message once `all_finite` said so)."""
+  the error message once `variable_chunks.all_finite` said so)."""
   return [v.name for v in variables
           if v.dtype.is_floating and not np.all(np.isfinite(v.numpy()))]
 

@@ -132,14 +132,23 @@ def test_slots_and_updates_live_on_the_variable_device(params, cpu_devices):
 
   fn = tf.function(lambda gs: opt.apply_gradients(gs, variables, tf.constant(0, tf.int64)))
   graph = fn.get_concrete_function([tf.TensorSpec([8, 8])] * 2).graph
+  # The updates are calls (one per chunk of variables, variable_chunks.py) whose body
+  # writes the variables and slots passed in; a call's body runs on the call's device.
   external = {id(internal): ext for ext, internal in graph.captures}
-  writes = [op for op in graph.get_operations()
-            if op.type in ("AssignVariableOp", "AssignSubVariableOp")
-            or op.type.startswith("ResourceApply")]
+  updated = set()
+  for op in graph.get_operations():
+    if op.type != "StatefulPartitionedCall":
+      continue
+    for handle in (external[id(t)] for t in op.inputs if id(t) in external):
+      assert _device_index(op.device) == _device_index(handle.device), op.name
+      updated.add(id(handle))
+  for var in variables:
+    for v in [var, *opt.slots_of(var).values()]:
+      assert id(v.handle) in updated, v.name
+  writes = [node for f in graph.as_graph_def().library.function for node in f.node_def
+            if node.op in ("AssignVariableOp", "AssignSubVariableOp")
+            or node.op.startswith("ResourceApply")]
   assert writes
-  for op in writes:
-    handle = external[id(op.inputs[0])]
-    assert _device_index(op.device) == _device_index(handle.device), op.name
 
 
 def test_schedules_match_their_formulas():

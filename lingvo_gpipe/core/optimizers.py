@@ -29,7 +29,7 @@ from collections.abc import Sequence
 
 import tensorflow as tf
 
-from lingvo_gpipe.core import lr_schedules
+from lingvo_gpipe.core import lr_schedules, variable_chunks
 from lingvo_gpipe.core.hyperparams import Instantiable, InstantiableParams, ParamsError
 
 
@@ -101,21 +101,35 @@ class Optimizer(Instantiable, tf.Module):
       raise ValueError(f"{len(grads)} gradients for {len(variables)} variables")
     grads = [tf.convert_to_tensor(g) for g in grads]
     if grad_norm is None:
-      grad_norm = tf.linalg.global_norm(grads)
-    if self.params.clip_gradient_norm > 0:
-      grads, _ = tf.clip_by_global_norm(grads, self.params.clip_gradient_norm,
-                                        use_norm=grad_norm)
+      grad_norm = variable_chunks.global_norm(grads, variables)
+    clip = self.params.clip_gradient_norm
+    # tf.clip_by_global_norm's factor, applied inside each chunk's update.
+    grad_scale = clip / tf.maximum(grad_norm, clip) if clip > 0 else None
     lr = self.learning_rate(step)
     # The step's scalars (learning rate, bias corrections...) once per device and
-    # dtype, not once per variable: a deep model has thousands of variables.
+    # dtype; the updates one call per chunk of variables of one shape
+    # (variable_chunks), not a dozen ops per variable.
     scalars: dict[tuple[str, tf.DType], dict[str, tf.Tensor]] = {}
-    for grad, var in zip(grads, variables):
-      with tf.device(var.device):
-        key = (var.device, var.dtype)
+    for chunk in variable_chunks.chunks(variables):
+      first = variables[chunk[0]]
+      with tf.device(first.device):
+        key = (first.device, first.dtype)
         if key not in scalars:
-          scalars[key] = self._step_scalars(tf.cast(lr, var.dtype), step, var.dtype)
-        self._update(var, tf.cast(grad, var.dtype), self.slots_of(var), scalars[key])
+          scalars[key] = self._step_scalars(tf.cast(lr, first.dtype), step, first.dtype)
+        self._update_chunk([variables[i] for i in chunk],
+                           [self.slots_of(variables[i]) for i in chunk],
+                           [grads[i] for i in chunk], scalars[key],
+                           None if grad_scale is None else tf.cast(grad_scale, first.dtype))
     return lr, grad_norm
+
+  @variable_chunks.chunk_function
+  def _update_chunk(self, variables, slots, grads, scalars, grad_scale):
+    """Updates variables of one device, shape and dtype (traced once per chunk size)."""
+    for var, var_slots, grad in zip(variables, slots, grads):
+      grad = tf.cast(grad, var.dtype)
+      if grad_scale is not None:
+        grad = grad * grad_scale
+      self._update(var, grad, var_slots, scalars)
 
   def _step_scalars(self, lr: tf.Tensor, step: tf.Tensor, dtype: tf.DType
                     ) -> dict[str, tf.Tensor]:

@@ -41,7 +41,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from lingvo_gpipe.core import base_layer
+from lingvo_gpipe.core import base_layer, variable_chunks
 from lingvo_gpipe.core.base_layer import BaseLayer
 from lingvo_gpipe.pipeline import tf_internals
 from lingvo_gpipe.pipeline.layer_function import LayerFunctions
@@ -351,7 +351,7 @@ class CellFunctions:
   def zero_gradients(self) -> list[tf.Tensor]:
     """Zeros shaped like self.variables: the running sums' start (the variables are
     known once the forward is traced)."""
-    return [tf.zeros(v.shape, v.dtype) for v in self.variables]
+    return variable_chunks.zeros_like(self.variables)
 
   def weight_gradients(self, sums: Sequence[tf.Tensor], inputs: Sequence[tf.Tensor],
                        output_grads: Sequence[tf.Tensor]) -> list[tf.Tensor]:
