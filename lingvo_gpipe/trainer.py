@@ -31,13 +31,14 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import tensorflow as tf
 
 from lingvo_gpipe import checkpoints, logdirs, train_step
 from lingvo_gpipe.core import base_layer
 from lingvo_gpipe.core.hyperparams import Params
-from lingvo_gpipe.pipeline import hybrid, schedule_chart, timeline
+from lingvo_gpipe.pipeline import hybrid, schedule_chart, tf_internals, timeline
 from lingvo_gpipe.pipeline.layer import PipelineError, requested_cells
 from lingvo_gpipe.tasks import base_task
 
@@ -336,9 +337,15 @@ class Trainer:
       what = "not pipelined"
     self.log(f"Building the training step ({what}) ...")
     start = time.perf_counter()
-    step_fn = tf.function(self.train_step, input_signature=[self.train_input.batch_spec()])
-    step_fn.get_concrete_function()
+    traced = tf.function(self.train_step, input_signature=[self.train_input.batch_spec()])
+    with tf_internals.step_options():  # the step's own Grappler settings
+      traced.get_concrete_function()
     self.log(f"Built the training step in {time.perf_counter() - start:.1f} s")
+
+    def step_fn(batch: Any) -> Any:
+      with tf_internals.step_options():
+        return traced(batch)
+
     return step_fn
 
   def _write_timeline(self, fetched: list[tf.Tensor], step: int) -> None:
@@ -364,18 +371,20 @@ class Trainer:
     step_fn = tf.function(self._eval_step, input_signature=[input_gen.batch_spec()])
     totals: dict[str, float] = {}
     weights: dict[str, float] = {}
-    for batch in input_gen.dataset():
-      for name, (value, weight) in step_fn(batch).items():
-        totals[name] = totals.get(name, 0.0) + float(value) * float(weight)
-        weights[name] = weights.get(name, 0.0) + float(weight)
+    with tf_internals.step_options():
+      for batch in input_gen.dataset():
+        for name, (value, weight) in step_fn(batch).items():
+          totals[name] = totals.get(name, 0.0) + float(value) * float(weight)
+          weights[name] = weights.get(name, 0.0) + float(weight)
     if not weights:
       raise TrainerError("the eval input produced no full batch; lower its batch_size")
     results = {name: totals[name] / weights[name] for name in totals}
     if getattr(self.task, "has_decoder", False):
       # Metrics of decoded outputs (BLEU) are computed on the host over the whole set.
       decode_fn = tf.function(self._decode_step, input_signature=[input_gen.batch_spec()])
-      decoded = [{k: v.numpy() for k, v in decode_fn(batch).items()}
-                 for batch in input_gen.dataset()]
+      with tf_internals.step_options():
+        decoded = [{k: v.numpy() for k, v in decode_fn(batch).items()}
+                   for batch in input_gen.dataset()]
       results.update(self.task.decode_metrics(decoded, input_gen))
     step = int(self.global_step.numpy())
     writer = tf.summary.create_file_writer(self.eval_dir)

@@ -87,3 +87,33 @@ def test_this_process_has_a_host_address_space():
   assert tf_internals.host_address_space() == "/job:localhost/replica:0/task:0"
   assert channels.full_device_name("/device:CPU:1") == (
       "/job:localhost/replica:0/task:0/device:CPU:1")
+
+
+def _call_configs(graph_def) -> list:
+  """The ConfigProto in each function call op of a graph and its library."""
+  from tensorflow.core.protobuf import config_pb2
+
+  nodes = list(graph_def.node) + [n for f in graph_def.library.function for n in f.node_def]
+  return [config_pb2.ConfigProto.FromString(n.attr["config_proto"].s) for n in nodes
+          if n.op in ("PartitionedCall", "StatefulPartitionedCall")]
+
+
+def test_step_options_reach_nested_calls():
+  """Item 8: calls traced under step_options carry its Grappler settings (TensorFlow
+  optimizes each function it instantiates with its call's settings); calls traced
+  after it do not."""
+  inner = tf.function(lambda x: x * 2.0)
+  outer = tf.function(lambda x: inner(x) + 1.0)
+  spec = tf.TensorSpec([3], tf.float32)
+  with tf_internals.step_options():
+    tuned = _call_configs(outer.get_concrete_function(spec).graph.as_graph_def())
+    assert float(tf.reduce_sum(outer(tf.ones([3])))) == 9.0
+  other = tf.function(lambda x: inner(x) - 1.0)
+  plain = _call_configs(other.get_concrete_function(spec).graph.as_graph_def())
+  assert tuned and plain
+  for config in tuned:
+    rewrites = config.graph_options.rewrite_options
+    for field, value in tf_internals.STEP_REWRITES.items():
+      assert getattr(rewrites, field) == value, field
+  for config in plain:
+    assert not config.graph_options.rewrite_options.disable_tfg_optimizer

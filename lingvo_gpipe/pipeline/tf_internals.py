@@ -46,16 +46,30 @@ fails until each item below has been re-checked with the test named beside it, t
    control dependencies order the collectives per device instead of chaining them in
    program order across devices, which deadlocked the group. Pinned by
    `tests/hybrid_test.py` (the all-reduce test and the two-replica equivalence).
+8. `step_options()`: Grappler settings for the training step only, through the
+   thread's function call options (`context.context().function_call_options`, not
+   public API): each function call op made or run while they are set carries them in
+   its `config_proto` attribute, and TensorFlow optimizes that function with them when
+   it instantiates it. Measured on `lm.Transformer48`'s shape (docs/benchmarks.md):
+   the TFG passes (attribute consolidation, topological sort, shape inference) and
+   the memory optimizer changed no node of any of the step's 550 function instances
+   and took 4 of Grappler's 10 s; the second meta-optimizer iteration removed 31 of
+   9,373 nodes. Off, the first call took 7.9 s instead of 14.9 s, the steady step no
+   slower; Grappler entirely off was slower in the steady step (its remapper fusions and
+   arithmetic rewrites pay). Pinned by
+   `tests/tf_internals_test.py::test_step_options_reach_nested_calls`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
+from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2
 from tensorflow.python.eager import context
 
 TENSORFLOW_CHECKED = "2.21.0"
@@ -67,7 +81,35 @@ _FUNCTIONAL_CONTROL_FLOW = ("While", "StatelessWhile", "Case", "StatelessCase")
 
 def disable_function_specialization() -> None:
   """Turns Grappler's function optimizer off for the process (item 2 above)."""
+  if tf.config.optimizer.get_experimental_options().get("function_optimization") is False:
+    return  # (setting it again would drop the thread's step_options)
   tf.config.optimizer.set_experimental_options({"function_optimization": False})
+
+
+# Item 8: what the training step's Grappler skips (fields of RewriterConfig).
+STEP_REWRITES = {"disable_tfg_optimizer": True,
+                 "memory_optimization": rewriter_config_pb2.RewriterConfig.NO_MEM_OPT,
+                 "meta_optimizer_iterations": rewriter_config_pb2.RewriterConfig.ONE}
+
+
+@contextlib.contextmanager
+def step_options() -> Iterator[None]:
+  """Within (this thread), functions traced or called are optimized with the
+  process's Grappler settings changed by STEP_REWRITES (item 8 above). Enter it both
+  to trace the step and to call it: the settings are part of what TensorFlow keys
+  its instantiations by."""
+  disable_function_specialization()  # first: changing the options resets the thread's
+  ctx = context.context()
+  previous = ctx.function_call_options
+  config = config_pb2.ConfigProto.FromString(previous.config_proto_serialized)
+  for field, value in STEP_REWRITES.items():
+    setattr(config.graph_options.rewrite_options, field, value)
+  ctx.function_call_options = context.FunctionCallOptions(
+      executor_type=previous.executor_type, config_proto=config)
+  try:
+    yield
+  finally:
+    ctx.function_call_options = previous
 
 
 def unlowered(build: Callable[[], Any]) -> Any:
