@@ -34,8 +34,10 @@ def _layer_index(op_name: str, prefix: str) -> int | None:
 
 def executed_ops(fn, dump_root: str) -> list[tuple[str, str, str, str]]:
   """(function graph name, op name, op type, device) of every graph op `fn()` ran."""
+  # A buffer for every op the step runs (the default keeps the last 1,000; -1,
+  # unbounded, crashed TensorFlow 2.21 here).
   tf.debugging.experimental.enable_dump_debug_info(
-      dump_root, tensor_debug_mode="NO_TENSOR", circular_buffer_size=-1)  # keep every op
+      dump_root, tensor_debug_mode="NO_TENSOR", circular_buffer_size=100000)
   try:
     fn()
   finally:
