@@ -13,13 +13,14 @@ tracing grows with the kinds of variable, the graph by one call per chunk.
   chunks(variables)                  → [[positions], ...]
   global_norm(tensors, variables)    → √(Σ ‖t‖²), each chunk summed on its device
   all_finite(variables)              → whether every floating variable is finite
-  zeros_like(variables)              → a zero tensor per variable, on its device
-  scaled(tensors, variables, scale)  → tensor · scale, each on its variable's device
+  FlatLayout(variables)              → one tensor per variable ⇄ one flat vector per
+                                       dtype (a pipeline cell's running gradient sums)
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,13 +36,14 @@ chunk_function = functools.partial(tf.function, autograph=False,
                                     experimental_attributes=NOT_INLINED)
 
 
-def chunks(variables: Sequence[Any]) -> list[list[int]]:
-  """Positions of `variables` grouped by (device, shape, dtype) in first-seen order,
-  each group cut into runs of at most MAX_CHUNK whose sizes are powers of two (so few
-  distinct signatures get traced)."""
+def chunks(variables: Sequence[Any], by_device: bool = True) -> list[list[int]]:
+  """Positions of `variables` grouped by (device, shape, dtype) (by_device=False: by
+  shape and dtype) in first-seen order, each group cut into runs of at most MAX_CHUNK
+  whose sizes are powers of two (so few distinct signatures get traced)."""
   groups: dict[tuple, list[int]] = {}
   for i, v in enumerate(variables):
-    groups.setdefault((v.device, tuple(v.shape.as_list()), v.dtype), []).append(i)
+    key = (v.device if by_device else None, tuple(v.shape.as_list()), v.dtype)
+    groups.setdefault(key, []).append(i)
   out = []
   for positions in groups.values():
     while positions:
@@ -86,34 +88,65 @@ def all_finite(variables: Sequence[tf.Variable]) -> tf.Tensor:
   return tf.reduce_all(tf.stack(checks)) if checks else tf.constant(True)
 
 
-@chunk_function
-def _zeros(shape: tuple[int, ...], dtype: tf.DType, count: int) -> list[tf.Tensor]:
-  return [tf.zeros(shape, dtype) for _ in range(count)]
+@tf.function(autograph=False)  # inlined where called: a cell's backward runs it per action
+def _flatten_chunk(tensors: list[Any], shape: tuple[int, ...], dtype: tf.DType) -> tf.Tensor:
+  return tf.concat([tf.reshape(tf.zeros(shape, dtype) if t is None else t, [-1])
+                    for t in tensors], axis=0)
 
 
-def zeros_like(variables: Sequence[tf.Variable]) -> list[tf.Tensor]:
-  """A zero tensor shaped like each variable, made on the variable's device."""
-  out: list[Any] = [None] * len(variables)
-  for chunk in chunks(variables):
-    first = variables[chunk[0]]
-    with tf.device(first.device):
-      for i, zeros in zip(chunk, _zeros(tuple(first.shape.as_list()), first.dtype, len(chunk))):
-        out[i] = zeros
-  return out
+@tf.function(autograph=False)
+def _unflatten_chunk(flat: tf.Tensor, shape: tuple[int, ...], count: int) -> list[tf.Tensor]:
+  return [tf.reshape(part, shape) for part in tf.split(flat, count)]
 
 
-@chunk_function
-def _scaled(tensors: list[tf.Tensor], scale: tf.Tensor) -> list[tf.Tensor]:
-  return [t * tf.cast(scale, t.dtype) for t in tensors]
+class FlatLayout:
+  """Where each of `variables`' tensors (e.g. gradients) lives in flat vectors, one per
+  dtype: a pipeline cell's loop carries its running gradient sums as these few
+  vectors instead of one loop variable per variable (whose plumbing through the loop
+  and its branches was most of the cost of tracing a deep cell). Packing and
+  unpacking is one traced call per chunk of variables of one shape and dtype.
 
+  dtypes: the vectors' dtypes, in first-seen order; specs(): their TensorSpecs.
+  """
 
-def scaled(tensors: Sequence[tf.Tensor], variables: Sequence[tf.Variable],
-           scale: tf.Tensor) -> list[tf.Tensor]:
-  """Each tensor times the float scalar `scale`, on the device of its variable in
-  `variables` (aligned with `tensors`)."""
-  out: list[Any] = [None] * len(tensors)
-  for chunk in chunks(variables):
-    with tf.device(variables[chunk[0]].device):
-      for i, t in zip(chunk, _scaled([tensors[i] for i in chunk], scale)):
-        out[i] = t
-  return out
+  def __init__(self, variables: Sequence[tf.Variable]):
+    self.shapes = [tuple(v.shape.as_list()) for v in variables]
+    self.dtypes: list[tf.DType] = []
+    sizes: list[int] = []
+    # per chunk: (positions, vector index, offset, elements per variable)
+    self._chunks: list[tuple[list[int], int, int, int]] = []
+    for positions in chunks(variables, by_device=False):
+      dtype = variables[positions[0]].dtype
+      if dtype not in self.dtypes:
+        self.dtypes.append(dtype)
+        sizes.append(0)
+      vector = self.dtypes.index(dtype)
+      elements = math.prod(self.shapes[positions[0]])
+      self._chunks.append((positions, vector, sizes[vector], elements))
+      sizes[vector] += elements * len(positions)
+    self._sizes = sizes
+
+  def specs(self) -> list[tf.TensorSpec]:
+    return [tf.TensorSpec([n], d) for n, d in zip(self._sizes, self.dtypes)]
+
+  def zeros(self) -> list[tf.Tensor]:
+    return [tf.zeros([n], d) for n, d in zip(self._sizes, self.dtypes)]
+
+  def flatten(self, tensors: Sequence[Any]) -> list[tf.Tensor]:
+    """One tensor (or None: zeros) per variable → the flat vectors."""
+    parts: list[list[tf.Tensor]] = [[] for _ in self.dtypes]
+    for positions, vector, _, _ in self._chunks:  # (in offset order per vector)
+      parts[vector].append(_flatten_chunk([tensors[i] for i in positions],
+                                          self.shapes[positions[0]], self.dtypes[vector]))
+    return [p[0] if len(p) == 1 else tf.concat(p, axis=0) for p in parts]
+
+  def unflatten(self, vectors: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+    """The flat vectors → one tensor per variable."""
+    out: list[Any] = [None] * len(self.shapes)
+    for positions, vector, offset, elements in self._chunks:
+      size = elements * len(positions)
+      parts = _unflatten_chunk(vectors[vector][offset:offset + size],
+                               self.shapes[positions[0]], len(positions))
+      for i, part in zip(positions, parts):
+        out[i] = part
+    return out

@@ -11,6 +11,10 @@ head) in `tf.function`s:
       → sums + the projections' weight gradients, one product each (only with
         weight_gradient_group G > 1: the backward then leaves them out)
 
+`sums` are the cell's running gradient sums as a few flat vectors, one per dtype
+(`variable_chunks.FlatLayout` of the variables the cell reads): the cell's loop
+carries them instead of one loop variable per variable.
+
 Each is traced once per distinct micro-batch shape (an uneven split has two; see
 `CallSignature`) and called from the cell's loop (device_loop.py), whatever M is
 (`tests/pipeline_graph_test.py` pins it). What varies per call enters as tensors: the
@@ -76,10 +80,13 @@ def _dense(g: Any) -> Any:
   return tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
 
 
-def _accumulate(sums: Sequence[tf.Tensor], grads: Sequence[Any]) -> list[tf.Tensor]:
-  """sums + grads; a None gradient leaves its sum as it is."""
+def _accumulate(layout: variable_chunks.FlatLayout, sums: Sequence[tf.Tensor],
+                grads: Sequence[Any]) -> list[tf.Tensor]:
+  """sums (the flat vectors of `layout`) + grads (one per variable; None adds
+  nothing)."""
   with tf.name_scope(ACCUMULATE_SCOPE):
-    return [s if g is None else s + _dense(g) for s, g in zip(sums, grads)]
+    flat = layout.flatten([None if g is None else _dense(g) for g in grads])
+    return [s + f for s, f in zip(sums, flat)]
 
 
 def _zeros_for_none(grads: Sequence[Any], like: Sequence[tf.Tensor]) -> list[tf.Tensor]:
@@ -145,6 +152,8 @@ class CellFunctions:
     self.output_structure: Any = None
     self.stats_structure: list[tuple[BaseLayer, Any]] | None = None
     self.variables: list[tf.Variable] | None = None
+    # The running gradient sums of self.variables as flat vectors, one per dtype.
+    self.layout: variable_chunks.FlatLayout | None = None
     # Per deferred weight product (in the order the layers make them): the position of
     # its variable in self.variables.
     self.product_variables: list[int] | None = None
@@ -215,7 +224,8 @@ class CellFunctions:
     variable_grads = grads[len(input_sources):len(input_sources) + len(variables)]
     product_grads = _zeros_for_none(grads[len(input_sources) + len(variables):],
                                     product_outputs)
-    return (input_grads, _accumulate(sums, variable_grads), [p.inputs for p in products],
+    return (input_grads, _accumulate(self.layout, sums, variable_grads),
+            [p.inputs for p in products],
             product_grads)
 
   def _weight_body(self, sums, inputs, output_grads):
@@ -227,7 +237,7 @@ class CellFunctions:
         grad = tf.matmul(x, dy, transpose_a=True)
         v = self.product_variables[i]
         grads[v] = grad if v not in grads else grads[v] + grad
-    return _accumulate(sums, [grads.get(v) for v in range(len(sums))])
+    return _accumulate(self.layout, sums, [grads.get(v) for v in range(len(self.variables))])
 
   def _record_products(self, products: list[base_layer.WeightProduct]
                        ) -> list[base_layer.WeightProduct]:
@@ -244,6 +254,7 @@ class CellFunctions:
     variables = list(watched)
     if self.variables is None:
       self.variables = variables
+      self.layout = variable_chunks.FlatLayout(variables)
     elif [v.ref() for v in variables] != [v.ref() for v in self.variables]:
       raise RuntimeError(f"cell {self.index}: a second trace read other variables "
                          f"({[v.name for v in variables]} vs {[v.name for v in self.variables]})")
@@ -283,7 +294,7 @@ class CellFunctions:
     if self.recompute:
       saved = flat_inputs + flat_head
       output_grads = _specs(self.differentiable_outputs(flat_outputs))
-      sums = [tf.TensorSpec(v.shape, v.dtype) for v in self.variables]
+      sums = self.layout.specs()
       backward = self._backward_fn.get_concrete_function(
           flat_inputs, flat_head, output_grads, sums, scalar, tf.TensorSpec([2], tf.int64))
       _, _, product_inputs, product_grads = backward.structured_outputs
@@ -317,7 +328,7 @@ class CellFunctions:
 
     output_grads: one per differentiable output (the loss weight on the last cell).
     Returns the gradients of the floating inputs (an empty list when the cell needs
-    none), `sums` (aligned with self.variables) plus this call's variable gradients,
+    none), `sums` (self.layout's flat vectors) plus this call's variable gradients,
     and per deferred weight product its inputs [n, I] and output gradient [n, O]
     (empty lists unless weight gradients are deferred).
     """
@@ -346,12 +357,12 @@ class CellFunctions:
                      if spec.dtype.is_floating]
     by_handle = {id(c): g for c, g in zip(pair.captured_inputs, grads[num_args:])}
     variable_grads = [by_handle.get(id(v.handle)) for v in self.variables]
-    return input_grads, _accumulate(sums, variable_grads), [], []
+    return input_grads, _accumulate(self.layout, sums, variable_grads), [], []
 
   def zero_gradients(self) -> list[tf.Tensor]:
-    """Zeros shaped like self.variables: the running sums' start (the variables are
-    known once the forward is traced)."""
-    return variable_chunks.zeros_like(self.variables)
+    """The running sums' start: zero vectors of self.layout (the variables are known
+    once the forward is traced)."""
+    return self.layout.zeros()
 
   def weight_gradients(self, sums: Sequence[tf.Tensor], inputs: Sequence[tf.Tensor],
                        output_grads: Sequence[tf.Tensor]) -> list[tf.Tensor]:

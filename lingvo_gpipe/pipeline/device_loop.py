@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from lingvo_gpipe.core import base_layer, variable_chunks
+from lingvo_gpipe.core import base_layer
 from lingvo_gpipe.pipeline import channels, tf_internals, timeline
 from lingvo_gpipe.pipeline.cell_function import CallSignature, CellFunctions
 from lingvo_gpipe.pipeline.schedule import (
@@ -373,7 +373,8 @@ def run(cells: Sequence[CellFunctions], plan: PipelineSchedule, inputs: Any, hea
   for cell, final in zip(cells, finals):
     with tf.device(cell.device):
       scale = tf.identity(inverse_weight)
-    for v, g in zip(cell.variables, variable_chunks.scaled(final["sums"], cell.variables, scale)):
+      sums = cell.layout.unflatten([s * tf.cast(scale, s.dtype) for s in final["sums"]])
+    for v, g in zip(cell.variables, sums):
       if v.ref() in position:  # a variable shared by two cells (tied weights)
         gradients[position[v.ref()]] += g
       else:
