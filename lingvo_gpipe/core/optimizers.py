@@ -84,8 +84,8 @@ class Optimizer(Instantiable, tf.Module):
     return self.params.learning_rate * self.lr_schedule.value(step)
 
   def apply_gradients(self, grads: Sequence[tf.Tensor], variables: Sequence[tf.Variable],
-                      step: tf.Tensor, grad_norm: tf.Tensor | None = None
-                      ) -> tuple[tf.Tensor, tf.Tensor]:
+                      step: tf.Tensor, grad_norm: tf.Tensor | None = None,
+                      condition: tf.Tensor | None = None) -> tuple[tf.Tensor, tf.Tensor]:
     """Clips, then updates each variable on its own device.
 
     Args:
@@ -93,6 +93,8 @@ class Optimizer(Instantiable, tf.Module):
       variables: the variables, each with slots from `create_slots`.
       step: 0-based index of this update (drives the schedule and bias corrections).
       grad_norm: the global norm of `grads`, if the caller has it already.
+      condition: if given, a bool scalar: the variables and slots change only where
+        it is true (checked inside each chunk's update).
 
     Returns:
       (learning rate used, global gradient norm before clipping).
@@ -119,17 +121,26 @@ class Optimizer(Instantiable, tf.Module):
         self._update_chunk([variables[i] for i in chunk],
                            [self.slots_of(variables[i]) for i in chunk],
                            [grads[i] for i in chunk], scalars[key],
-                           None if grad_scale is None else tf.cast(grad_scale, first.dtype))
+                           None if grad_scale is None else tf.cast(grad_scale, first.dtype),
+                           condition)
     return lr, grad_norm
 
   @variable_chunks.chunk_function
-  def _update_chunk(self, variables, slots, grads, scalars, grad_scale):
-    """Updates variables of one device, shape and dtype (traced once per chunk size)."""
-    for var, var_slots, grad in zip(variables, slots, grads):
-      grad = tf.cast(grad, var.dtype)
-      if grad_scale is not None:
-        grad = grad * grad_scale
-      self._update(var, grad, var_slots, scalars)
+  def _update_chunk(self, variables, slots, grads, scalars, grad_scale, condition):
+    """Updates variables of one device, shape and dtype (traced once per chunk size),
+    where `condition` (None: always)."""
+    def update() -> tf.Tensor:
+      for var, var_slots, grad in zip(variables, slots, grads):
+        grad = tf.cast(grad, var.dtype)
+        if grad_scale is not None:
+          grad = grad * grad_scale
+        self._update(var, grad, var_slots, scalars)
+      return tf.constant(True)
+
+    if condition is None:
+      update()
+    else:
+      tf.cond(condition, update, lambda: tf.constant(False))
 
   def _step_scalars(self, lr: tf.Tensor, step: tf.Tensor, dtype: tf.DType
                     ) -> dict[str, tf.Tensor]:
