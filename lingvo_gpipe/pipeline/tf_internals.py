@@ -54,7 +54,7 @@ fails until each item below has been re-checked with the test named beside it, t
    the TFG passes (attribute consolidation, topological sort, shape inference) and
    the memory optimizer changed no node of any of the step's 550 function instances
    and took 4 of Grappler's 10 s; the second meta-optimizer iteration removed 31 of
-   9,373 nodes. Off, the first call took 7.9 s instead of 14.9 s, the steady step no
+   18,693 nodes. Off, the first call took 7.9 s instead of 14.9 s, the steady step no
    slower; Grappler entirely off was slower in the steady step (its remapper fusions and
    arithmetic rewrites pay). Pinned by
    `tests/tf_internals_test.py::test_step_options_reach_nested_calls`.
