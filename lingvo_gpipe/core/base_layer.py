@@ -186,12 +186,19 @@ def shapes_only(enabled: bool = True) -> Iterator[None]:
   cannot run fprop. `shapes_only(False)` turns it off inside (a FLOP estimate built
   while counting shapes needs layers that run).
   """
-  previous = getattr(_STATE, "shapes_only", False)
-  _STATE.shapes_only = enabled
+  with _thread_setting("shapes_only", enabled):
+    yield
+
+
+@contextlib.contextmanager
+def _thread_setting(name: str, value: Any) -> Iterator[None]:
+  """Within (this thread), the setting `name` of _STATE is `value`."""
+  previous = getattr(_STATE, name, None)
+  setattr(_STATE, name, value)
   try:
     yield
   finally:
-    _STATE.shapes_only = previous
+    setattr(_STATE, name, previous)
 
 
 def seed_tensor(layer: BaseLayer, purpose: str) -> tf.Tensor:
@@ -210,12 +217,8 @@ def seed_tensor(layer: BaseLayer, purpose: str) -> tf.Tensor:
 @contextlib.contextmanager
 def seed_source(source: Callable[[BaseLayer, str], tf.Tensor]) -> Iterator[None]:
   """Within, `seed_tensor(layer, purpose)` returns `source(layer, purpose)`."""
-  previous = getattr(_STATE, "seed_source", None)
-  _STATE.seed_source = source
-  try:
+  with _thread_setting("seed_source", source):
     yield
-  finally:
-    _STATE.seed_source = previous
 
 
 @contextlib.contextmanager
