@@ -105,15 +105,20 @@ def test_a_dead_worker_stops_training_in_bounded_time_and_a_restart_resumes(tmp_
     cluster.wait_for_servers(cluster.parse_cluster_spec(spec)["worker"])
     logdir = tmp_path / "run"
     model = ["--model=demo.TinyConvNet", "--params_override=task.pipeline.num_cells=2;"
-             "task.pipeline.num_micro_batches=2;task.train.save_interval_steps=5"]
+             "task.pipeline.num_micro_batches=2;task.train.save_interval_steps=5;"
+             "task.train.log_interval_steps=1"]
     trainer = subprocess.Popen(
         [sys.executable, str(REPO / "tools" / "trainer.py"), *model, f"--logdir={logdir}",
          f"--cluster_spec={spec}", "--max_steps=1000000"], stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True, cwd=REPO, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
     deadline = time.monotonic() + 180
-    while _latest_checkpoint(logdir) is None and trainer.poll() is None:
-      assert time.monotonic() < deadline, "no checkpoint within 180 s"
-      time.sleep(0.2)
+    # Step 6's line: the save of step 5 has returned. (Its files appear before the save
+    # is done: a worker killed then fails the save, which removes them.)
+    for line in trainer.stdout:
+      assert time.monotonic() < deadline, "no step after the first checkpoint within 180 s"
+      if line.startswith("step 6/"):
+        break
+    assert _latest_checkpoint(logdir) is not None, "step 6 came without a checkpoint"
     workers[1].kill()
     killed = time.monotonic()
     _, stderr = trainer.communicate(timeout=120)
