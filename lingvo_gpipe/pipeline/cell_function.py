@@ -48,7 +48,6 @@ import tensorflow as tf
 from lingvo_gpipe.core import base_layer, variable_chunks
 from lingvo_gpipe.core.base_layer import BaseLayer
 from lingvo_gpipe.pipeline import tf_internals
-from lingvo_gpipe.pipeline.layer_function import LayerFunctions
 from lingvo_gpipe.pipeline.tf_internals import NOT_INLINED
 
 # Head(outputs of the last cell, head inputs of the micro-batch) → metrics
@@ -133,10 +132,11 @@ class CellFunctions:
   def __init__(self, layers: Sequence[BaseLayer], device: str | None, index: int,
                recompute: bool, head: Head | None = None, needs_input_grads: bool = True,
                weight_gradient_group: int = 1,
-               layer_functions: LayerFunctions | None = None):
+               run_layers: Callable[[Sequence[BaseLayer], Any], Any] = call_layers):
     self.layers = list(layers)
-    # Where layers of one kind share a traced function (None: each traced inline).
-    self.layer_functions = layer_functions
+    # How the layers run on the cell's inputs: `call_layers`, or through functions
+    # that layers of one kind share (LayerFunctions.call_layers).
+    self.run_layers = run_layers
     self.device = device
     self.index = index
     self.recompute = recompute
@@ -176,10 +176,8 @@ class CellFunctions:
     with base_layer.step_context(training=True, step=step, micro_batch=micro_batch,
                                  example_offset=example_offset, layer_stats=stats,
                                  spans=None, weight_products=products):
-      run_layers = (self.layer_functions.call_layers if self.layer_functions is not None
-                    else call_layers)
-      outputs = run_layers(self.layers,
-                           tf.nest.pack_sequence_as(self.input_structure, flat_inputs))
+      outputs = self.run_layers(self.layers,
+                                tf.nest.pack_sequence_as(self.input_structure, flat_inputs))
       if self.head is not None:
         outputs = self.head(outputs, tf.nest.pack_sequence_as(self.head_structure,
                                                              flat_head_inputs))

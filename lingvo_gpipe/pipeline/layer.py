@@ -260,7 +260,7 @@ class PipeliningLayer(BaseLayer):
                                    self._recompute_cell(k), head if k == last else None,
                                    needs_input_grads=k > 0,
                                    weight_gradient_group=self.params.weight_gradient_group,
-                                   layer_functions=self._function_cache.layers)
+                                   run_layers=self._function_cache.call_layers)
                      for k in range(len(self.cells))]
     return cache[head]
 
@@ -342,8 +342,5 @@ class _FunctionCache:
   def __init__(self, share_layer_functions: bool):
     self.by_head: dict[Any, list[CellFunctions]] = {}
     self.layers = LayerFunctions() if share_layer_functions else None
-
-  def call_layers(self, layers: list[BaseLayer], x: Any) -> Any:
-    """`layers` in order on x, through the shared functions when there are some."""
-    return (self.layers.call_layers(layers, x) if self.layers is not None
-            else call_layers(layers, x))
+    # `layers` in order on x, through the shared functions when there are some.
+    self.call_layers = self.layers.call_layers if self.layers is not None else call_layers

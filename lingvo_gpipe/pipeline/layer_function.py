@@ -47,12 +47,6 @@ from lingvo_gpipe.pipeline.tf_internals import NOT_INLINED
 _SEEDS = tf.TensorSpec([None], tf.int64)
 
 
-def layer_variables(layer: BaseLayer) -> list[tf.Variable]:
-  """The variables of `layer` and its descendants, in the order a kind's function
-  takes them."""
-  return [v for sublayer in layer.walk() for v in sublayer.own_variables()]
-
-
 def kind_of(layer: BaseLayer, training: bool) -> tuple:
   """What layers sharing a function have in common: class, params but the name, mode."""
   params = layer.params.copy().set(name="")
@@ -78,11 +72,12 @@ def step_info() -> tf.Tensor:
 class _KindFunction:
   """The traced function of one kind of layer."""
 
-  def __init__(self, representative: BaseLayer, not_inlined: bool):
+  def __init__(self, representative: BaseLayer):
     self.representative = representative
     self.layout: _Layout | None = None
-    self.function = tf.function(self._layer_body, autograph=False, experimental_attributes=(
-        NOT_INLINED if not_inlined else None))
+    # Not inlined: each kind's body is optimized once, not once per call site.
+    self.function = tf.function(self._layer_body, autograph=False,
+                                experimental_attributes=NOT_INLINED)
 
   def _layer_body(self, variables, inputs, info, seeds):
     sublayers = list(self.representative.walk())
@@ -111,10 +106,12 @@ class _KindFunction:
 
   def call(self, layer: BaseLayer, inputs: Any, info: tf.Tensor,
            ctx: base_layer.StepContext) -> Any:
-    """`layer` (of this kind) on `inputs`, through the traced function."""
-    variables = layer_variables(layer)
-    concrete = self.function.get_concrete_function(variables, inputs, info, _SEEDS)
+    """`layer` (of this kind) on `inputs`, through the traced function. Its variables
+    (its own, then its descendants', in `walk()` order) are the function's first
+    argument."""
     sublayers = list(layer.walk())
+    variables = [v for sublayer in sublayers for v in sublayer.own_variables()]
+    concrete = self.function.get_concrete_function(variables, inputs, info, _SEEDS)
     seeds = tf.constant([sublayers[i].seed_for(purpose) for i, purpose in self.layout.seeds],
                         tf.int64, shape=[len(self.layout.seeds)])
     outputs, flat_stats = concrete(variables, inputs, info, seeds)
@@ -127,35 +124,28 @@ class _KindFunction:
 
 class LayerFunctions:
   """The traced functions of the kinds of layer of one pipeline (all its cells, in
-  training and eval). `not_inlined`: the calls stay function calls when TensorFlow
-  runs the cell's function (each kind's body is optimized once), instead of being
-  inlined into it (optimized per call site)."""
+  training and eval)."""
 
-  def __init__(self, not_inlined: bool = True):
-    self.not_inlined = not_inlined
+  def __init__(self):
     self._functions: dict[tuple, _KindFunction] = {}
     self._kinds: dict[tuple[int, bool], tuple] = {}  # (id(layer), training) → kind
 
-  def call(self, layer: BaseLayer, inputs: Any, info: tf.Tensor | None = None) -> Any:
-    """`layer` on `inputs` (a tuple is passed as positional arguments), through its
-    kind's function where it can share one. info: `step_info()`, if made already."""
-    ctx = base_layer.current_context()
-    if not type(layer).shares_traces or ctx.weight_products is not None:
-      return base_layer.call_with(layer, inputs)
-    key = (id(layer), bool(ctx.training))
-    if key not in self._kinds:
-      self._kinds[key] = kind_of(layer, bool(ctx.training))
-    kind = self._kinds[key]
-    if kind not in self._functions:
-      self._functions[kind] = _KindFunction(layer, self.not_inlined)
-    return self._functions[kind].call(layer, inputs, step_info() if info is None else info,
-                                      ctx)
-
   def call_layers(self, layers: Sequence[BaseLayer], x: Any) -> Any:
-    """Runs `layers` in order; a tuple output is passed on as positional arguments."""
+    """Runs `layers` in order, each through its kind's function where it can share
+    one; a tuple output is passed on as positional arguments."""
+    ctx = base_layer.current_context()
     info = step_info()
     for layer in layers:
-      x = self.call(layer, x, info)
+      if not type(layer).shares_traces or ctx.weight_products is not None:
+        x = base_layer.call_with(layer, x)
+        continue
+      key = (id(layer), bool(ctx.training))
+      if key not in self._kinds:
+        self._kinds[key] = kind_of(layer, bool(ctx.training))
+      kind = self._kinds[key]
+      if kind not in self._functions:
+        self._functions[kind] = _KindFunction(layer)
+      x = self._functions[kind].call(layer, x, info, ctx)
     return x
 
   @property
