@@ -170,7 +170,7 @@ def test_fprop_differentiated_by_tensorflow_equals_unpartitioned(reference, cpu_
 
 @pytest.mark.parametrize("num_cells, recompute, schedule", [
     (2, "always", "gpipe"), (4, "except_last", "gpipe"), (4, "always", "1f1b"),
-    (2, "never", "1f1b")])
+    (2, "never", "1f1b"), (4, "except_last", "zb_h1"), (4, "always", "interleaved_1f1b")])
 def test_two_training_steps_give_the_same_weights(cpu_devices, num_cells, recompute, schedule):
   """TrainStep (the trainer's step) against Adam on the unpartitioned model by hand."""
   x, skip, target = inputs()
@@ -184,9 +184,11 @@ def test_two_training_steps_give_the_same_weights(cpu_devices, num_cells, recomp
         loss = loss_of(want_model(x, skip), target)
     opt.apply_gradients(tape.gradient(loss, variables), variables, tf.constant(i, tf.int64))
 
-  model = model_params(gpipe.PipeliningLayer, num_cells=num_cells, num_micro_batches=3,
-                       recompute=recompute, schedule=schedule,
-                       devices=cpu_devices[:num_cells]).instantiate()
+  virtual_stages = 2 if schedule == "interleaved_1f1b" else 1
+  model = model_params(gpipe.PipeliningLayer, num_cells=num_cells,
+                       num_micro_batches=4 if virtual_stages > 1 else 3,
+                       recompute=recompute, schedule=schedule, virtual_stages=virtual_stages,
+                       devices=cpu_devices[:num_cells // virtual_stages]).instantiate()
   pipeline_opt = optimizers.Adam.Params().set(learning_rate=0.05).instantiate()
   pipeline_opt.create_slots(model.trainable_variables)
   global_step = tf.Variable(0, dtype=tf.int64)
@@ -228,12 +230,15 @@ def _device(name: str) -> tuple[str, int]:
 # -- batch norm ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb_h1", "interleaved_1f1b"])
 def test_batch_norm_moving_stats_come_from_the_whole_batch_once(cpu_devices, schedule):
   num_micro_batches = 4
+  interleaved = schedule == "interleaved_1f1b"
   p = gpipe.PipeliningLayer.Params().set(name="bn_stack", num_cells=2, schedule=schedule,
                                          num_micro_batches=num_micro_batches,
-                                         devices=cpu_devices[:2], splits=[2, 3], layers=[
+                                         virtual_stages=2 if interleaved else 1,
+                                         devices=cpu_devices[:1 if interleaved else 2],
+                                         splits=[2, 3], layers=[
       layers.Linear.Params().set(name="fc1", input_dim=5, output_dim=6),
       layers.BatchNorm.Params().set(name="bn", dim=6, decay=0.9),
       layers.Linear.Params().set(name="fc2", input_dim=6, output_dim=3)])
@@ -282,6 +287,64 @@ def test_weight_gradients_over_groups_of_micro_batches_equal_unpartitioned(
       assert len(cell.product_variables) == len(cell.layers)
 
 
+# -- schedules past fill-drain: zero bubble (ZB-H1) and interleaved virtual stages -------
+
+
+@pytest.mark.parametrize("num_cells, num_micro_batches, recompute", [
+    (2, 4, "always"), (4, 8, "always"), (2, 3, "except_last"), (4, 2, "always"),
+    (2, 8, "never"),  # no recompute: nothing is deferred, zb_h1 runs 1F1B's order
+    (1, 4, "always"),
+])
+def test_zero_bubble_equals_unpartitioned(reference, cpu_devices, num_cells, num_micro_batches,
+                                          recompute):
+  model = model_params(gpipe.PipeliningLayer, num_cells=num_cells, schedule="zb_h1",
+                       num_micro_batches=num_micro_batches, recompute=recompute,
+                       devices=cpu_devices[:num_cells]).instantiate()
+  wrapped = with_loss(model)
+  assert_matches_reference(pipelined_loss_and_grads(model, wrapped), reference)
+  plan = model.plan()
+  for k, cell in enumerate(model.cell_functions(wrapped.head)):
+    assert cell.defers_weight_gradients == model._recompute_cell(k)
+    assert plan.defers(k) == cell.defers_weight_gradients
+    # one W per backward: each computes one micro-batch's weight gradients
+    assert all(len(g) == 1 for g in plan.weight_groups(k).values())
+
+
+@pytest.mark.parametrize("num_cells, virtual_stages, num_micro_batches, recompute", [
+    (4, 2, 2, "always"), (4, 2, 4, "never"), (4, 2, 8, "except_last"), (6, 3, 4, "always"),
+    (2, 2, 3, "always"),  # one device holding both cells
+])
+def test_interleaved_virtual_stages_equal_unpartitioned(reference, cpu_devices, num_cells,
+                                                        virtual_stages, num_micro_batches,
+                                                        recompute):
+  num_devices = num_cells // virtual_stages
+  model = model_params(gpipe.PipeliningLayer, num_cells=num_cells,
+                       schedule="interleaved_1f1b", virtual_stages=virtual_stages,
+                       num_micro_batches=num_micro_batches, recompute=recompute,
+                       devices=cpu_devices[:num_devices]).instantiate()
+  assert [model.cell_devices.index(d) for d in model.cell_devices] == [
+      k % num_devices for k in range(num_cells)]
+  assert_matches_reference(pipelined_loss_and_grads(model), reference)
+
+
+def test_interleaved_with_weight_gradient_groups_equals_unpartitioned(reference, cpu_devices):
+  model = model_params(gpipe.PipeliningLayer, num_cells=4, schedule="interleaved_1f1b",
+                       virtual_stages=2, num_micro_batches=4, weight_gradient_group=2,
+                       devices=cpu_devices[:2]).instantiate()
+  assert_matches_reference(pipelined_loss_and_grads(model), reference)
+
+
+def test_round_robin_cells_share_one_loop_per_device(reference, cpu_devices):
+  """Four 1F1B cells on two devices: each device runs its two cells in one loop, in
+  the order their actions start in the simulated schedule."""
+  model = model_params(gpipe.PipeliningLayer, num_cells=4, schedule="1f1b",
+                       num_micro_batches=4, devices=cpu_devices[:2],
+                       round_robin_devices=True).instantiate()
+  plan = model.plan()
+  assert plan.num_devices == 2 and plan.device_of == (0, 1, 0, 1)
+  assert_matches_reference(pipelined_loss_and_grads(model), reference)
+
+
 # -- bad input -----------------------------------------------------------------------
 
 
@@ -296,7 +359,16 @@ def test_weight_gradients_over_groups_of_micro_batches_equal_unpartitioned(
     (dict(num_cells=4, devices=["/device:CPU:0", "/device:CPU:1"]),
      r"4 cells but only 2 device\(s\)"),
     (dict(recompute="sometimes"), "recompute must be one of"),
-    (dict(schedule="zigzag"), r"schedule must be one of \['1f1b', 'gpipe'\], got 'zigzag'"),
+    (dict(schedule="zigzag"),
+     r"schedule must be one of \['1f1b', 'gpipe', 'interleaved_1f1b', 'zb_h1'\], got 'zigzag'"),
+    (dict(schedule="zb_h1", weight_gradient_group=2),
+     "weight_gradient_group must be 1 with schedule='zb_h1'"),
+    (dict(schedule="interleaved_1f1b"), "virtual_stages must be >= 2 with "
+                                        "schedule='interleaved_1f1b'"),
+    (dict(virtual_stages=2), "virtual_stages must be 1 unless schedule='interleaved_1f1b', "
+                             "got 2"),
+    (dict(schedule="interleaved_1f1b", virtual_stages=3, num_cells=4),
+     "virtual_stages=3 must divide the 4 cells"),
     (dict(weight_gradient_group=0), "weight_gradient_group must be an int >= 1, got 0"),
 ])
 def test_bad_pipeline_params_are_named(settings, message):

@@ -65,8 +65,8 @@ def test_simulated_calls_never_overlap_on_a_device_and_wait_for_their_inputs():
 
 def test_the_docstring_tables_are_what_format_table_prints():
   doc = schedule.__doc__
-  for name in ("gpipe", "1f1b"):
-    for row in schedule.make(name, 3, 4).format_table().splitlines():
+  for name in ("gpipe", "1f1b", "zb_h1"):
+    for row in schedule.make(name, 3, 4, weight_cells=range(3)).format_table().splitlines():
       assert row in doc, row
 
 
@@ -111,9 +111,11 @@ def test_weight_gradient_actions_end_every_group_of_backwards(name, num_cells, n
 
 
 @pytest.mark.parametrize("lists, message", [
-    ([["F0", "W0", "B0"]], r"(?s)runs W0 with no backward since its previous W.*>W0<"),
+    ([["F0", "W0", "B0"]], r"(?s)runs W0 with no backward of its own to finish: B0 has "
+                           r"not run.*>W0<"),
     ([["F0", "F1", "B0", "W0", "B1"]], r"ends with backwards whose weight gradients no W"),
-    ([["F0", "F1", "B1", "B0", "W0", "W1"]], r"runs W1 with no backward since"),
+    # W0 covers B1 and B0 (the backwards since the previous W, up to B0's)
+    ([["F0", "F1", "B1", "B0", "W0", "W1"]], r"runs W1 with no backward of its own"),
 ])
 def test_misplaced_weight_gradient_actions_are_named(lists, message):
   with pytest.raises(ScheduleError, match=message):
@@ -141,7 +143,7 @@ def test_malformed_schedules_are_named(lists, message):
 
 def test_unknown_schedule_names_the_valid_ones():
   with pytest.raises(ScheduleError, match=r"unknown pipeline schedule 'zigzag'; valid: "
-                                          r"\['1f1b', 'gpipe'\]"):
+                                          r"\['1f1b', 'gpipe', 'interleaved_1f1b', 'zb_h1'\]"):
     schedule.make("zigzag", 2, 4)
 
 

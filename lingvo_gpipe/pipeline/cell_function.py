@@ -9,7 +9,8 @@ head) in `tf.function`s:
       → input gradients, sums + variable gradients (recomputes the forward inside)
   weight_gradients(sums, inputs [n, I] and output gradients [n, O] of each projection)
       → sums + the projections' weight gradients, one product each (only with
-        weight_gradient_group G > 1: the backward then leaves them out)
+        a re-materialized cell with deferred weight gradients: weight_gradient_group
+        G > 1, or the zb_h1 schedule; the backward then leaves them out)
 
 `sums` are the cell's running gradient sums as a few flat vectors, one per dtype
 (`variable_chunks.FlatLayout` of the variables the cell reads): the cell's loop
@@ -58,7 +59,7 @@ Head = Callable[[Any, Any], dict]
 # (bench/micro_batch_profile.py). TensorFlow names the gradient ops of the recomputed
 # forward "gradient_tape/recompute/...".
 FORWARD_SCOPE, RECOMPUTE_SCOPE, ACCUMULATE_SCOPE = "forward", "recompute", "accumulate"
-WEIGHT_SCOPE = "weight_gradient"  # deferred weight gradients (weight_gradient_group > 1)
+WEIGHT_SCOPE = "weight_gradient"  # deferred weight gradients (W actions)
 
 
 def call_layers(layers: Sequence[BaseLayer], x: Any) -> Any:
@@ -111,7 +112,7 @@ class CallSignature:
   stats: list[tf.TensorSpec]
   saved: list[tf.TensorSpec]
   pair: tf_internals.ForwardBackwardPair | None = None
-  # Deferred weight products (weight_gradient_group > 1): per product, its inputs
+  # Deferred weight products (cells with W actions): per product, its inputs
   # [n, I] and output gradient [n, O].
   product_inputs: list[tf.TensorSpec] = dataclasses.field(default_factory=list)
   product_grads: list[tf.TensorSpec] = dataclasses.field(default_factory=list)
@@ -131,7 +132,7 @@ class CellFunctions:
 
   def __init__(self, layers: Sequence[BaseLayer], device: str | None, index: int,
                recompute: bool, head: Head | None = None, needs_input_grads: bool = True,
-               weight_gradient_group: int = 1,
+               defer_weight_gradients: bool = False,
                run_layers: Callable[[Sequence[BaseLayer], Any], Any] = call_layers):
     self.layers = list(layers)
     # How the layers run on the cell's inputs: `call_layers`, or through functions
@@ -142,9 +143,10 @@ class CellFunctions:
     self.recompute = recompute
     self.head = head
     self.needs_input_grads = needs_input_grads
-    # G > 1 (re-materialized cells only): the projections' weight gradients are left
-    # out of the backward call and computed by `weight_gradients` over G micro-batches.
-    self.weight_gradient_group = weight_gradient_group if recompute else 1
+    # Re-materialized cells only: the projections' weight gradients are left out of
+    # the backward call and computed by `weight_gradients` in the schedule's W actions
+    # (over G micro-batches at once, or one at a time in the bubble: zb_h1).
+    self.defers_weight_gradients = defer_weight_gradients and recompute
     # Python structure of a call, fixed by the layers (the same for every shape);
     # recorded when a body is traced.
     self.input_structure: Any = None
@@ -164,10 +166,6 @@ class CellFunctions:
     self._weight_fn = tf.function(self._weight_body, experimental_attributes=NOT_INLINED,
                                   autograph=False, reduce_retracing=True)
     self._signatures: dict[Any, CallSignature] = {}
-
-  @property
-  def defers_weight_gradients(self) -> bool:
-    return self.weight_gradient_group > 1
 
   # -- traced bodies ------------------------------------------------------------------
 

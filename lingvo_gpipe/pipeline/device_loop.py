@@ -1,8 +1,8 @@
-"""One loop per cell: the cell's device runs its schedule's action list, one per iteration.
+"""One loop per device: the device runs its cells' actions in the schedule's order.
 
-For cell k, on its device, one functional While (`tf_internals.unlowered`) walks a
-constant table with one row per action of `plan.actions[k]`, and a Case picks the
-action's branch:
+For device d, one functional While (`tf_internals.unlowered`) walks a constant table
+with one row per entry of `plan.device_orders[d]` (usually one cell's list; several
+cells' with interleaved virtual stages), and a Case picks the action's branch:
 
   F m   inputs: micro-batch m sliced from the batch (k = 0) or received from cell k−1
         → CellFunctions.forward → outputs sent to cell k+1 (last cell: the head's
@@ -10,19 +10,22 @@ action's branch:
         the batch statistics kept per micro-batch
   B m   output gradient: received from cell k+1 (last cell: micro-batch m's loss
         weight) → CellFunctions.backward on the stashed slot → input gradients sent to
-        cell k−1; variable gradients added to the running sums (loop variables)
-  W m   (cells that defer weight gradients) the projections' inputs and output
-        gradients of the backwards since the previous W, concatenated → one product
-        each, added to the sums
+        cell k−1; variable gradients added to the running sums (loop variables); in a
+        cell that defers weight gradients, the projections' inputs and output
+        gradients kept in a product slot
+  W m   (cells that defer weight gradients) the product slots of the backwards since
+        the cell's previous W, up to m's, concatenated → one product per projection,
+        added to the sums
 
 An uneven split has two micro-batch shapes; each has its own F and B branch (the
-cell's functions are traced once per shape). Each action's start and end are
-timestamped on the device (the measured timeline).
+cell's functions are traced once per shape); W has a branch per group size. Each
+action's start and end are timestamped on the device (the measured timeline).
 
-The loop carries the sums, one stash slot per micro-batch the cell holds in flight
-(`PipelineSchedule.max_in_flight`: M for gpipe, at most K−k for 1f1b), the head's
-per-micro-batch metrics, the statistics and the timestamps; the step graph holds one
-loop per cell whatever M is (`tests/pipeline_graph_test.py`).
+The loop carries, per cell, the sums, one stash slot per micro-batch the cell holds
+in flight (`PipelineSchedule.max_in_flight`: M for gpipe, at most K−k for 1f1b), one
+product slot per backward awaiting its W (`max_awaiting_weights`), the head's
+per-micro-batch metrics and the statistics; and the device's timestamps. The step
+graph holds one loop per device whatever M is (`tests/pipeline_graph_test.py`).
 
 The loss of the whole batch is the weighted mean of the micro-batch losses,
 Σ w_m·loss_m / Σ w_m, with w_m the loss's weight (examples, or target tokens): each
@@ -88,45 +91,89 @@ def _weighted_mean(values: tf.Tensor, weights: tf.Tensor) -> tuple[tf.Tensor, tf
   return tf.math.divide_no_nan(tf.reduce_sum(values * weights), total), total
 
 
-# Columns of a cell's action table.
-BRANCH, MICRO_BATCH, OFFSET, SLOT, GROUP_POSITION = range(5)
+# Columns of a device's action table.
+BRANCH, MICRO_BATCH, OFFSET, SLOT, PRODUCT_SLOT = range(5)
+
+
+@dataclasses.dataclass(frozen=True)
+class Branches:
+  """The Case branches of one cell in its device's loop, from `first` on: F and B of
+  each micro-batch shape class c (first + 2c, first + 2c + 1), then W of each group
+  size the cell's W actions have (in `weight_sizes` order)."""
+  first: int
+  num_classes: int
+  weight_sizes: tuple[int, ...]
+
+  def forward(self, c: int) -> int:
+    return self.first + 2 * c
+
+  def backward(self, c: int) -> int:
+    return self.first + 2 * c + 1
+
+  def weight_gradient(self, n: int) -> int:
+    return self.first + 2 * self.num_classes + self.weight_sizes.index(n)
+
+  @property
+  def end(self) -> int:
+    return self.first + 2 * self.num_classes + len(self.weight_sizes)
 
 
 @dataclasses.dataclass
 class ActionTable:
-  """A cell's actions as loop data: rows int32 [A, 5] (branch, micro-batch, example
-  offset, stash slot, position in the weight-gradient group); the F branch of shape
-  class c is 2c, its B branch 2c+1, W is 2C."""
+  """A device's actions as loop data: rows int32 [A, 5] (branch, micro-batch, example
+  offset, stash slot, product slot), one per entry of the device's order; per cell on
+  the device, its branches and how many stash and product slots it needs."""
   rows: np.ndarray
-  num_slots: int
+  branches: dict[int, Branches]
+  stash_slots: dict[int, int]
+  product_slots: dict[int, int]
   keys: np.ndarray  # float64 [A, 3]: cell, micro-batch, phase index (timeline.PHASES)
 
 
-def action_table(plan: PipelineSchedule, k: int, shape_class: Sequence[int],
+def action_table(plan: PipelineSchedule, d: int, shape_class: Sequence[int],
                  offsets: Sequence[int], num_classes: int) -> ActionTable:
-  """Cell k's table. Slots are given out lowest-free-first at each F and freed at its
-  B, so the cell needs max_in_flight(k) of them."""
-  rows, keys, free, slot_of, group_position = [], [], [], {}, 0
-  num_slots = 0
-  for action in plan.actions[k]:
-    m = action.micro_batch
+  """Device d's table.
+
+  Stash slots (what a backward needs) are given out per cell lowest-free-first at
+  each F and freed at its B, so cell k needs max_in_flight(k) of them. Product slots
+  (a deferred backward's projection inputs and output gradients, kept for its W) go
+  round a ring of max_awaiting_weights(k): the i-th backward of the cell writes slot
+  i mod R, and a W reads its group's consecutive backwards' slots.
+  """
+  cells = sorted({k for k, _ in plan.device_orders[d]})
+  branches, first = {}, 0
+  for k in cells:
+    sizes = tuple(sorted({len(g) for g in plan.weight_groups(k).values()}))
+    branches[k] = Branches(first, num_classes, sizes)
+    first = branches[k].end
+  stash_slots = dict.fromkeys(cells, 0)
+  product_slots = {k: plan.max_awaiting_weights(k) for k in cells}
+  free: dict[int, list[int]] = {k: [] for k in cells}
+  slot_of: dict[tuple[int, int], int] = {}
+  backward_index: dict[tuple[int, int], int] = {}
+  groups = {k: plan.weight_groups(k) for k in cells}
+  rows, keys = [], []
+  for k, action in plan.device_orders[d]:
+    m, b = action.micro_batch, branches[k]
     if action.phase == FORWARD:
-      if not free:
-        free.append(num_slots)
-        num_slots += 1
-      slot_of[m] = min(free)
-      free.remove(slot_of[m])
-      rows.append([2 * shape_class[m], m, offsets[m], slot_of[m], 0])
+      if not free[k]:
+        free[k].append(stash_slots[k])
+        stash_slots[k] += 1
+      slot_of[(k, m)] = min(free[k])
+      free[k].remove(slot_of[(k, m)])
+      rows.append([b.forward(shape_class[m]), m, offsets[m], slot_of[(k, m)], 0])
     elif action.phase == BACKWARD:
-      free.append(slot_of[m])
-      rows.append([2 * shape_class[m] + 1, m, offsets[m], slot_of[m], group_position])
-      group_position += 1
+      free[k].append(slot_of[(k, m)])
+      index = backward_index[(k, m)] = len([1 for c, _ in backward_index if c == k])
+      product_slot = index % product_slots[k] if product_slots[k] else 0
+      rows.append([b.backward(shape_class[m]), m, offsets[m], slot_of[(k, m)], product_slot])
     else:
-      rows.append([2 * num_classes, m, offsets[m], 0, 0])
-      group_position = 0
+      group = groups[k][m]
+      rows.append([b.weight_gradient(len(group)), m, offsets[m], 0,
+                   backward_index[(k, group[0])] % product_slots[k]])
     keys.append([k, m, timeline.PHASES.index(action.phase)])
-  return ActionTable(np.array(rows, np.int32).reshape(-1, 5), num_slots,
-                     np.array(keys, np.float64).reshape(-1, 3))
+  return ActionTable(np.array(rows, np.int32).reshape(-1, 5), branches, stash_slots,
+                     product_slots, np.array(keys, np.float64).reshape(-1, 3))
 
 
 def _slice(flat: Sequence[tf.Tensor], offset: tf.Tensor, size: int) -> list[tf.Tensor]:
@@ -145,12 +192,25 @@ def _list(specs: Sequence[tf.TensorSpec], size: int) -> list[tf.TensorArray]:
   return [tf.TensorArray(s.dtype, size=size, element_shape=s.shape) for s in specs]
 
 
-def _group(specs: Sequence[tf.TensorSpec]) -> list[tf.TensorArray]:
-  """Empty growable TensorArrays for a weight-gradient group: [n, ...] elements whose
-  n differs between micro-batch shapes."""
-  return [tf.TensorArray(s.dtype, size=0, dynamic_size=True, infer_shape=False,
+def _ring(specs: Sequence[tf.TensorSpec], size: int) -> list[tf.TensorArray]:
+  """One TensorArray per spec, `size` elements [n, ...] whose n differs between
+  micro-batch shapes."""
+  return [tf.TensorArray(s.dtype, size=size, infer_shape=False,
                          element_shape=tf.TensorShape([None]).concatenate(s.shape[1:]))
           for s in specs]
+
+
+def _read_group(ring: Sequence[tf.TensorArray], size: int, first: tf.Tensor, n: int,
+                specs: Sequence[tf.TensorSpec]) -> list[tf.Tensor]:
+  """Slots first, first+1, ... (mod the ring's `size`) of each ring, concatenated
+  along the batch: [Σ n_i, ...] per spec."""
+  slots = [tf.math.floormod(first + i, size) for i in range(n)]
+  out = []
+  for ta, spec in zip(ring, specs):
+    t = tf.concat([ta.read(s) for s in slots], axis=0) if n > 1 else ta.read(slots[0])
+    t.set_shape(tf.TensorShape([None]).concatenate(spec.shape[1:]))
+    out.append(t)
+  return out
 
 
 def _after(tensors: Sequence[Any], deps: Sequence[Any]) -> list[Any]:
@@ -161,13 +221,17 @@ def _after(tensors: Sequence[Any], deps: Sequence[Any]) -> list[Any]:
 
 @dataclasses.dataclass
 class CellLoop:
-  """What cell k's loop needs besides its table: the cell, its call signatures per
-  micro-batch shape, the hand-offs to its neighbours and the step's inputs."""
+  """What cell k's actions need in its device's loop: the cell, its call signatures
+  per micro-batch shape, its slots, the hand-offs to its neighbours and the step's
+  inputs. Each action takes the cell's part of the loop state and returns it updated,
+  with its start and end timestamps."""
   cell: CellFunctions
   k: int
   signatures: list[CallSignature]   # per shape class
   sizes: list[int]                  # per shape class, its micro-batch size
-  table: ActionTable
+  branches: Branches
+  stash_slots: int
+  product_slots: int
   num_micro_batches: int
   previous: channels.Link | None     # to cell k−1
   following: channels.Link | None    # to cell k+1
@@ -176,20 +240,30 @@ class CellLoop:
   step: tf.Tensor
   base_offset: Any
 
-  # -- the loop's state ----------------------------------------------------------------
+  # -- the cell's state ----------------------------------------------------------------
 
   def initial_state(self) -> dict[str, Any]:
     sig0 = self.signatures[0]
     return {
         "sums": self.cell.zero_gradients(),
-        "stash": [_list(sig.saved, self.table.num_slots) for sig in self.signatures],
+        "stash": [_list(sig.saved, self.stash_slots) for sig in self.signatures],
         "outputs": (_list(sig0.outputs, self.num_micro_batches) if self.cell.head is not None
                     else []),
         "stats": _list(sig0.stats, self.num_micro_batches),
-        "product_inputs": _group(sig0.product_inputs),
-        "product_grads": _group(sig0.product_grads),
-        "times": tf.TensorArray(tf.float64, size=len(self.table.rows), element_shape=[2]),
+        "product_inputs": _ring(sig0.product_inputs, self.product_slots),
+        "product_grads": _ring(sig0.product_grads, self.product_slots),
     }
+
+  def actions(self) -> list[tuple[int, Any]]:
+    """(branch index, action(state, m, offset, slot, product_slot)) of each branch."""
+    out = []
+    for c in range(len(self.signatures)):
+      out.append((self.branches.forward(c), lambda *a, c=c: self.forward(c, *a)))
+      out.append((self.branches.backward(c), lambda *a, c=c: self.backward(c, *a)))
+    for n in self.branches.weight_sizes:
+      out.append((self.branches.weight_gradient(n),
+                  lambda *a, n=n: self.weight_gradient(n, *a)))
+    return out
 
   # -- the actions ---------------------------------------------------------------------
 
@@ -197,7 +271,7 @@ class CellLoop:
     return tf.stack([tf.cast(m, tf.int64),
                      tf.cast(self.base_offset, tf.int64) + tf.cast(offset, tf.int64)])
 
-  def forward(self, c: int, state: dict, i, m, offset, slot, _) -> dict:
+  def forward(self, c: int, state: dict, m, offset, slot, _):
     sig, state = self.signatures[c], dict(state)
     if self.previous is None:
       flat = _slice(self.inputs, offset, self.sizes[c])
@@ -217,10 +291,9 @@ class CellLoop:
     state["stash"][c] = [ta.write(slot, t) for ta, t in zip(state["stash"][c], saved)]
     state["stats"] = [ta.write(m, t) for ta, t in zip(state["stats"], stats)]
     end = _timestamp(list(outputs) + list(saved) + list(stats), sent)
-    state["times"] = state["times"].write(i, tf.stack([start, end]))
-    return state
+    return state, start, end
 
-  def backward(self, c: int, state: dict, i, m, offset, slot, position) -> dict:
+  def backward(self, c: int, state: dict, m, offset, slot, product_slot):
     sig, cell, state = self.signatures[c], self.cell, dict(state)
     if self.following is None:
       loss_index, weight_index = cell.loss_positions()
@@ -236,60 +309,66 @@ class CellLoop:
     input_grads, state["sums"], product_inputs, product_grads = cell.backward(
         sig, saved, seeds, state["sums"], self.step, self._call_info(m, offset))
     sent = self.previous.backward.send(input_grads) if self.previous is not None else []
-    state["product_inputs"] = [ta.write(position, t) for ta, t in
+    state["product_inputs"] = [ta.write(product_slot, t) for ta, t in
                                zip(state["product_inputs"], product_inputs)]
-    state["product_grads"] = [ta.write(position, t) for ta, t in
+    state["product_grads"] = [ta.write(product_slot, t) for ta, t in
                               zip(state["product_grads"], product_grads)]
-    end = _timestamp(list(input_grads) + list(state["sums"]), sent)
-    state["times"] = state["times"].write(i, tf.stack([start, end]))
-    return state
+    end = _timestamp(list(input_grads) + list(state["sums"]) + list(product_inputs)
+                     + list(product_grads), sent)
+    return state, start, end
 
-  def weight_gradient(self, state: dict, i, *_) -> dict:
+  def weight_gradient(self, n: int, state: dict, _m, _offset, _slot, first):
     state = dict(state)
     start = _timestamp(list(state["sums"]))
     sig = self.signatures[0]
-    inputs = [_concat(ta, s) for ta, s in zip(state["product_inputs"], sig.product_inputs)]
-    grads = [_concat(ta, s) for ta, s in zip(state["product_grads"], sig.product_grads)]
+    inputs = _read_group(state["product_inputs"], self.product_slots, first, n,
+                         sig.product_inputs)
+    grads = _read_group(state["product_grads"], self.product_slots, first, n,
+                        sig.product_grads)
     state["sums"] = self.cell.weight_gradients(_after(state["sums"], [start]), inputs, grads)
-    state["product_inputs"] = _group(sig.product_inputs)
-    state["product_grads"] = _group(sig.product_grads)
     end = _timestamp(list(state["sums"]))
-    state["times"] = state["times"].write(i, tf.stack([start, end]))
-    return state
+    return state, start, end
 
-  # -- the loop ------------------------------------------------------------------------
 
-  def build(self) -> dict[str, Any]:
-    """The loop, under tf.device(cell's device): its final state."""
-    num_classes = len(self.signatures)
+@dataclasses.dataclass
+class DeviceLoop:
+  """One device's loop over its table: the Case of each row picks one action of one
+  of the device's cells."""
+  device: str | None
+  cells: dict[int, CellLoop]
+  table: ActionTable
+
+  def build(self) -> tuple[dict[int, dict[str, Any]], tf.TensorArray]:
+    """The loop, under tf.device(device): each cell's final state, and the
+    timestamps of its actions ([A, 2], in table order)."""
     table = tf.constant(self.table.rows)
+    order = sorted(self.cells)
 
     def body(i, state):
       row = tf.unstack(tf.gather(table, i))
-      args = (i, row[MICRO_BATCH], row[OFFSET], row[SLOT], row[GROUP_POSITION])
-      branches = []
-      for c in range(num_classes):
-        branches.append(lambda c=c: self.forward(c, state, *args))
-        branches.append(lambda c=c: self.backward(c, state, *args))
-      if self.cell.defers_weight_gradients:
-        branches.append(lambda: self.weight_gradient(state, *args))
+      args = (row[MICRO_BATCH], row[OFFSET], row[SLOT], row[PRODUCT_SLOT])
+      branches = {}
+      for j, k in enumerate(order):
+        for index, action in self.cells[k].actions():
+          branches[index] = lambda j=j, action=action: self._step(state, i, j, action, args)
       new_state = tf_internals.unlowered(
-          lambda: tf.switch_case(row[BRANCH], branches))
+          lambda: tf.switch_case(row[BRANCH], [branches[b] for b in range(len(branches))]))
       return i + 1, new_state
 
     num_actions = len(self.table.rows)
-    with tf.device(self.cell.device):
+    initial = {"cells": [self.cells[k].initial_state() for k in order],
+               "times": tf.TensorArray(tf.float64, size=num_actions, element_shape=[2])}
+    with tf.device(self.device):
       _, final = tf_internals.unlowered(lambda: tf.while_loop(
-          lambda i, _: i < num_actions, body, (tf.constant(0, tf.int32),
-                                               self.initial_state())))
-    return final
+          lambda i, _: i < num_actions, body, (tf.constant(0, tf.int32), initial)))
+    return {k: cell_state for k, cell_state in zip(order, final["cells"])}, final["times"]
 
-
-def _concat(ta: tf.TensorArray, spec: tf.TensorSpec) -> tf.Tensor:
-  """A group's [n_g, ...] elements concatenated → [Σ n_g, ...]."""
-  out = ta.concat()
-  out.set_shape(tf.TensorShape([None]).concatenate(spec.shape[1:]))
-  return out
+  @staticmethod
+  def _step(state: dict, i, j: int, action, args) -> dict:
+    cell_state, start, end = action(state["cells"][j], *args)
+    cells = list(state["cells"])
+    cells[j] = cell_state
+    return {"cells": cells, "times": state["times"].write(i, tf.stack([start, end]))}
 
 
 def _timestamp(wait_for: Sequence[Any], also: Sequence[Any] = ()) -> tf.Tensor:
@@ -341,36 +420,47 @@ def run(cells: Sequence[CellFunctions], plan: PipelineSchedule, inputs: Any, hea
         per_class.append(cell.signature(cell_inputs, head))
     signatures.append(per_class)
   links = channels.links(link_prefix, [cell.device for cell in cells])
-  finals = []
+  finals: dict[int, dict[str, Any]] = {}
+  for d, device_order in enumerate(plan.device_orders):
+    device_cells = sorted({k for k, _ in device_order})
+    devices = {cells[k].device for k in device_cells}
+    if len(devices) != 1:
+      raise ValueError(f"the schedule puts cells {device_cells} on one device; they are on "
+                       f"{sorted(map(str, devices))}")
+    table = action_table(plan, d, shape_class, offsets, len(class_sizes))
+    loops = {k: CellLoop(cells[k], k, signatures[k], class_sizes, table.branches[k],
+                         table.stash_slots[k], table.product_slots[k], len(sizes),
+                         links[k - 1] if k > 0 else None,
+                         links[k] if k + 1 < num_cells else None,
+                         tf.nest.flatten(inputs) if k == 0 else [],
+                         tf.nest.flatten(head_inputs) if cells[k].head is not None else [],
+                         step, ctx.example_offset)
+             for k in device_cells}
+    device = cells[device_cells[0]].device
+    cell_states, times = DeviceLoop(device, loops, table).build()
+    finals.update(cell_states)
+    if ctx.spans is not None:
+      with tf.device(device):
+        ctx.spans.append(timeline.CellTimes(
+            device, tf.concat([times.stack(), tf.constant(table.keys, tf.float64)], axis=1)))
   for k, cell in enumerate(cells):
-    table = action_table(plan, k, shape_class, offsets, len(class_sizes))
-    loop = CellLoop(cell, k, signatures[k], class_sizes, table, len(sizes),
-                    links[k - 1] if k > 0 else None, links[k] if k + 1 < num_cells else None,
-                    tf.nest.flatten(inputs) if k == 0 else [],
-                    tf.nest.flatten(head_inputs) if cell.head is not None else [],
-                    step, ctx.example_offset)
-    final = loop.build()
-    finals.append(final)
-    with tf.device(cell.device):
-      if ctx.layer_stats is not None and final["stats"]:
-        per_micro_batch = zip(*[tf.unstack(ta.stack()) for ta in final["stats"]])
+    if ctx.layer_stats is not None and finals[k]["stats"]:
+      with tf.device(cell.device):
+        per_micro_batch = zip(*[tf.unstack(ta.stack()) for ta in finals[k]["stats"]])
         for flat_stats in per_micro_batch:
           ctx.layer_stats.extend(cell.unflatten_stats(list(flat_stats)))
-      if ctx.spans is not None:
-        ctx.spans.append(timeline.CellTimes(
-            cell.device, tf.concat([final["times"].stack(),
-                                    tf.constant(table.keys, tf.float64)], axis=1)))
   last = cells[-1]
   with tf.device(last.device):
     per_micro_batch = tf.nest.pack_sequence_as(
-        last.output_structure, [ta.stack() for ta in finals[-1]["outputs"]])
+        last.output_structure, [ta.stack() for ta in finals[num_cells - 1]["outputs"]])
     metrics = {name: _weighted_mean(tf.cast(value, tf.float32), tf.cast(weight, tf.float32))
                for name, (value, weight) in per_micro_batch.items()}
     inverse_weight = tf.math.divide_no_nan(1.0, metrics["loss"][1])
   variables: list[tf.Variable] = []
   gradients: list[tf.Tensor] = []
   position: dict[Any, int] = {}
-  for cell, final in zip(cells, finals):
+  for k, cell in enumerate(cells):
+    final = finals[k]
     with tf.device(cell.device):
       scale = tf.identity(inverse_weight)
       sums = cell.layout.unflatten([s * tf.cast(scale, s.dtype) for s in final["sums"]])

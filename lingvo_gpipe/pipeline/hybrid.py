@@ -216,7 +216,8 @@ def replica_device_slices(num_replicas: int, num_cells: int,
 
 def replicate(params: Params, num_replicas: int, pipeline_key: str = "",
               devices: Sequence[str] | None = None) -> list[Any]:
-  """R instances of `params`, replica r's K cells on devices[r·K:(r+1)·K].
+  """R instances of `params`, replica r's K cells on devices[r·K:(r+1)·K] (on
+  devices[r·D:(r+1)·D], D = K/V, with V virtual stages).
 
   pipeline_key: where the pipeline's params sit in `params` ('' when `params` are
   PipeliningLayer's own, 'pipeline' for a task's); devices: all R·K devices (default:
@@ -224,7 +225,9 @@ def replicate(params: Params, num_replicas: int, pipeline_key: str = "",
   params, the replicas start with the same weights.
   """
   pipeline = getattr(params, pipeline_key) if pipeline_key else params
-  slices = replica_device_slices(num_replicas, requested_cells(pipeline) or 1,
+  # Devices per replica: one per cell, or per V cells (interleaved virtual stages).
+  per_replica = max(1, (requested_cells(pipeline) or 1) // pipeline.virtual_stages)
+  slices = replica_device_slices(num_replicas, per_replica,
                                  devices or pipeline.devices or default_devices())
   key = f"{pipeline_key}.devices" if pipeline_key else "devices"
   return [params.copy().set(**{key: d}).freeze().instantiate() for d in slices]

@@ -82,6 +82,15 @@ def check_pipeline_params(p: hyperparams.Params, path: str) -> None:
     raise bad("schedule", f"one of {sorted(schedule.SCHEDULES)}")
   if not isinstance(p.weight_gradient_group, int) or p.weight_gradient_group < 1:
     raise bad("weight_gradient_group", "an int >= 1")
+  if p.schedule == "zb_h1" and p.weight_gradient_group != 1:
+    raise bad("weight_gradient_group", "1 with schedule='zb_h1' (it places one W per "
+              "backward itself)")
+  if not isinstance(p.virtual_stages, int) or p.virtual_stages < 1:
+    raise bad("virtual_stages", "an int >= 1")
+  if (p.schedule == "interleaved_1f1b") != (p.virtual_stages > 1):
+    raise bad("virtual_stages", ">= 2 with schedule='interleaved_1f1b' and 1 with any "
+              "other schedule" if p.schedule == "interleaved_1f1b" else
+              "1 unless schedule='interleaved_1f1b'")
   if p.partition_cost not in PARTITION_COSTS:
     raise bad("partition_cost", f"one of {PARTITION_COSTS}")
   if p.memory_cap_bytes is not None and not p.memory_cap_bytes > 0:
@@ -117,7 +126,14 @@ class PipeliningLayer(BaseLayer):
     p.define("recompute", "always", f"Re-materialization policy: {RECOMPUTE_POLICIES}.")
     p.define("schedule", "gpipe", "Order of each cell's forward and backward calls: "
              f"{sorted(schedule.SCHEDULES)} (pipeline/schedule.py). 1f1b has GPipe's bubble "
-             "but holds at most K micro-batches per cell in flight instead of M.")
+             "but holds at most K micro-batches per cell in flight instead of M; zb_h1 "
+             "splits re-materialized cells' backwards into input and weight gradients "
+             "and runs the weight gradients in 1F1B's cool-down (about a third of its "
+             "bubble, at its peak memory); interleaved_1f1b puts virtual_stages cells "
+             "on each device (bubble / V, V× the hand-offs).")
+    p.define("virtual_stages", 1, "V (schedule='interleaved_1f1b'): cells per device; the "
+             "K cells go on K/V devices, cell k on device k mod (K/V). M must be a "
+             "multiple of K/V.")
     p.define("weight_gradient_group", 1, "G: re-materialized cells compute the weight "
              "gradients of their projections (layers.project: Linear, attention, softmax) "
              "over G micro-batches at once, in one call after every G-th backward: one "
@@ -157,6 +173,7 @@ class PipeliningLayer(BaseLayer):
     self.create_children("layers", p.layers, devices=layer_devices)
     self._function_cache = _FunctionCache(p.share_layer_functions)
     self._channel_prefix = channels.channel_prefix(self.path)
+    self.plan()  # a schedule these cells and micro-batches cannot run fails here
 
   # -- partition and placement ----------------------------------------------------
 
@@ -207,6 +224,16 @@ class PipeliningLayer(BaseLayer):
   def _assign_devices(self, num_cells: int) -> list[str]:
     p = self.params
     devices = list(p.devices) or default_devices()
+    if p.virtual_stages > 1:
+      if num_cells % p.virtual_stages:
+        raise PipelineError(f"{self.path}: virtual_stages={p.virtual_stages} must divide the "
+                            f"{num_cells} cells (each device holds V of them)")
+      num_devices = num_cells // p.virtual_stages
+      if num_devices > len(devices):
+        raise PipelineError(f"{self.path}: {num_cells} cells at virtual_stages="
+                            f"{p.virtual_stages} need {num_devices} devices; only "
+                            f"{len(devices)}: {devices}")
+      return [devices[k % num_devices] for k in range(num_cells)]
     if num_cells > len(devices) and not p.round_robin_devices:
       raise PipelineError(
           f"{self.path}: {num_cells} cells but only {len(devices)} device(s) {devices}; "
@@ -259,7 +286,7 @@ class PipeliningLayer(BaseLayer):
       cache[head] = [CellFunctions(self.cell_layers(k), self.cell_devices[k], k,
                                    self._recompute_cell(k), head if k == last else None,
                                    needs_input_grads=k > 0,
-                                   weight_gradient_group=self.params.weight_gradient_group,
+                                   defer_weight_gradients=self._defers_weight_gradients(),
                                    run_layers=self._function_cache.call_layers)
                      for k in range(len(self.cells))]
     return cache[head]
@@ -281,14 +308,29 @@ class PipeliningLayer(BaseLayer):
     return device_loop.run(self.cell_functions(head), self.plan(), inputs, head_inputs, sizes,
                            offsets, self._channel_prefix)
 
-  def plan(self) -> schedule.PipelineSchedule:
-    """The actions of each cell in a training step (params.schedule; with
-    weight_gradient_group G > 1, a W after every G-th backward of each re-materialized
-    cell and after its last)."""
+  def _defers_weight_gradients(self) -> bool:
+    """Whether re-materialized cells run their weight gradients as W actions."""
     p = self.params
-    deferring = [k for k in range(len(self.cells)) if self._recompute_cell(k)]
-    return schedule.make(p.schedule, len(self.cells), p.num_micro_batches
-                         ).with_weight_gradients(p.weight_gradient_group, deferring)
+    return p.weight_gradient_group > 1 or p.schedule == "zb_h1"
+
+  def plan(self) -> schedule.PipelineSchedule:
+    """The actions of each cell in a training step and each device's order
+    (params.schedule; with weight_gradient_group G > 1, a W after every G-th backward
+    of each re-materialized cell and after its last). Cells that share a device run
+    in one loop, in the order of the schedule (interleaved_1f1b) or, placed there
+    round-robin, in the order their actions start in the simulated timeline."""
+    p = self.params
+    deferring = ([k for k in range(len(self.cells)) if self._recompute_cell(k)]
+                 if self._defers_weight_gradients() else [])
+    try:
+      plan = schedule.make(p.schedule, len(self.cells), p.num_micro_batches,
+                           virtual_stages=p.virtual_stages, weight_cells=deferring)
+    except schedule.ScheduleError as e:
+      raise PipelineError(f"{self.path}: {e}") from None
+    if p.schedule != "zb_h1":
+      plan = plan.with_weight_gradients(p.weight_gradient_group, deferring)
+    device_index = {d: i for i, d in enumerate(dict.fromkeys(self.cell_devices))}
+    return plan.on_devices([device_index[d] for d in self.cell_devices])
 
   def fprop(self, *inputs: Any) -> Any:
     """inputs: tensors (or nested structures) of batch-major [B, ...] → outputs [B, ...].

@@ -2,23 +2,25 @@
 
 An action is the forward (F) or the backward (B, recompute included) of one
 micro-batch on one cell, or (W) the deferred weight gradients of the backwards the
-cell ran since its previous W (only in cells that defer them: `with_weight_gradients`).
-A schedule gives every cell k its list; cell k's device runs exactly that list, in
-that order, as one loop (device_loop.py). The dependencies between cells are fixed by
-the data:
+cell ran since its previous W, up to the micro-batch it names (only in cells that
+defer them: `with_weight_gradients`, zb_h1). Cell k runs on device `device_of[k]`;
+each device runs its cells' actions in one order (`device_orders`), as one loop
+(device_loop.py). The dependencies between cells are fixed by the data:
 
   F(k, m) needs F(k−1, m)               (its inputs are cell k−1's outputs)
   B(k, m) needs F(k, m) and B(k+1, m)   (its output gradient is cell k+1's input gradient;
                                          the last cell computes the loss itself)
-  W(k, m) needs B(k, m)                 (it ends a group of backwards; m is the group's last)
+  W(k, m) needs B(k, m)                 (listed after it on its cell)
 
 Hand-offs between neighbouring cells are matched first-in first-out per link
 (channels.py), so both ends of a link must list its transfers in the same order:
 cell k's forwards in the order of cell k+1's, cell k+1's backwards in the order of
-cell k's. `PipelineSchedule` refuses a schedule where they differ, naming the link.
+cell k's. `PipelineSchedule` refuses a schedule where they differ, naming the link,
+and one whose device orders can deadlock, naming the waiting cells.
 
-Two schedules, K = 3 cells, M = 4 micro-batches (one column per unit of time, with a
-backward twice as long as a forward; `format_table` prints these):
+The schedules, K = 3 cells, M = 4 micro-batches, one column per unit of time: F, B
+and W equal, a backward that includes its weight gradients twice as long
+(`format_table` prints these):
 
   gpipe (fill-drain: all forwards, then all backwards, newest first)
 
@@ -33,15 +35,30 @@ backward twice as long as a forward; `format_table` prints these):
     cell 1  .. F0 F1 .. .. B0 B0 F2 B1 B1 F3 B2 B2 .. B3 B3 .. ..
     cell 2  .. .. F0 B0 B0 F1 B1 B1 F2 B2 B2 F3 B3 B3 .. .. .. ..
 
-Both have the same bubble, (K−1)/(M+K−1) of each device's time for equal cells;
-1F1B's gain is memory: cell k holds at most K−k micro-batches in flight (forward done,
-backward not yet) instead of M.
+  zb_h1 (zero bubble, Qi et al. 2024: 1F1B with B and W apart; cell k runs the W of
+  micro-batch i − k after the B of i, and so fills the cool-down with weight gradients)
+
+    cell 0  F0 F1 F2 .. .. B0 W0 F3 B1 W1 B2 W2 B3 W3
+    cell 1  .. F0 F1 .. B0 F2 B1 W0 F3 B2 W1 B3 W2 W3
+    cell 2  .. .. F0 B0 F1 B1 F2 B2 W0 F3 B3 W1 W2 W3
+
+  interleaved_1f1b (Megatron-LM 2021: D devices hold V cells each, cell k on device
+  k mod D; the devices run 1F1B over their cells in rounds of D micro-batches)
+
+Idle time per device (equal cells, free hand-offs; F, B and W the times of one
+micro-batch on a device's layers; the bubble, `bubble`, is idle / (M(F+B+W) + idle)):
+
+  schedule          idle per device     micro-batches held (forward done, not finished)
+  gpipe, 1f1b       (K−1)(F+B+W)        M per cell (gpipe); K−k on cell k (1f1b)
+  zb_h1             (K−1)(F+B−W)        up to K on every cell: 1F1B's peak (cell 0's)
+  interleaved_1f1b  (D−1)(F+B+W)/V      device d: up to 2(D−d−1)+(V−1)D+1 of its cells'
+                                        micro-batches, each 1/V of the device's layers
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from lingvo_gpipe.core.hyperparams import ParamsError
 
@@ -77,18 +94,49 @@ def weight_gradient(m: int) -> Action:
   return Action(WEIGHT_GRADIENT, m)
 
 
+Times = float | Sequence[float]  # one for every cell, or one per cell
+
+
+def _per_cell(value: Times, num_cells: int, what: str) -> list[float]:
+  if isinstance(value, (int, float)):
+    return [float(value)] * num_cells
+  values = [float(v) for v in value]
+  if len(values) != num_cells:
+    raise ScheduleError(f"{what}: {len(values)} times for {num_cells} cells")
+  return values
+
+
 @dataclasses.dataclass(frozen=True)
 class PipelineSchedule:
-  """`actions[k]`: cell k's actions in the order its device runs them."""
+  """`actions[k]`: cell k's actions in order. `device_of[k]`: the device (an index) cell
+  k runs on, and `device_orders[d]`: the (cell, action) pairs device d runs, in order,
+  as one loop. By default every cell has a device of its own (device_of[k] = k).
+  Several cells on one device (interleaved virtual stages, round-robin placement)
+  need the device's order; `on_devices` derives one from the simulated timeline."""
   name: str
   num_cells: int
   num_micro_batches: int
   actions: tuple[tuple[Action, ...], ...]
+  device_of: tuple[int, ...] = ()
+  device_orders: tuple[tuple[tuple[int, Action], ...], ...] = ()
 
   def __post_init__(self):
+    if not self.device_of:
+      object.__setattr__(self, "device_of", tuple(range(self.num_cells)))
+    if not self.device_orders:
+      if len(set(self.device_of)) != len(self.device_of):
+        raise ScheduleError(f"{self.name}: cells share devices {list(self.device_of)}; "
+                            "give each device's order (device_orders, or on_devices)")
+      object.__setattr__(self, "device_orders", tuple(
+          tuple((k, a) for a in self.actions[k]) for k in range(len(self.actions))))
     self._check_each_cell_runs_each_action_once()
+    self._check_devices_run_their_cells_in_order()
     self._check_links_carry_the_same_order()
     self.execution_order()  # raises ScheduleError on a deadlock
+
+  @property
+  def num_devices(self) -> int:
+    return len(self.device_orders)
 
   def _error(self, k: int, position: int, why: str) -> ScheduleError:
     """`why`, with cell k's list printed and its action at `position` marked."""
@@ -97,33 +145,44 @@ class PipelineSchedule:
     return ScheduleError(f"{self.name}: cell {k} {why}\n  cell {k}: {listed}")
 
   def _check_each_cell_runs_each_action_once(self) -> None:
-    if len(self.actions) != self.num_cells:
-      raise ScheduleError(f"{self.name}: {len(self.actions)} action lists for "
-                          f"{self.num_cells} cells")
+    if len(self.actions) != self.num_cells or len(self.device_of) != self.num_cells:
+      raise ScheduleError(f"{self.name}: {len(self.actions)} action lists and "
+                          f"{len(self.device_of)} devices for {self.num_cells} cells")
     last = self.num_micro_batches - 1
     for k, cell_actions in enumerate(self.actions):
       seen: set[Action] = set()
-      pending_weights = False  # a backward ran since the last W (cells that defer)
+      pending: list[int] = []  # backwards since the last W, in order (cells that defer)
       defers = any(a.phase == WEIGHT_GRADIENT for a in cell_actions)
       for i, action in enumerate(cell_actions):
         if not 0 <= action.micro_batch <= last or action in seen:
           raise self._error(k, i, f"must run F0..F{last} and B0..B{last} once each; "
                                   f"{action} is {'repeated' if action in seen else 'unknown'}")
         seen.add(action)
-        if action.phase == BACKWARD and forward(action.micro_batch) not in seen:
-          raise self._error(k, i, f"runs {action} before F{action.micro_batch}")
-        if action.phase == WEIGHT_GRADIENT and (
-            not pending_weights or backward(action.micro_batch) not in seen):
-          raise self._error(k, i, f"runs {action} with no backward since its previous W "
-                                  f"or before B{action.micro_batch}")
-        pending_weights = (pending_weights or action.phase == BACKWARD) and (
-            action.phase != WEIGHT_GRADIENT)
+        if action.phase == BACKWARD:
+          if forward(action.micro_batch) not in seen:
+            raise self._error(k, i, f"runs {action} before F{action.micro_batch}")
+          pending.append(action.micro_batch)
+        if action.phase == WEIGHT_GRADIENT:
+          if action.micro_batch not in pending:
+            raise self._error(k, i, f"runs {action} with no backward of its own to finish: "
+                                    f"B{action.micro_batch} has not run, or an earlier W "
+                                    "computed its weight gradients")
+          del pending[:pending.index(action.micro_batch) + 1]
       if len([a for a in seen if a.phase != WEIGHT_GRADIENT]) != 2 * self.num_micro_batches:
         raise ScheduleError(f"{self.name}: cell {k} must run F0..F{last} and B0..B{last} "
                             f"once each; it runs {' '.join(map(str, cell_actions))}")
-      if defers and pending_weights:
+      if defers and pending:
         raise self._error(k, len(cell_actions) - 1,
                           "ends with backwards whose weight gradients no W computes")
+
+  def _check_devices_run_their_cells_in_order(self) -> None:
+    for d, order in enumerate(self.device_orders):
+      for k in {k for k, _ in order}:
+        if self.device_of[k] != d or tuple(a for c, a in order if c == k) != self.actions[k]:
+          raise ScheduleError(f"{self.name}: device {d}'s order does not run cell {k}'s "
+                              "actions as listed")
+    if sum(len(o) for o in self.device_orders) != sum(len(a) for a in self.actions):
+      raise ScheduleError(f"{self.name}: the devices' orders leave out actions")
 
   def link_orders(self, k: int) -> tuple[list[int], list[int], list[int], list[int]]:
     """For the link between cells k and k+1: the micro-batches of cell k's forwards
@@ -162,51 +221,87 @@ class PipelineSchedule:
 
   def execution_order(self) -> list[tuple[int, Action]]:
     """Every (cell, action) once, each after what it needs and after the actions
-    listed before it on its cell (a check that the loops cannot deadlock; the simulator's order).
+    listed before it on its device (a check that the loops cannot deadlock; the
+    simulator's order).
 
     Raises ScheduleError naming the cells that wait on each other if there is none.
     """
-    position = [0] * self.num_cells
+    position = [0] * self.num_devices
     done: set[tuple[int, Action]] = set()
     order: list[tuple[int, Action]] = []
-    total = sum(len(cell) for cell in self.actions)
+    total = sum(len(cell) for cell in self.device_orders)
     while len(order) < total:
       progressed = False
-      for k in range(self.num_cells):
-        while position[k] < len(self.actions[k]):
-          action = self.actions[k][position[k]]
-          if not all(dep in done for dep in self.dependencies(k, action)):
+      for d, device_order in enumerate(self.device_orders):
+        while position[d] < len(device_order):
+          entry = device_order[position[d]]
+          if not all(dep in done for dep in self.dependencies(*entry)):
             break
-          done.add((k, action))
-          order.append((k, action))
-          position[k] += 1
+          done.add(entry)
+          order.append(entry)
+          position[d] += 1
           progressed = True
       if not progressed:
-        waiting = [f"cell {k} at {self.actions[k][position[k]]}"
-                   for k in range(self.num_cells) if position[k] < len(self.actions[k])]
+        waiting = [f"cell {order[position[d]][0]} at {order[position[d]][1]}"
+                   for d, order in enumerate(self.device_orders) if position[d] < len(order)]
         raise ScheduleError(f"{self.name}: deadlock, no cell can go on ({', '.join(waiting)})")
     return order
 
-  def simulate(self, forward_time: float = 1.0, backward_time: float = 2.0,
-               weight_time: float = 0.0) -> dict[tuple[int, Action], tuple[float, float]]:
-    """(start, end) of every action with equal cells, free transfers, one call at a time
-    per device: the planned timeline the measured one is compared with."""
+  def defers(self, k: int) -> bool:
+    """Whether cell k computes weight gradients in W actions of their own."""
+    return any(a.phase == WEIGHT_GRADIENT for a in self.actions[k])
+
+  def weight_groups(self, k: int) -> dict[int, list[int]]:
+    """Per W action of cell k (by micro-batch): the micro-batches whose weight
+    gradients it computes, the backwards since the previous W up to its own."""
+    groups, pending = {}, []
+    for action in self.actions[k]:
+      if action.phase == BACKWARD:
+        pending.append(action.micro_batch)
+      elif action.phase == WEIGHT_GRADIENT:
+        cut = pending.index(action.micro_batch) + 1
+        groups[action.micro_batch], pending = pending[:cut], pending[cut:]
+    return groups
+
+  def simulate(self, forward_time: Times = 1.0, backward_time: Times = 1.0,
+               weight_time: Times = 1.0, transfer_time: float = 0.0
+               ) -> dict[tuple[int, Action], tuple[float, float]]:
+    """(start, end) of every action, one call at a time per device: the planned
+    timeline the measured one is compared with.
+
+    Times are per micro-batch, one value or one per cell: the forward, the backward's
+    input gradients, and the weight gradients, which a cell that defers them runs in
+    its W actions (a W of n micro-batches takes n·weight_time) and the others inside
+    their backward. `transfer_time` is added to every hand-off between devices.
+    """
+    f, b, w = (_per_cell(t, self.num_cells, name) for t, name in (
+        (forward_time, "forward_time"), (backward_time, "backward_time"),
+        (weight_time, "weight_time")))
+    groups = [self.weight_groups(k) for k in range(self.num_cells)]
     times: dict[tuple[int, Action], tuple[float, float]] = {}
-    free = [0.0] * self.num_cells
-    duration = {FORWARD: forward_time, BACKWARD: backward_time, WEIGHT_GRADIENT: weight_time}
+    free = [0.0] * self.num_devices
     for k, action in self.execution_order():
-      ready = max([free[k]] + [times[dep][1] for dep in self.dependencies(k, action)])
-      end = ready + duration[action.phase]
-      times[(k, action)] = (ready, end)
-      free[k] = end
+      if action.phase == FORWARD:
+        duration = f[k]
+      elif action.phase == BACKWARD:
+        duration = b[k] + (0.0 if groups[k] else w[k])
+      else:
+        duration = w[k] * len(groups[k][action.micro_batch])
+      d = self.device_of[k]
+      ready = max([free[d]] + [
+          times[dep][1] + (transfer_time if self.device_of[dep[0]] != d else 0.0)
+          for dep in self.dependencies(k, action)])
+      times[(k, action)] = (ready, ready + duration)
+      free[d] = ready + duration
     return times
 
-  def bubble(self, forward_time: float = 1.0, backward_time: float = 2.0) -> float:
+  def bubble(self, forward_time: Times = 1.0, backward_time: Times = 1.0,
+             weight_time: Times = 1.0, transfer_time: float = 0.0) -> float:
     """Planned idle fraction of the devices over the step (see `simulate`)."""
-    times = self.simulate(forward_time, backward_time)
+    times = self.simulate(forward_time, backward_time, weight_time, transfer_time)
     span = max(end for _, end in times.values())
-    busy = self.num_micro_batches * (forward_time + backward_time)
-    return 1.0 - busy / span
+    busy = sum(end - start for start, end in times.values())
+    return 1.0 - busy / (self.num_devices * span) if span > 0 else 0.0
 
   def max_in_flight(self, k: int) -> int:
     """The most micro-batches cell k holds between their forward and their backward:
@@ -218,28 +313,89 @@ class PipelineSchedule:
       most = max(most, in_flight)
     return most
 
+  def max_awaiting_weights(self, k: int) -> int:
+    """The most micro-batches cell k holds between their backward and the W that
+    computes their weight gradients (each keeps its projections' inputs and output
+    gradients until then)."""
+    waiting = most = 0
+    groups = self.weight_groups(k)
+    for action in self.actions[k]:
+      if action.phase == BACKWARD and groups:
+        waiting += 1
+      elif action.phase == WEIGHT_GRADIENT:
+        waiting -= len(groups[action.micro_batch])
+      most = max(most, waiting)
+    return most
+
+  def max_held(self, k: int) -> int:
+    """The most micro-batches cell k holds from their forward until it is done with
+    them (their W where the cell defers weight gradients, else their backward): the
+    count the zero-bubble paper bounds by 1F1B's."""
+    held = most = 0
+    groups = self.weight_groups(k)
+    for action in self.actions[k]:
+      if action.phase == FORWARD:
+        held += 1
+      elif action.phase == BACKWARD and not groups:
+        held -= 1
+      elif action.phase == WEIGHT_GRADIENT:
+        held -= len(groups[action.micro_batch])
+      most = max(most, held)
+    return most
+
+  def _rebuilt(self, device_orders: Sequence[Sequence[tuple[int, Action]]]
+               ) -> PipelineSchedule:
+    """This schedule with other device orders (the cells' lists follow from them)."""
+    actions = tuple(tuple(a for d in device_orders for c, a in d if c == k)
+                    for k in range(self.num_cells))
+    return PipelineSchedule(self.name, self.num_cells, self.num_micro_batches, actions,
+                            self.device_of, tuple(tuple(o) for o in device_orders))
+
   def with_weight_gradients(self, group: int, cells: Sequence[int]) -> PipelineSchedule:
     """This schedule with a W after every `group`-th backward of each of `cells` (the
     cells that defer their weight gradients) and after its last backward."""
     if group <= 1 or not cells:
       return self
-    actions = []
-    for k, cell_actions in enumerate(self.actions):
-      row, since = [], 0
-      last_backward = [a for a in cell_actions if a.phase == BACKWARD][-1]
-      for action in cell_actions:
-        row.append(action)
+    cells = set(cells)
+    last_backward = {k: [a for a in self.actions[k] if a.phase == BACKWARD][-1]
+                     for k in cells}
+    since = dict.fromkeys(cells, 0)
+    orders = []
+    for device_order in self.device_orders:
+      row = []
+      for k, action in device_order:
+        row.append((k, action))
         if k in cells and action.phase == BACKWARD:
-          since += 1
-          if since == group or action == last_backward:
-            row.append(weight_gradient(action.micro_batch))
-            since = 0
-      actions.append(tuple(row))
-    return PipelineSchedule(self.name, self.num_cells, self.num_micro_batches, tuple(actions))
+          since[k] += 1
+          if since[k] == group or action == last_backward[k]:
+            row.append((k, weight_gradient(action.micro_batch)))
+            since[k] = 0
+      orders.append(row)
+    return self._rebuilt(orders)
 
-  def format_table(self, forward_time: int = 1, backward_time: int = 2) -> str:
+  def on_devices(self, device_of: Sequence[int]) -> PipelineSchedule:
+    """These cell lists with cell k on device device_of[k]; a device with several
+    cells runs their actions in the order they start in the simulated timeline
+    (which is a valid execution order, so the device loops cannot deadlock)."""
+    device_of = tuple(device_of)
+    if device_of == self.device_of:
+      return self
+    if len(device_of) != self.num_cells:
+      raise ScheduleError(f"{self.name}: {len(device_of)} devices for {self.num_cells} cells")
+    free = PipelineSchedule(self.name, self.num_cells, self.num_micro_batches, self.actions)
+    times = free.simulate()
+    orders: list[list[tuple[float, int, int, Action]]] = [[] for _ in range(max(device_of) + 1)]
+    for k, cell_actions in enumerate(self.actions):
+      for i, action in enumerate(cell_actions):
+        orders[device_of[k]].append((times[(k, action)][0], k, i, action))
+    return PipelineSchedule(self.name, self.num_cells, self.num_micro_batches, self.actions,
+                            device_of, tuple(tuple((k, a) for _, k, _, a in sorted(order))
+                                             for order in orders))
+
+  def format_table(self, forward_time: int = 1, backward_time: int = 1,
+                   weight_time: int = 1) -> str:
     """One row per cell, one column per unit of simulated time ('..' idle)."""
-    times = self.simulate(forward_time, backward_time)
+    times = self.simulate(forward_time, backward_time, weight_time)
     width = int(max(end for _, end in times.values()))
     rows = []
     for k in range(self.num_cells):
@@ -281,18 +437,102 @@ def one_f_one_b(num_cells: int, num_micro_batches: int) -> PipelineSchedule:
   return PipelineSchedule("1f1b", num_cells, m, tuple(actions))
 
 
-SCHEDULES: dict[str, Callable[[int, int], PipelineSchedule]] = {
-    "gpipe": gpipe, "1f1b": one_f_one_b}
+def interleaved_1f1b(num_cells: int, num_micro_batches: int,
+                     virtual_stages: int) -> PipelineSchedule:
+  """Megatron-LM's interleaved 1F1B (Narayanan et al. 2021): K = D·V cells, cell k on
+  device k mod D, so each device holds V cells ("model chunks") spread along the
+  pipeline. Device d runs its chunks' forwards in rounds of D micro-batches, chunk
+  after chunk, min(2(D−d−1) + (V−1)·D, M·V) of them first, then one forward and one
+  backward in turn (backwards from the last chunk down), then the remaining backwards.
+  The bubble shrinks V times, to (D−1)/V per device in units of a whole stage's F+B,
+  at V times the hand-offs; device d holds up to that warm-up count + 1 chunk
+  micro-batches in flight. M must be a multiple of D."""
+  v = virtual_stages
+  if v < 2 or num_cells % v:
+    raise ScheduleError(f"interleaved_1f1b needs virtual_stages >= 2 dividing num_cells "
+                        f"(K = devices × V); got K={num_cells}, V={v}")
+  d_count, m = num_cells // v, num_micro_batches
+  if m % d_count:
+    raise ScheduleError(f"interleaved_1f1b runs micro-batches in rounds of one per device: "
+                        f"num_micro_batches must be a multiple of {d_count} devices, got {m}")
+  total = m * v
+
+  def forward_of(j: int, d: int) -> tuple[int, Action]:
+    chunk = (j // d_count) % v
+    return chunk * d_count + d, forward((j // (d_count * v)) * d_count + j % d_count)
+
+  def backward_of(j: int, d: int) -> tuple[int, Action]:
+    chunk = v - 1 - (j // d_count) % v
+    return chunk * d_count + d, backward((j // (d_count * v)) * d_count + j % d_count)
+
+  orders = []
+  for d in range(d_count):
+    warmup = total if m == d_count else min(2 * (d_count - d - 1) + (v - 1) * d_count, total)
+    order = [forward_of(j, d) for j in range(warmup)]
+    for i in range(total - warmup):
+      order += [forward_of(warmup + i, d), backward_of(i, d)]
+    order += [backward_of(j, d) for j in range(total - warmup, total)]
+    orders.append(tuple(order))
+  actions = tuple(tuple(a for c, a in orders[k % d_count] if c == k) for k in range(num_cells))
+  return PipelineSchedule("interleaved_1f1b", num_cells, m, actions,
+                          tuple(k % d_count for k in range(num_cells)), tuple(orders))
 
 
-def make(name: str, num_cells: int, num_micro_batches: int) -> PipelineSchedule:
-  """The schedule called `name` (one of SCHEDULES) for K cells and M micro-batches."""
+def zero_bubble_h1(num_cells: int, num_micro_batches: int,
+                   weight_cells: Sequence[int]) -> PipelineSchedule:
+  """ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024): 1F1B with each
+  backward split into B (input gradients, on the critical path) and W (weight
+  gradients; in the cells of `weight_cells`, the others run both in B).
+
+  Cell k runs 1F1B's order (K−k forwards, then a backward and a forward in turn) with
+  the W of micro-batch i − k right after the backward of micro-batch i, and its last k
+  W actions at the end. A later cell thus postpones k weight gradients: in the
+  cool-down, where 1F1B idles waiting for the next backward, it runs them. The bubble
+  drops from (K−1)(F+B+W) to (K−1)(F+B−W) per device; every cell holds at most K
+  micro-batches between forward and W, 1F1B's peak (cell 0's).
+  """
+  m = num_micro_batches
+  weight_cells = set(weight_cells)
+  actions = []
+  for k in range(num_cells):
+    lag = k if k in weight_cells else None
+    warmup = min(num_cells - k, m)
+    cell = [forward(i) for i in range(warmup)]
+    next_forward = warmup
+    for i in range(m):
+      cell.append(backward(i))
+      if lag is not None and i >= lag:
+        cell.append(weight_gradient(i - lag))
+      if next_forward < m:
+        cell.append(forward(next_forward))
+        next_forward += 1
+    if lag is not None:
+      cell += [weight_gradient(i) for i in range(max(m - lag, 0), m)]
+    actions.append(tuple(cell))
+  return PipelineSchedule("zb_h1", num_cells, m, tuple(actions))
+
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
+
+
+def make(name: str, num_cells: int, num_micro_batches: int, *, virtual_stages: int = 1,
+         weight_cells: Sequence[int] = ()) -> PipelineSchedule:
+  """The schedule called `name` (one of SCHEDULES) for K cells and M micro-batches.
+
+  virtual_stages: V cells per device (interleaved_1f1b); weight_cells: the cells that
+  compute weight gradients in W actions of their own, which zb_h1 places itself (the
+  other schedules get them from `with_weight_gradients`).
+  """
   if name not in SCHEDULES:
     raise ScheduleError(f"unknown pipeline schedule {name!r}; valid: {sorted(SCHEDULES)}")
   if num_cells < 1 or num_micro_batches < 1:
     raise ScheduleError(f"a schedule needs num_cells >= 1 and num_micro_batches >= 1, got "
                         f"{num_cells} and {num_micro_batches}")
-  return SCHEDULES[name](num_cells, num_micro_batches)
+  if name == "interleaved_1f1b":
+    return interleaved_1f1b(num_cells, num_micro_batches, virtual_stages)
+  if name == "zb_h1":
+    return zero_bubble_h1(num_cells, num_micro_batches, weight_cells)
+  return {"gpipe": gpipe, "1f1b": one_f_one_b}[name](num_cells, num_micro_batches)
 
 
 def from_lists(name: str, actions: Sequence[Sequence[str]]) -> PipelineSchedule:
