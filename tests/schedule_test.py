@@ -151,3 +151,142 @@ def test_actions_print_as_f_and_b():
   plan = schedule.one_f_one_b(2, 3)
   assert str(plan) == "cell 0: F0 F1 B0 F2 B1 B2\ncell 1: F0 B0 F1 B1 F2 B2"
   assert plan.actions[0][2].phase == BACKWARD
+
+
+# -- schedules past fill-drain --------------------------------------------------------
+
+
+def zb_h1(num_cells, num_micro):
+  return schedule.make("zb_h1", num_cells, num_micro, weight_cells=range(num_cells))
+
+
+def interleaved(num_devices, virtual_stages, num_micro):
+  return schedule.make("interleaved_1f1b", num_devices * virtual_stages, num_micro,
+                       virtual_stages=virtual_stages)
+
+
+NEW_SCHEDULES = ([("zb_h1", k, m) for k, m in SIZES]
+                 + [("interleaved", (d, v), m) for d in (1, 2, 3, 4) for v in (2, 3)
+                    for m in (d, 2 * d, 3 * d, 8 * d)])
+
+
+def build(name, cells, num_micro):
+  return zb_h1(cells, num_micro) if name == "zb_h1" else interleaved(*cells, num_micro)
+
+
+@pytest.mark.parametrize("name, cells, num_micro", NEW_SCHEDULES)
+def test_new_schedules_respect_every_dependency_and_each_device_its_order(name, cells,
+                                                                          num_micro):
+  plan = build(name, cells, num_micro)
+  order = plan.execution_order()
+  position = {entry: i for i, entry in enumerate(order)}
+  for (k, action), (j, other) in itertools.product(order, order):
+    if action.phase != WEIGHT_GRADIENT and depends_on(k, action, j, other):
+      assert position[(j, other)] < position[(k, action)], (k, action, j, other)
+  for k in range(plan.num_cells):  # each W after its own backward
+    for m, group in plan.weight_groups(k).items():
+      for i in group:
+        assert position[(k, schedule.backward(i))] < position[(k, schedule.weight_gradient(m))]
+  for d, device_order in enumerate(plan.device_orders):
+    assert [e for e in order if plan.device_of[e[0]] == d] == list(device_order)
+  weights = sum(len(plan.weight_groups(k)) for k in range(plan.num_cells))
+  assert len(order) == len(set(order)) == 2 * plan.num_cells * num_micro + weights
+
+
+@pytest.mark.parametrize("num_cells", [2, 3, 4, 8])
+@pytest.mark.parametrize("num_micro", [8, 16, 32])
+def test_zero_bubble_idles_k_minus_1_times_f_plus_b_minus_w(num_cells, num_micro):
+  """The paper's ZB-H1: idle (K−1)(F+B−W) per device against 1F1B's (K−1)(F+B+W), for
+  F = B = W (its setting) and M >= K."""
+  f = b = w = 1.0
+  work = num_micro * (f + b + w)
+  want_zb = (num_cells - 1) * (f + b - w)
+  want_1f1b = (num_cells - 1) * (f + b + w)
+  assert zb_h1(num_cells, num_micro).bubble(f, b, w) == pytest.approx(want_zb / (work + want_zb))
+  assert schedule.one_f_one_b(num_cells, num_micro).bubble(f, b, w) == pytest.approx(
+      want_1f1b / (work + want_1f1b))
+
+
+@pytest.mark.parametrize("num_cells, num_micro", SIZES)
+def test_zero_bubble_holds_no_more_than_1f1b(num_cells, num_micro):
+  """Per cell, at most K micro-batches from forward to W (1F1B's peak, cell 0's), and
+  1F1B's K−k from forward to backward (the stash)."""
+  plan, one_f = zb_h1(num_cells, num_micro), schedule.one_f_one_b(num_cells, num_micro)
+  assert max(plan.max_held(k) for k in range(num_cells)) == max(
+      one_f.max_held(k) for k in range(num_cells)) == min(num_cells, num_micro)
+  for k in range(num_cells):
+    assert plan.max_in_flight(k) == one_f.max_in_flight(k)
+    assert plan.max_awaiting_weights(k) <= k + 1
+
+
+@pytest.mark.parametrize("num_devices", [2, 4])
+@pytest.mark.parametrize("virtual_stages", [2, 3])
+@pytest.mark.parametrize("rounds", [2, 4])
+def test_interleaving_divides_the_bubble_by_v(num_devices, virtual_stages, rounds):
+  """Megatron-LM's interleaved bubble: (D−1)/V of a device's F+B per step, for cells
+  of 1/V of a device's layers each, against 1F1B's D−1."""
+  num_micro, v = rounds * num_devices, virtual_stages
+  part = 1.0 / v
+  idle = (num_devices - 1) * 3.0 / v
+  got = interleaved(num_devices, v, num_micro).bubble(part, part, part)
+  assert got == pytest.approx(idle / (3.0 * num_micro + idle))
+
+
+@pytest.mark.parametrize("num_devices, virtual_stages, num_micro",
+                         [(2, 2, 4), (2, 2, 8), (4, 2, 8), (4, 3, 16), (3, 2, 9)])
+def test_interleaved_devices_hold_megatrons_warmup_plus_one(num_devices, virtual_stages,
+                                                            num_micro):
+  """Device d holds at most min(2(D−d−1) + (V−1)·D + 1, M·V) micro-batches of its
+  cells between forward and backward (Megatron-LM's warm-up count + 1)."""
+  plan = interleaved(num_devices, virtual_stages, num_micro)
+  for d, device_order in enumerate(plan.device_orders):
+    in_flight = most = 0
+    for _, action in device_order:
+      in_flight += 1 if action.phase == FORWARD else -1
+      most = max(most, in_flight)
+    warmup = 2 * (num_devices - d - 1) + (virtual_stages - 1) * num_devices
+    assert most == min(warmup + 1, num_micro * virtual_stages)
+  assert plan.device_of == tuple(k % num_devices for k in range(plan.num_cells))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(num_cells=4, num_micro_batches=3, virtual_stages=2),
+     "num_micro_batches must be a multiple of 2 devices, got 3"),
+    (dict(num_cells=4, num_micro_batches=4, virtual_stages=1), "virtual_stages >= 2"),
+    (dict(num_cells=5, num_micro_batches=4, virtual_stages=2), "K=5, V=2"),
+])
+def test_bad_interleaving_is_named(kwargs, message):
+  with pytest.raises(ScheduleError, match=message):
+    schedule.make("interleaved_1f1b", **kwargs)
+
+
+def test_weight_gradient_groups_are_the_backwards_since_the_previous_w():
+  plan = schedule.from_lists("custom", [["F0", "F1", "F2", "B0", "B1", "W0", "B2", "W2"]])
+  assert plan.weight_groups(0) == {0: [0], 2: [1, 2]}
+  assert plan.max_awaiting_weights(0) == 2 and plan.max_held(0) == 3
+  assert plan.max_in_flight(0) == 3
+
+
+def test_the_simulator_takes_per_cell_times_and_hand_offs():
+  """One micro-batch through two cells is a chain: F0, hand-off, F1, B1 (with its
+  weight gradients), hand-off, B0; with W deferred on cell 0, its W follows."""
+  plan = schedule.gpipe(2, 1)
+  times = plan.simulate([1.0, 2.0], [3.0, 4.0], [0.5, 0.25], transfer_time=0.1)
+  assert max(end for _, end in times.values()) == pytest.approx(
+      1.0 + 0.1 + 2.0 + 4.25 + 0.1 + 3.5)
+  deferred = plan.with_weight_gradients(2, [0])
+  times = deferred.simulate([1.0, 2.0], [3.0, 4.0], [0.5, 0.25], transfer_time=0.1)
+  assert times[(0, schedule.weight_gradient(0))] == pytest.approx((10.45, 10.95))
+  with pytest.raises(ScheduleError, match="forward_time: 3 times for 2 cells"):
+    plan.simulate([1.0, 2.0, 3.0])
+
+
+def test_cells_sharing_a_device_run_in_simulated_start_order_and_never_overlap():
+  plan = schedule.one_f_one_b(4, 6).on_devices([0, 1, 0, 1])
+  assert plan.num_devices == 2
+  times = plan.simulate(1.0, 2.0, 0.0)
+  for order in plan.device_orders:
+    spans = [times[entry] for entry in order]
+    assert all(later[0] >= earlier[1] for earlier, later in zip(spans, spans[1:]))
+  with pytest.raises(ScheduleError, match="cells share devices"):
+    schedule.PipelineSchedule("custom", 2, 1, plan.actions[:2], device_of=(0, 0))
