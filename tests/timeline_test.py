@@ -71,10 +71,17 @@ def test_the_chart_labels_cells_devices_time_and_bubbles_and_leaves_idle_white()
   # Every bar carries its micro-batch number (all are wide enough here).
   assert sorted(t.get_text() for t in axes.texts) == sorted(str(m) for _, m, _, _, _ in rows)
   assert [t.get_text() for t in axes.get_legend().get_texts()] == [
-      "forward", "backward (with recompute)", "idle (bubble)"]
-  # Every call is one bar spanning its own milliseconds on its cell's row.
+      "forward", "backward (with recompute)", "idle (bubble)",
+      "thin: the plan, measured call times"]
+  # Every call is one bar spanning its own milliseconds on its cell's row, and the
+  # plan (simulated with the measured 1 s forwards and 2 s backwards: this very
+  # fill-drain) one thin bar under it at the same place.
   bars = [path.get_extents() for bar in axes.collections for path in bar.get_paths()]
-  assert sorted((round(b.x0), round(b.x1), round(b.y0 + 0.4)) for b in bars) == sorted(
+  measured_bars = [b for b in bars if b.height > 0.5]
+  planned_bars = [b for b in bars if b.height < 0.2]
+  assert sorted((round(b.x0), round(b.x1), round(b.y0 + 0.4)) for b in measured_bars) == sorted(
+      (round(start * 1e3), round(end * 1e3), k) for k, _, _, start, end in rows)
+  assert sorted((round(b.x0), round(b.x1), round(b.y0 - 0.24)) for b in planned_bars) == sorted(
       (round(start * 1e3), round(end * 1e3), k) for k, _, _, start, end in rows)
 
   pixels = schedule_chart.render(fig)
@@ -99,7 +106,7 @@ def test_rows_must_match_the_keys():
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_a_step_stamps_every_action_in_the_loop_of_its_cell(cpu_devices, schedule):
+def test_a_step_stamps_every_action_in_the_loop_of_its_device(cpu_devices, schedule):
   num_cells, num_micro = 2, 3
   model = gpipe.PipeliningLayer.Params().set(
       name="stack", num_cells=num_cells, num_micro_batches=num_micro, devices=cpu_devices[:2],
@@ -138,8 +145,52 @@ def test_a_step_stamps_every_action_in_the_loop_of_its_cell(cpu_devices, schedul
   assert measured.followed(model.plan()) == [True] * num_cells
   summary = measured.summary(model.plan())
   assert summary["pipeline/cells_following_plan"] == 1.0
-  assert summary["pipeline/bubble_planned"] == pytest.approx(
+  assert summary["pipeline/bubble_planned_equal_cells"] == pytest.approx(
       (num_cells - 1) / (num_micro + num_cells - 1))
+  # The plan with this step's own call times: each cell's mean forward and backward.
+  def mean(k, phase):
+    return np.mean([t[1] - t[0] for t, key in zip(measured.times, measured.keys)
+                    if key.cell == k and key.phase == phase])
+  forwards = [mean(k, FORWARD) for k in range(num_cells)]
+  backwards = [mean(k, BACKWARD) for k in range(num_cells)]
+  assert summary["pipeline/bubble_planned"] == pytest.approx(
+      model.plan().bubble(forwards, backwards, 0.0))
+  assert summary["pipeline/schedule_seconds_planned"] <= measured.duration
   for k in range(num_cells):
     spans = sorted(tuple(t) for t, key in zip(measured.times, measured.keys) if key.cell == k)
     assert all(later[0] >= earlier[1] for earlier, later in zip(spans, spans[1:]))
+
+
+@pytest.mark.parametrize("schedule_name, num_cells, virtual_stages", [
+    ("interleaved_1f1b", 4, 2), ("zb_h1", 2, 1)])
+def test_each_device_runs_its_cells_in_one_loop_one_call_at_a_time(cpu_devices, schedule_name,
+                                                                   num_cells, virtual_stages):
+  num_micro, num_devices = 4, num_cells // virtual_stages
+  model = gpipe.PipeliningLayer.Params().set(
+      name="stack", num_cells=num_cells, num_micro_batches=num_micro,
+      devices=cpu_devices[:num_devices], schedule=schedule_name, virtual_stages=virtual_stages,
+      layers=[layers.Linear.Params().set(name=f"fc{i}", input_dim=4, output_dim=4)
+              for i in range(4)]).instantiate()
+  wrapped = train_step.StackWithLoss(
+      model, lambda out, _: {"loss": (tf.reduce_sum(out), tf.constant(1.0))})
+
+  @tf.function
+  def step():
+    with base_layer.step_context(training=True, step=tf.constant(1, tf.int64),
+                                 spans=[]) as ctx:
+      train_step.loss_and_gradients(wrapped, {"inputs": tf.ones([8, 4])},
+                                    model.trainable_variables)
+    return timeline.fetches(ctx.spans)
+
+  graph = step.get_concrete_function().graph
+  assert len([op for op in graph.get_operations() if op.type == "While"]) == num_devices
+  measured = timeline.MeasuredTimeline.from_fetched([t.numpy() for t in step()])
+  plan = model.plan()
+  assert measured.num_devices == num_devices
+  assert measured.followed(plan) == [True] * num_cells
+  want = sorted((k, a.micro_batch, a.phase) for k in range(num_cells) for a in plan.actions[k])
+  assert sorted((k.cell, k.micro_batch, k.phase) for k in measured.keys) == want
+  for d in range(num_devices):
+    spans = sorted(tuple(t) for t, device in zip(measured.times, measured.devices) if device == d)
+    assert all(later[0] >= earlier[1] for earlier, later in zip(spans, spans[1:]))
+  assert len(measured.device_busy_fractions()) == num_devices

@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 from lingvo_gpipe.core.hyperparams import ParamsError
 
@@ -104,6 +105,14 @@ def _per_cell(value: Times, num_cells: int, what: str) -> list[float]:
   if len(values) != num_cells:
     raise ScheduleError(f"{what}: {len(values)} times for {num_cells} cells")
   return values
+
+
+def idle_fraction(times: dict[Any, tuple[float, float]], num_devices: int) -> float:
+  """1 − busy / (devices × span) of a simulated timeline (calls never overlap on a
+  device)."""
+  span = max(end for _, end in times.values())
+  busy = sum(end - start for start, end in times.values())
+  return 1.0 - busy / (num_devices * span) if span > 0 else 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -298,10 +307,8 @@ class PipelineSchedule:
   def bubble(self, forward_time: Times = 1.0, backward_time: Times = 1.0,
              weight_time: Times = 1.0, transfer_time: float = 0.0) -> float:
     """Planned idle fraction of the devices over the step (see `simulate`)."""
-    times = self.simulate(forward_time, backward_time, weight_time, transfer_time)
-    span = max(end for _, end in times.values())
-    busy = sum(end - start for start, end in times.values())
-    return 1.0 - busy / (self.num_devices * span) if span > 0 else 0.0
+    return idle_fraction(self.simulate(forward_time, backward_time, weight_time,
+                                       transfer_time), self.num_devices)
 
   def max_in_flight(self, k: int) -> int:
     """The most micro-batches cell k holds between their forward and their backward:

@@ -4,8 +4,11 @@ One row per cell, cell 0 on top, labelled with the cell and its device; the step
 time on the x axis in milliseconds; forward calls blue, backward calls (recompute
 included) orange, deferred weight-gradient calls green, darker for later micro-batches,
 each bar numbered with its micro-batch where it is wide enough; white is idle (the
-bubble). The title gives the measured bubble beside GPipe's theoretical (K−1)/(M+K−1)
-and, with the plan, the simulated bubble of the schedule that was run.
+bubble). With the plan, a thin row of outlined bars under each cell shows the plan's
+simulated timeline with the step's own measured call times (`MeasuredTimeline.planned`):
+where a measured bar starts later than its planned one, the cell waited on something
+the plan does not model (hand-offs, the host). The title gives the measured bubble
+beside GPipe's theoretical (D−1)/(M+D−1) and, with the plan, the planned bubble.
 
 Sized for TensorBoard's image card, which shows images about 330-400 px wide: the chart
 is 400 px wide with text of 10-12 px, so it is read without "show actual image size".
@@ -23,7 +26,13 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from lingvo_gpipe.pipeline.schedule import BACKWARD, FORWARD, WEIGHT_GRADIENT, PipelineSchedule
+from lingvo_gpipe.pipeline.schedule import (
+  BACKWARD,
+  FORWARD,
+  WEIGHT_GRADIENT,
+  PipelineSchedule,
+  idle_fraction,
+)
 from lingvo_gpipe.pipeline.timeline import MeasuredTimeline
 
 PHASE_COLORS = {FORWARD: (0.26, 0.52, 0.96), BACKWARD: (0.96, 0.56, 0.26),
@@ -52,7 +61,7 @@ def figure(schedule: MeasuredTimeline, devices: Sequence[str] | None = None,
   num_cells, num_micro = schedule.num_cells, schedule.num_micro_batches
   phases = [FORWARD, BACKWARD] + ([WEIGHT_GRADIENT] if any(
       key.phase == WEIGHT_GRADIENT for key in schedule.keys) else [])
-  legend_rows = (len(phases) + 2) // 2  # two entries per row, idle included
+  legend_rows = (len(phases) + 2 + (plan is not None)) // 2  # two per row, idle included
   legend_inches = 0.2 * legend_rows + 0.05
   fig = Figure(figsize=(WIDTH_INCHES, 1.15 + 0.38 * num_cells + legend_inches), dpi=DPI)
   axes = fig.add_subplot()
@@ -62,27 +71,35 @@ def figure(schedule: MeasuredTimeline, devices: Sequence[str] | None = None,
     shade = 1.0 - 0.5 * key.micro_batch / max(num_micro - 1, 1)
     color = tuple(c * shade for c in PHASE_COLORS[key.phase])
     start_ms, width_ms = start * 1e3, (end - start) * 1e3
-    axes.broken_barh([(start_ms, width_ms)], (key.cell - 0.4, 0.8),
+    axes.broken_barh([(start_ms, width_ms)], (key.cell - 0.4, 0.6 if plan else 0.8),
                      facecolors=color, edgecolor="black", linewidth=0.3)
     if width_ms * px_per_ms >= _MIN_NUMBERED_BAR_PX:
-      axes.text(start_ms + width_ms / 2, key.cell, str(key.micro_batch), ha="center",
+      axes.text(start_ms + width_ms / 2, key.cell - (0.1 if plan else 0.0),
+                str(key.micro_batch), ha="center",
                 va="center", fontsize=7, color="white" if shade < 0.75 else "black")
+  planned = schedule.planned(plan) if plan is not None else {}
+  for (k, action), (start, end) in planned.items():
+    axes.broken_barh([(start * 1e3, (end - start) * 1e3)], (k + 0.24, 0.16),
+                     facecolors=PHASE_COLORS[action.phase], edgecolor="black", linewidth=0.3)
   labels = [f"cell {k}" + (f"\n{_short_device(devices[k])}" if devices else "")
             for k in range(num_cells)]
   axes.set_yticks(range(num_cells), labels, fontsize=8)
   axes.set_ylim(num_cells - 0.5, -0.5)  # cell 0 on top
-  axes.set_xlim(0, duration_ms)
+  axes.set_xlim(0, max([duration_ms] + [end * 1e3 for _, end in planned.values()]))
   axes.set_xlabel("time in the step (ms)", fontsize=8)
   axes.tick_params(axis="x", labelsize=7.5)
   axes.set_facecolor("white")
   title = (f"K={num_cells} cells, M={num_micro} micro-batches\nbubble: measured "
            f"{schedule.bubble():.0%}, GPipe theory {schedule.theoretical_bubble():.0%}")
   if plan is not None:
-    title += f", {plan.name} plan {plan.bubble():.0%}"
+    title += f", {plan.name} plan {idle_fraction(planned, plan.num_devices):.0%}"
   axes.set_title(title, fontsize=8.5)
   handles = [Patch(facecolor=PHASE_COLORS[p], edgecolor="black", label=LEGEND[p])
              for p in phases]
   handles.append(Patch(facecolor="white", edgecolor="black", label="idle (bubble)"))
+  if plan is not None:
+    handles.append(Patch(facecolor="lightgray", edgecolor="black",
+                         label="thin: the plan, measured call times"))
   legend_height = legend_inches / fig.get_figheight()
   axes.legend(handles=handles, loc="lower center", bbox_to_anchor=(0.5, 0.0), ncol=2,
               fontsize=7.5, frameon=False, bbox_transform=fig.transFigure,

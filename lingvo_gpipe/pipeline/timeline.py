@@ -31,6 +31,7 @@ from lingvo_gpipe.pipeline.schedule import (
   WEIGHT_GRADIENT,
   Action,
   PipelineSchedule,
+  idle_fraction,
 )
 
 
@@ -92,30 +93,45 @@ class MeasuredTimeline:
   """The measured schedule of one step.
 
   times: float64 [num_spans, 2] (start, end) in seconds from the step's first start;
-  keys: the (cell, micro_batch, phase) of each row.
+  keys: the (cell, micro_batch, phase) of each row; devices: int [num_spans], the
+  device (loop) that ran each row (default: each cell its own).
   """
   times: np.ndarray
   keys: list[SpanKey]
+  devices: np.ndarray | None = None
+
+  def __post_init__(self):
+    if self.devices is None:
+      self.devices = np.array([k.cell for k in self.keys], np.int64)
 
   @classmethod
   def from_fetched(cls, fetched: Sequence[np.ndarray]) -> MeasuredTimeline:
     """From the fetched values of `fetches(spans)`: float64 [spans, 5] per device."""
-    rows = np.concatenate([np.asarray(t, np.float64).reshape(-1, 5) for t in fetched])
+    per_device = [np.asarray(t, np.float64).reshape(-1, 5) for t in fetched]
+    rows = np.concatenate(per_device)
     keys = [SpanKey(int(cell), int(micro_batch), PHASES[int(phase)])
             for cell, micro_batch, phase in rows[:, 2:]]
-    return cls.from_spans(rows[:, :2], keys)
+    devices = np.concatenate([np.full(len(t), d, np.int64) for d, t in enumerate(per_device)])
+    return cls.from_spans(rows[:, :2], keys, devices)
 
   @classmethod
-  def from_spans(cls, times: np.ndarray, keys: Sequence[SpanKey]) -> MeasuredTimeline:
-    """times: [spans, 2] absolute (start, end) seconds; keys: what each row is."""
+  def from_spans(cls, times: np.ndarray, keys: Sequence[SpanKey],
+                 devices: Sequence[int] | None = None) -> MeasuredTimeline:
+    """times: [spans, 2] absolute (start, end) seconds; keys: what each row is;
+    devices: the device of each row (default: each cell its own)."""
     times = np.asarray(times, np.float64).reshape(-1, 2)
     if len(keys) != len(times):
       raise ValueError(f"{len(times)} spans for {len(keys)} keys")
-    return cls(times - times[:, 0].min(), list(keys))
+    return cls(times - times[:, 0].min(), list(keys),
+               None if devices is None else np.asarray(devices, np.int64))
 
   @property
   def num_cells(self) -> int:
     return 1 + max(k.cell for k in self.keys)
+
+  @property
+  def num_devices(self) -> int:
+    return len(set(self.devices.tolist()))
 
   @property
   def num_micro_batches(self) -> int:
@@ -132,14 +148,41 @@ class MeasuredTimeline:
     return [_union_length(self.times[[k.cell == c for k in self.keys]]) / duration
             for c in range(self.num_cells)]
 
+  def device_busy_fractions(self) -> list[float]:
+    """Per device: the fraction of the step it spent in calls of any of its cells."""
+    duration = max(self.duration, 1e-12)
+    return [_union_length(self.times[self.devices == d]) / duration
+            for d in sorted(set(self.devices.tolist()))]
+
   def bubble(self) -> float:
-    """Measured idle fraction: 1 − the mean busy fraction over cells."""
-    return 1.0 - float(np.mean(self.busy_fractions()))
+    """Measured idle fraction: 1 − the mean busy fraction over devices."""
+    return 1.0 - float(np.mean(self.device_busy_fractions()))
 
   def theoretical_bubble(self) -> float:
-    """GPipe's fill-drain bubble (K−1)/(M+K−1), for equal cells and free transfers."""
-    k, m = self.num_cells, self.num_micro_batches
-    return (k - 1) / (m + k - 1)
+    """GPipe's fill-drain bubble (D−1)/(M+D−1) over these D devices, for equal cells
+    and free transfers."""
+    d, m = self.num_devices, self.num_micro_batches
+    return (d - 1) / (m + d - 1)
+
+  def action_times(self) -> tuple[list[float], list[float], list[float]]:
+    """Per cell, the mean seconds of its forward and backward calls and its weight
+    gradients per micro-batch (its W calls' total / M; 0 where it runs none): what
+    `PipelineSchedule.simulate` takes to plan with this step's costs."""
+    per_phase: dict[tuple[int, str], float] = {}
+    for (start, end), key in zip(self.times, self.keys):
+      per_phase[(key.cell, key.phase)] = per_phase.get((key.cell, key.phase), 0.0) + end - start
+    m = self.num_micro_batches
+    return tuple([per_phase.get((k, phase), 0.0) / m for k in range(self.num_cells)]
+                 for phase in PHASES)
+
+  def planned(self, plan: PipelineSchedule
+              ) -> dict[tuple[int, Action], tuple[float, float]]:
+    """The plan's simulated timeline with this step's per-cell action times (hand-offs
+    free): what the devices would have run without waiting on anything else."""
+    forward, backward, weight = self.action_times()
+    # A cell that does not defer runs its weight gradients inside B (measured there).
+    weight = [w if plan.defers(k) else 0.0 for k, w in enumerate(weight)]
+    return plan.simulate(forward, backward, weight)
 
   def cell_orders(self) -> list[list[Action]]:
     """Per cell, its forward and backward actions in the order they started, as the
@@ -158,12 +201,16 @@ class MeasuredTimeline:
 
   def summary(self, plan: PipelineSchedule | None = None) -> dict[str, float]:
     """Named scalars for TensorBoard (and logs); with the `plan`, also its simulated
-    bubble and the fraction of cells that ran its order."""
+    bubble and step with this step's measured action times (`planned`), its bubble
+    with equal cells, and the fraction of cells that ran its order."""
     out = {f"pipeline/busy_fraction/cell_{c}": f for c, f in enumerate(self.busy_fractions())}
     out["pipeline/bubble_measured"] = self.bubble()
     out["pipeline/bubble_theoretical"] = self.theoretical_bubble()
     out["pipeline/schedule_seconds"] = self.duration
     if plan is not None:
-      out["pipeline/bubble_planned"] = plan.bubble()
+      planned = self.planned(plan)
+      out["pipeline/bubble_planned"] = idle_fraction(planned, plan.num_devices)
+      out["pipeline/schedule_seconds_planned"] = max(end for _, end in planned.values())
+      out["pipeline/bubble_planned_equal_cells"] = plan.bubble()
       out["pipeline/cells_following_plan"] = float(np.mean(self.followed(plan)))
     return out
