@@ -1,6 +1,6 @@
 """Run by loopback_test.py in its own process (joining a cluster changes TF's context).
 
-Starts two tools/worker.py servers on loopback, places a two-cell pipeline on them (each schedule),
+Starts two tools/worker.py servers on loopback, places a pipeline on them (two cells; four, two per worker, interleaved: each schedule),
 and prints one JSON line: the largest relative difference between its loss and
 gradients and those of the same layers run unpartitioned in this process, and worker
 1's device memory (tools/worker.py --memory_log) before and after a 4 MiB variable
@@ -44,9 +44,11 @@ def main() -> None:
     want = [loss.numpy()] + [g.numpy() for g in tape.gradient(loss, local.trainable_variables)]
 
     worst = {}
-    for schedule in ("gpipe", "1f1b"):
+    for schedule in ("gpipe", "1f1b", "zb_h1", "interleaved_1f1b"):
+      interleaved = schedule == "interleaved_1f1b"  # 4 cells, 2 on each worker
       remote = gpipe.PipeliningLayer.Params().set(
-          name="s", layers=stack, random_seed=3, num_cells=2, num_micro_batches=4,
+          name="s", layers=stack, random_seed=3, num_cells=4 if interleaved else 2,
+          virtual_stages=2 if interleaved else 1, num_micro_batches=4,
           devices=devices, schedule=schedule).instantiate()
 
       @tf.function
