@@ -18,9 +18,11 @@ fill-drain bubble bounds the K=2 speedup by 2·M/(M+1).
   python bench/pipeline_speedup.py                 # K ∈ {1, 2}, M ∈ {1, 2, 4, 8, 16}
   python bench/pipeline_speedup.py --max_workers 4 # also K = 4 (needs ≥ 5 cores)
 
-Each K>1 runs with both schedules (gpipe and 1f1b), and each configuration with
-`PipeliningLayer.weight_gradient_group` G ∈ --weight_gradient_groups (default 1 and M:
-weight gradients per micro-batch, or over all M at once).
+Each K>1 runs with every schedule of --schedules (default all four: gpipe, 1f1b,
+zb_h1, and interleaved_1f1b with V=2, i.e. 2K cells, two per worker), and each
+configuration with `PipeliningLayer.weight_gradient_group` G ∈ --weight_gradient_groups
+(default 1 and M: weight gradients per micro-batch, or over all M at once; zb_h1 runs
+at G=1 only, it places one W per backward itself).
 
 The headline is **`speedup_vs_best_single`**: what a user would run instead of a
 2-stage pipeline is one device on the whole batch at its fastest M (splitting a batch
@@ -30,8 +32,12 @@ alternation as the row. `speedup` is the older K=1 ÷ K=2 at the same M and G.
 
 The step is the trainer's
 (`train_step.TrainStep`): it records the measured schedule (timeline.py), and the
-JSON reports, per configuration, the measured bubble beside (K−1)/(M+K−1) and each
-cell's busy fraction (medians over the timed steps).
+JSON reports, per configuration, the measured bubble (idle share of the workers)
+beside (K−1)/(M+K−1), the plan's bubble simulated with the step's own measured call
+times (`bubble_planned`: what the schedule would give with free hand-offs), each
+cell's busy fraction, and for zb_h1 the share of backward time its W actions took
+(`weight_share`: W / (B + W), what ZB-H1 can move into the bubble); medians over the
+timed steps.
 
 TensorFlow's default CPU build leaves oneDNN off on CPUs without AVX-512, and its
 Eigen kernel for a matmul with a transposed right operand (every backward pass's
@@ -41,9 +47,10 @@ dX = dY·Wᵀ) then runs 4-5× slower than the same product untransposed (measur
 says otherwise; the JSON records which.
 
 The last line printed is one JSON object: `results` per configuration, and
-`speedup_vs_best_single_<model>_k2_m8[_1f1b][_g8]`, `<model>_k1_m8[_g8]_over_m1` (the
-single device's cost of splitting into 8), and `speedup_k2_m8` (the MLP's K=1 ÷ K=2
-median step time at M=8, G=1).
+`speedup_vs_best_single_<model>_k2_m8[_<schedule>][_g8]`, `<model>_k1_m8[_g8]_over_m1`
+(the single device's cost of splitting into 8), `speedup_k2_m8` (the MLP's K=1 ÷ K=2
+median step time at M=8, G=1), and per model at M=8 the measured bubbles of zb_h1 and
+interleaved_1f1b over 1f1b's (`<model>_m8_bubble_over_1f1b_<schedule>`).
 """
 
 from __future__ import annotations
@@ -78,6 +85,15 @@ def model_layers(name: str):
 
 def make_step(model_name: str, num_cells: int, num_micro_batches: int, devices: list[str],
               schedule: str = "gpipe", weight_gradient_group: int = 1):
+  """A traced, warmed-up training step of `model_name` on `num_cells` workers
+  (interleaved_1f1b: two cells on each)."""
+  virtual_stages = 2 if schedule == "interleaved_1f1b" else 1
+  return _make_step(model_name, num_cells * virtual_stages, num_micro_batches,
+                    devices[:num_cells], schedule, weight_gradient_group, virtual_stages)
+
+
+def _make_step(model_name: str, num_cells: int, num_micro_batches: int, devices: list[str],
+               schedule: str, weight_gradient_group: int, virtual_stages: int):
   """A traced, warmed-up training step of `model_name`: run() → (seconds, measured
   schedule); run.graph_def is the traced step's GraphDef, its function library holding
   the cells' forward and backward bodies."""
@@ -92,8 +108,8 @@ def make_step(model_name: str, num_cells: int, num_micro_batches: int, devices: 
     stack, inputs = model_layers(model_name)
   model = gpipe.PipeliningLayer.Params().set(
       name=model_name, layers=stack, num_cells=num_cells, num_micro_batches=num_micro_batches,
-      devices=devices[:num_cells] if num_cells > 1 else devices[:1], recompute="always",
-      schedule=schedule, weight_gradient_group=weight_gradient_group,
+      devices=devices, recompute="always", schedule=schedule,
+      virtual_stages=virtual_stages, weight_gradient_group=weight_gradient_group,
       random_seed=1).instantiate()
 
   def mean_square(outputs, _):
@@ -118,6 +134,7 @@ def make_step(model_name: str, num_cells: int, num_micro_batches: int, devices: 
 
   run()  # trace and warm up
   run.graph_def = step_fn.get_concrete_function(batch).graph.as_graph_def()
+  run.plan = step.plan
   return run
 
 
@@ -128,8 +145,16 @@ def _groups(spec: str, m: int) -> list[int]:
 
 
 def _config_name(model_name: str, k: int, m: int, schedule: str, group: int) -> str:
-  return (f"{model_name}_k{k}_m{m}" + ("_1f1b" if schedule == "1f1b" else "")
+  return (f"{model_name}_k{k}_m{m}" + (f"_{schedule}" if schedule != "gpipe" else "")
           + (f"_g{group}" if group > 1 else ""))
+
+
+def _weight_share(measured) -> float:
+  """The W actions' share of the backward time (B + W) over the cells that defer."""
+  forward, backward, weight = measured.action_times()
+  deferring = [k for k, w in enumerate(weight) if w > 0]
+  total_w = sum(weight[k] for k in deferring)
+  return total_w / max(total_w + sum(backward[k] for k in deferring), 1e-12)
 
 
 def main() -> None:
@@ -141,6 +166,8 @@ def main() -> None:
                       "micro-batches at once")
   parser.add_argument("--steps", type=int, default=15, help="timed steps per configuration")
   parser.add_argument("--models", default="mlp,transformer")
+  parser.add_argument("--schedules", default="gpipe,1f1b,zb_h1,interleaved_1f1b",
+                      help="schedules of the K>1 runs")
   args = parser.parse_args()
   micro_batches = [int(m) for m in args.micro_batches.split(",")]
   worker_counts = [k for k in (2, 4, 8) if k <= args.max_workers]
@@ -162,7 +189,11 @@ def main() -> None:
           runners[(1, "gpipe", group, m)] = make_step(model_name, 1, m, devices,
                                                       weight_gradient_group=group)
           for k in worker_counts:
-            for schedule in ("gpipe", "1f1b"):
+            for schedule in args.schedules.split(","):
+              if schedule == "zb_h1" and group > 1:
+                continue
+              if schedule == "interleaved_1f1b" and m % k:
+                continue
               runners[(k, schedule, group, m)] = make_step(model_name, k, m, devices,
                                                            schedule, group)
         times: dict = {key: [] for key in runners}
@@ -190,8 +221,12 @@ def main() -> None:
           name = _config_name(model_name, k, m, schedule, group)
           base = medians[(1, "gpipe", group, m)]
           runs = schedules[(k, schedule, group, m)]
-          busy = [statistics.median(s.busy_fractions()[c] for s in runs) for c in range(k)]
+          num_cells = runs[0].num_cells
+          busy = [statistics.median(s.busy_fractions()[c] for s in runs)
+                  for c in range(num_cells)]
           bubble = statistics.median(s.bubble() for s in runs)
+          plan = runners[(k, schedule, group, m)].plan
+          planned = statistics.median(s.summary(plan)["pipeline/bubble_planned"] for s in runs)
           results[name] = {"step_seconds_k1": round(base, 4),
                            f"step_seconds_k{k}": round(step_k, 4),
                            "speedup": round(base / step_k, 3),
@@ -199,12 +234,17 @@ def main() -> None:
                            "speedup_vs_best_single": round(single[best_name] / step_k, 3),
                            "bubble_bound": round(k * m / (m + k - 1), 3),
                            "bubble_measured": round(bubble, 3),
+                           "bubble_planned": round(planned, 3),
                            "bubble_theoretical": round((k - 1) / (m + k - 1), 3),
                            "busy_fractions": [round(b, 3) for b in busy]}
+          if schedule == "zb_h1":
+            results[name]["weight_share"] = round(
+                statistics.median(_weight_share(s) for s in runs), 3)
           print(f"{name:30s} K=1 {base:.4f} s  K={k} {step_k:.4f} s  "
                 f"speedup {base / step_k:.2f}  (bound {k * m / (m + k - 1):.2f})  "
                 f"vs best single ({best_name}) {single[best_name] / step_k:.2f}  "
-                f"bubble {bubble:.2f} (theory {(k - 1) / (m + k - 1):.2f})", flush=True)
+                f"bubble {bubble:.3f} (plan {planned:.3f}, GPipe theory "
+                f"{(k - 1) / (m + k - 1):.3f})", flush=True)
     summary = {
         "bench": "pipeline_speedup",
         "machine": f"{platform.machine()} {os.cpu_count()} cores, TF {tf.__version__}",
@@ -213,13 +253,20 @@ def main() -> None:
         "results": results,
     }
     for model_name in args.models.split(","):
-      for suffix in ("", "_1f1b", "_g8", "_1f1b_g8"):
-        name = f"{model_name}_k2_m8{suffix}"
-        if name in results:
-          summary[f"speedup_vs_best_single_{name}"] = results[name]["speedup_vs_best_single"]
+      for name, result in results.items():
+        if name.startswith(f"{model_name}_k2_m8") and "speedup_vs_best_single" in result:
+          summary[f"speedup_vs_best_single_{name}"] = result["speedup_vs_best_single"]
+      one_f = results.get(f"{model_name}_k2_m8_1f1b")
+      for schedule in ("zb_h1", "interleaved_1f1b"):
+        other = results.get(f"{model_name}_k2_m8_{schedule}")
+        if one_f and other:
+          summary[f"{model_name}_m8_bubble_over_1f1b_{schedule}"] = round(
+              other["bubble_measured"] / max(one_f["bubble_measured"], 1e-9), 3)
+      if f"{model_name}_k2_m8_zb_h1" in results:
+        summary[f"{model_name}_weight_share"] = results[f"{model_name}_k2_m8_zb_h1"][
+            "weight_share"]
     if "mlp_k2_m8" in results:
       summary["speedup_k2_m8"] = results["mlp_k2_m8"]["speedup"]
-      summary["speedup_k2_m8_1f1b"] = results["mlp_k2_m8_1f1b"]["speedup"]
       summary["bubble_bound_k2_m8"] = results["mlp_k2_m8"]["bubble_bound"]
     for name, ratio in m8_over_m1.items():
       summary[f"{name}_over_m1"] = ratio

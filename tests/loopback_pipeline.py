@@ -1,9 +1,10 @@
 """Run by loopback_test.py in its own process (joining a cluster changes TF's context).
 
-Starts two tools/worker.py servers on loopback, places a pipeline on them (two cells; four, two per worker, interleaved: each schedule),
-and prints one JSON line: the largest relative difference between its loss and
-gradients and those of the same layers run unpartitioned in this process, and worker
-1's device memory (tools/worker.py --memory_log) before and after a 4 MiB variable
+Starts two tools/worker.py servers on loopback, places a pipeline on them with each
+schedule (two cells; interleaved: four, two per worker), and prints one JSON line: the
+largest relative difference between its loss and gradients and those of the same
+layers run unpartitioned in this process, and worker 1's device memory
+(tools/worker.py --memory_log) before and after a 4 MiB variable
 is created there.
 """
 
