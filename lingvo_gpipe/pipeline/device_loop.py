@@ -92,7 +92,12 @@ def _weighted_mean(values: tf.Tensor, weights: tf.Tensor) -> tuple[tf.Tensor, tf
 
 
 # Columns of a device's action table.
-BRANCH, MICRO_BATCH, OFFSET, SLOT, PRODUCT_SLOT = range(5)
+BRANCH, MICRO_BATCH, OFFSET, SLOT, PRODUCT_SLOT, RECEIVE = range(6)
+NO_RECEIVE = -1  # RECEIVE of an action whose inputs come from no other cell
+
+# What an action receives from a neighbouring cell: (cell, FORWARD: its inputs from
+# cell k−1 / BACKWARD: its output gradients from cell k+1, micro-batch shape class).
+ReceiveKind = tuple[int, str, int]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,13 +125,15 @@ class Branches:
 
 @dataclasses.dataclass
 class ActionTable:
-  """A device's actions as loop data: rows int32 [A, 5] (branch, micro-batch, example
-  offset, stash slot, product slot), one per entry of the device's order; per cell on
-  the device, its branches and how many stash and product slots it needs."""
+  """A device's actions as loop data: rows int32 [A, 6] (branch, micro-batch, example
+  offset, stash slot, product slot, what it receives: an index into `receives` or
+  NO_RECEIVE), one per entry of the device's order; per cell on the device, its
+  branches and how many stash and product slots it needs."""
   rows: np.ndarray
   branches: dict[int, Branches]
   stash_slots: dict[int, int]
   product_slots: dict[int, int]
+  receives: list[ReceiveKind]
   keys: np.ndarray  # float64 [A, 3]: cell, micro-batch, phase index (timeline.PHASES)
 
 
@@ -152,6 +159,9 @@ def action_table(plan: PipelineSchedule, d: int, shape_class: Sequence[int],
   slot_of: dict[tuple[int, int], int] = {}
   backward_index: dict[tuple[int, int], int] = {}
   groups = {k: plan.weight_groups(k) for k in cells}
+  receives = [(k, phase, c) for k in cells for c in range(num_classes)
+              for phase, neighbour in ((FORWARD, k - 1), (BACKWARD, k + 1))
+              if 0 <= neighbour < plan.num_cells]
   rows, keys = [], []
   for k, action in plan.device_orders[d]:
     m, b = action.micro_batch, branches[k]
@@ -161,19 +171,25 @@ def action_table(plan: PipelineSchedule, d: int, shape_class: Sequence[int],
         stash_slots[k] += 1
       slot_of[(k, m)] = min(free[k])
       free[k].remove(slot_of[(k, m)])
-      rows.append([b.forward(shape_class[m]), m, offsets[m], slot_of[(k, m)], 0])
+      rows.append([b.forward(shape_class[m]), m, offsets[m], slot_of[(k, m)], 0,
+                   _receive_index(receives, (k, FORWARD, shape_class[m]))])
     elif action.phase == BACKWARD:
       free[k].append(slot_of[(k, m)])
       index = backward_index[(k, m)] = len([1 for c, _ in backward_index if c == k])
       product_slot = index % product_slots[k] if product_slots[k] else 0
-      rows.append([b.backward(shape_class[m]), m, offsets[m], slot_of[(k, m)], product_slot])
+      rows.append([b.backward(shape_class[m]), m, offsets[m], slot_of[(k, m)], product_slot,
+                   _receive_index(receives, (k, BACKWARD, shape_class[m]))])
     else:
       group = groups[k][m]
       rows.append([b.weight_gradient(len(group)), m, offsets[m], 0,
-                   backward_index[(k, group[0])] % product_slots[k]])
+                   backward_index[(k, group[0])] % product_slots[k], NO_RECEIVE])
     keys.append([k, m, timeline.PHASES.index(action.phase)])
-  return ActionTable(np.array(rows, np.int32).reshape(-1, 5), branches, stash_slots,
-                     product_slots, np.array(keys, np.float64).reshape(-1, 3))
+  return ActionTable(np.array(rows, np.int32).reshape(-1, 6), branches, stash_slots,
+                     product_slots, receives, np.array(keys, np.float64).reshape(-1, 3))
+
+
+def _receive_index(receives: list[ReceiveKind], kind: ReceiveKind) -> int:
+  return receives.index(kind) if kind in receives else NO_RECEIVE
 
 
 def _slice(flat: Sequence[tf.Tensor], offset: tf.Tensor, size: int) -> list[tf.Tensor]:
@@ -254,16 +270,29 @@ class CellLoop:
         "product_grads": _ring(sig0.product_grads, self.product_slots),
     }
 
-  def actions(self) -> list[tuple[int, Any]]:
-    """(branch index, action(state, m, offset, slot, product_slot)) of each branch."""
+  def actions(self) -> list[tuple[int, ReceiveKind | None, Any]]:
+    """Of each branch: its index, what it receives (None: nothing) and
+    action(state, received, m, offset, slot, product_slot)."""
     out = []
     for c in range(len(self.signatures)):
-      out.append((self.branches.forward(c), lambda *a, c=c: self.forward(c, *a)))
-      out.append((self.branches.backward(c), lambda *a, c=c: self.backward(c, *a)))
+      out.append((self.branches.forward(c), (self.k, FORWARD, c) if self.previous else None,
+                  lambda *a, c=c: self.forward(c, *a)))
+      out.append((self.branches.backward(c), (self.k, BACKWARD, c) if self.following else None,
+                  lambda *a, c=c: self.backward(c, *a)))
     for n in self.branches.weight_sizes:
-      out.append((self.branches.weight_gradient(n),
+      out.append((self.branches.weight_gradient(n), None,
                   lambda *a, n=n: self.weight_gradient(n, *a)))
     return out
+
+  def receive_specs(self, phase: str, c: int) -> list[tf.TensorSpec]:
+    """What a forward (inputs) or backward (output gradients) of shape class c receives."""
+    sig = self.signatures[c]
+    return sig.inputs if phase == FORWARD else [s for s in sig.outputs if s.dtype.is_floating]
+
+  def receive(self, phase: str, c: int) -> list[tf.Tensor]:
+    """The hand-off a forward or backward of shape class c takes, received."""
+    channel = self.previous.forward if phase == FORWARD else self.following.backward
+    return channel.receive(self.receive_specs(phase, c))
 
   # -- the actions ---------------------------------------------------------------------
 
@@ -271,12 +300,12 @@ class CellLoop:
     return tf.stack([tf.cast(m, tf.int64),
                      tf.cast(self.base_offset, tf.int64) + tf.cast(offset, tf.int64)])
 
-  def forward(self, c: int, state: dict, m, offset, slot, _):
+  def forward(self, c: int, state: dict, received, m, offset, slot, _):
     sig, state = self.signatures[c], dict(state)
     if self.previous is None:
       flat = _slice(self.inputs, offset, self.sizes[c])
     else:
-      flat = self.previous.forward.receive(sig.inputs)
+      flat = list(received)
     head = _slice(self.head_inputs, offset, self.sizes[c]) if self.cell.head else []
     start = _timestamp(flat + head)
     flat, head = _after(flat, [start]), _after(head, [start])
@@ -293,7 +322,7 @@ class CellLoop:
     end = _timestamp(list(outputs) + list(saved) + list(stats), sent)
     return state, start, end
 
-  def backward(self, c: int, state: dict, m, offset, slot, product_slot):
+  def backward(self, c: int, state: dict, received, m, offset, slot, product_slot):
     sig, cell, state = self.signatures[c], self.cell, dict(state)
     if self.following is None:
       loss_index, weight_index = cell.loss_positions()
@@ -301,8 +330,7 @@ class CellLoop:
       loss_spec = sig.outputs[loss_index]
       seeds = [tf.cast(weight, loss_spec.dtype)]
     else:
-      seeds = self.following.backward.receive(
-          [s for s in sig.outputs if s.dtype.is_floating])
+      seeds = list(received)
     saved = [ta.read(slot) for ta in state["stash"][c]]
     start = _timestamp(seeds + saved)
     seeds = _after(seeds, [start])
@@ -317,7 +345,7 @@ class CellLoop:
                      + list(product_grads), sent)
     return state, start, end
 
-  def weight_gradient(self, n: int, state: dict, _m, _offset, _slot, first):
+  def weight_gradient(self, n: int, state: dict, _received, _m, _offset, _slot, first):
     state = dict(state)
     start = _timestamp(list(state["sums"]))
     sig = self.signatures[0]
@@ -333,39 +361,73 @@ class CellLoop:
 @dataclasses.dataclass
 class DeviceLoop:
   """One device's loop over its table: the Case of each row picks one action of one
-  of the device's cells."""
+  of the device's cells.
+
+  Hand-offs are received one action ahead: while iteration i runs its action, a
+  second Case receives what action i+1 takes (if anything) into the loop's inbox, so
+  the receive's round trip (a remote worker's RecvTensor call, issued only when the
+  Recv op runs) overlaps the computation instead of following it. The inbox holds one
+  hand-off per kind (ActionTable.receives) until the next of that kind replaces it.
+  """
   device: str | None
   cells: dict[int, CellLoop]
   table: ActionTable
 
+  def _receive(self, kind: ReceiveKind) -> list[tf.Tensor]:
+    k, phase, c = kind
+    return self.cells[k].receive(phase, c)
+
+  def _prefetch(self, inbox: list[list[tf.Tensor]], index: tf.Tensor) -> list[list[tf.Tensor]]:
+    """`inbox` with the hand-off of receive kind `index` received (NO_RECEIVE: as is)."""
+    def into(q: int):
+      updated = list(inbox)
+      updated[q] = self._receive(self.table.receives[q])
+      return updated
+    branches = [lambda: list(inbox)] + [lambda q=q: into(q)
+                                       for q in range(len(self.table.receives))]
+    return tf_internals.unlowered(lambda: tf.switch_case(index + 1, branches))
+
   def build(self) -> tuple[dict[int, dict[str, Any]], tf.TensorArray]:
     """The loop, under tf.device(device): each cell's final state, and the
     timestamps of its actions ([A, 2], in table order)."""
-    table = tf.constant(self.table.rows)
+    rows = self.table.rows
+    # One more row, receiving nothing, for the look-ahead of the last iteration.
+    table = tf.constant(np.concatenate([rows, np.full([1, rows.shape[1]], NO_RECEIVE,
+                                                      np.int32)]))
     order = sorted(self.cells)
+    position = {kind: q for q, kind in enumerate(self.table.receives)}
 
     def body(i, state):
       row = tf.unstack(tf.gather(table, i))
       args = (row[MICRO_BATCH], row[OFFSET], row[SLOT], row[PRODUCT_SLOT])
       branches = {}
       for j, k in enumerate(order):
-        for index, action in self.cells[k].actions():
-          branches[index] = lambda j=j, action=action: self._step(state, i, j, action, args)
+        for index, kind, action in self.cells[k].actions():
+          received = state["inbox"][position[kind]] if kind is not None else None
+          branches[index] = (lambda j=j, action=action, received=received:
+                             self._step(state, i, j, action, received, args))
       new_state = tf_internals.unlowered(
           lambda: tf.switch_case(row[BRANCH], [branches[b] for b in range(len(branches))]))
+      new_state["inbox"] = self._prefetch(state["inbox"], tf.gather(table, i + 1)[RECEIVE])
       return i + 1, new_state
 
-    num_actions = len(self.table.rows)
-    initial = {"cells": [self.cells[k].initial_state() for k in order],
-               "times": tf.TensorArray(tf.float64, size=num_actions, element_shape=[2])}
+    num_actions = len(rows)
     with tf.device(self.device):
+      inbox = [[tf.zeros(spec.shape, spec.dtype)
+                for spec in self.cells[k].receive_specs(phase, c)]
+               for k, phase, c in self.table.receives]
+      if num_actions and rows[0, RECEIVE] != NO_RECEIVE:
+        inbox[rows[0, RECEIVE]] = self._receive(self.table.receives[rows[0, RECEIVE]])
+      initial = {"cells": [self.cells[k].initial_state() for k in order],
+                 "times": tf.TensorArray(tf.float64, size=num_actions, element_shape=[2]),
+                 "inbox": inbox}
       _, final = tf_internals.unlowered(lambda: tf.while_loop(
           lambda i, _: i < num_actions, body, (tf.constant(0, tf.int32), initial)))
     return {k: cell_state for k, cell_state in zip(order, final["cells"])}, final["times"]
 
   @staticmethod
-  def _step(state: dict, i, j: int, action, args) -> dict:
-    cell_state, start, end = action(state["cells"][j], *args)
+  def _step(state: dict, i, j: int, action, received, args) -> dict:
+    cell_state, start, end = action(state["cells"][j], received, *args)
     cells = list(state["cells"])
     cells[j] = cell_state
     return {"cells": cells, "times": state["times"].write(i, tf.stack([start, end]))}
