@@ -11,6 +11,18 @@ step at a fixed batch with Adam through the library's training step
                         four cells, 16 micro-batches, each schedule with and without
                         re-materialization: 1F1B keeps at most K−k micro-batches in
                         flight on cell k instead of M.
+  zb_h1_k4_m16_*, interleaved_k4v2_m16_recompute
+                        the zero-bubble schedule (its W actions keep each deferred
+                        backward's projection inputs and output gradients until
+                        they run), and 4 cells interleaved on 2 devices.
+
+`--per_worker` runs each configuration in a child process on loopback worker
+processes, one device each (tools/worker.py --memory_log), and reports every worker's
+own peak: the per-device figure that logical devices, sharing one allocator, cannot
+give. The *_k2_m8_* and interleaved_k4v2_m8_* configurations are meant for it:
+
+  python bench/remat_memory.py --per_worker --configs \
+      1f1b_k2_m8_recompute,zb_h1_k2_m8_recompute,1f1b_k2_m8_never,zb_h1_k2_m8_never
 
 Memory comes from the BFC allocator's counts (`pipeline/memory.py`); all logical CPU
 devices share that one allocator, so K>1 figures are the total over the K devices.
@@ -31,6 +43,9 @@ import argparse
 import json
 import os
 import platform
+import subprocess
+import sys
+import tempfile
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -47,7 +62,7 @@ from lingvo_gpipe.pipeline.layer import PipeliningLayer  # noqa: E402
 from lingvo_gpipe.runtime.devices import configure_devices
 
 # name → (cells or None for naive, micro-batches, schedule, recompute,
-#          weight_gradient_group)
+#          weight_gradient_group[, virtual_stages])
 CONFIGS = {
     "naive": (None, 1, "gpipe", "never", 1),
     "gpipe_k1_m8": (1, 8, "gpipe", "always", 1),
@@ -56,13 +71,24 @@ CONFIGS = {
     "gpipe_k4_m8": (4, 8, "gpipe", "always", 1),
     "gpipe_k4_m16_recompute": (4, 16, "gpipe", "always", 1),
     "1f1b_k4_m16_recompute": (4, 16, "1f1b", "always", 1),
+    "zb_h1_k4_m16_recompute": (4, 16, "zb_h1", "always", 1),
+    "interleaved_k4v2_m16_recompute": (4, 16, "interleaved_1f1b", "always", 1, 2),
     "gpipe_k4_m16_never": (4, 16, "gpipe", "never", 1),
     "1f1b_k4_m16_never": (4, 16, "1f1b", "never", 1),
+    "zb_h1_k4_m16_never": (4, 16, "zb_h1", "never", 1),
+    # --per_worker: one device per worker process
+    "gpipe_k2_m8_recompute": (2, 8, "gpipe", "always", 1),
+    "1f1b_k2_m8_recompute": (2, 8, "1f1b", "always", 1),
+    "zb_h1_k2_m8_recompute": (2, 8, "zb_h1", "always", 1),
+    "interleaved_k4v2_m8_recompute": (4, 8, "interleaved_1f1b", "always", 1, 2),
+    "1f1b_k2_m8_never": (2, 8, "1f1b", "never", 1),
+    "zb_h1_k2_m8_never": (2, 8, "zb_h1", "never", 1),
 }
 
 
 def build(args, config: tuple, devices: list[str]):
-  num_cells, micro_batches, schedule, recompute, weight_gradient_group = config
+  num_cells, micro_batches, schedule, recompute, weight_gradient_group = config[:5]
+  virtual_stages = config[5] if len(config) > 5 else 1
   blocks = [layers.FeedForwardBlock.Params().set(
       name=f"block{i}", input_dim=args.dim, hidden_dim=args.hidden) for i in range(args.layers)]
   if num_cells is None:
@@ -70,8 +96,9 @@ def build(args, config: tuple, devices: list[str]):
                                           random_seed=1).instantiate()
   return PipeliningLayer.Params().set(
       name="stack", layers=blocks, random_seed=1, num_cells=num_cells,
-      num_micro_batches=micro_batches, devices=devices[:num_cells], schedule=schedule,
-      recompute=recompute, weight_gradient_group=weight_gradient_group).instantiate()
+      num_micro_batches=micro_batches, devices=devices[:num_cells // virtual_stages],
+      schedule=schedule, virtual_stages=virtual_stages, recompute=recompute,
+      weight_gradient_group=weight_gradient_group).instantiate()
 
 
 def mean_square(outputs, _):
@@ -80,14 +107,55 @@ def mean_square(outputs, _):
                    tf.cast(tf.shape(outputs)[0], tf.float32))}
 
 
-def measure(args, config: tuple, devices: list[str]) -> dict:
+def _trained_step(args, config: tuple, devices: list[str]):
+  """The traced training step of `config` and its batch."""
   model = train_step.StackWithLoss(build(args, config, devices), mean_square)
   variables = model.trainable_variables
   optimizer = optimizers.Adam.Params().set(learning_rate=1e-4).instantiate()
   optimizer.create_slots(variables)
   step = tf.function(train_step.TrainStep(model, optimizer, tf.Variable(0, dtype=tf.int64),
                                           input_device=devices[0]))
-  batch = {"inputs": tf.random.stateless_normal([args.batch, args.seq, args.dim], seed=[1, 2])}
+  with tf.device(devices[0]):
+    batch = {"inputs": tf.random.stateless_normal([args.batch, args.seq, args.dim],
+                                                  seed=[1, 2])}
+  return step, batch, variables
+
+
+def measure_on_workers(args, name: str) -> dict:
+  """Config `name` on loopback workers (one device each), in this child process:
+  every worker's peak bytes since it started (weights, slots, the steps)."""
+  from lingvo_gpipe.runtime.local_workers import local_cluster
+  from lingvo_gpipe.runtime.memory_log import memory_log_path, read_memory_log
+
+  config = CONFIGS[name]
+  num_workers = config[0] // (config[5] if len(config) > 5 else 1)
+  with tempfile.TemporaryDirectory() as log_dir:
+    with local_cluster(num_workers, memory_log_dir=log_dir) as (devices, _):
+      step, batch, variables = _trained_step(args, config, devices)
+      step(batch)[0]["loss"].numpy()  # trace, warm up
+      start = time.perf_counter()
+      step(batch)[0]["loss"].numpy()
+      seconds = time.perf_counter() - start
+      time.sleep(1.5)  # the logs poll every 0.5 s
+      peaks = [read_memory_log(memory_log_path(log_dir, t))["peak_bytes_in_use"]
+               for t in range(num_workers)]
+  return {"peak_bytes_per_worker": peaks, "step_seconds": round(seconds, 3),
+          "weight_bytes": sum(v.shape.num_elements() * v.dtype.size for v in variables)}
+
+
+def measure_in_child(args, name: str) -> dict:
+  """measure_on_workers in a child process (joining a cluster is once per process)."""
+  command = [sys.executable, os.path.abspath(__file__), "--child", name,
+             f"--layers={args.layers}", f"--dim={args.dim}", f"--hidden={args.hidden}",
+             f"--batch={args.batch}", f"--seq={args.seq}"]
+  result = subprocess.run(command, capture_output=True, text=True, timeout=1800)
+  if result.returncode != 0:
+    raise RuntimeError(f"{name} failed:\n{result.stderr[-3000:]}")
+  return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def measure(args, config: tuple, devices: list[str]) -> dict:
+  step, batch, variables = _trained_step(args, config, devices)
   step(batch)[0]["loss"].numpy()  # trace, warm up
   start = time.perf_counter()
   result = memory.step_activation_bytes(lambda: step(batch)[0]["loss"].numpy())
@@ -103,14 +171,41 @@ def main() -> None:
   parser.add_argument("--hidden", type=int, default=1024)
   parser.add_argument("--batch", type=int, default=32)
   parser.add_argument("--seq", type=int, default=128)
-  parser.add_argument("--configs", default=",".join(CONFIGS),
+  parser.add_argument("--configs", default=",".join(list(CONFIGS)[:12]),
                       help=f"comma-separated subset of {list(CONFIGS)}")
+  parser.add_argument("--per_worker", action="store_true",
+                      help="each configuration on loopback workers, one peak per worker")
+  parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
   args = parser.parse_args()
-  devices = configure_devices("cpu:4")
   names = args.configs.split(",")
-  unknown = [n for n in names if n not in CONFIGS]
+  unknown = [n for n in names + ([args.child] if args.child else []) if n not in CONFIGS]
   if unknown:
     parser.error(f"unknown --configs {unknown}; valid: {list(CONFIGS)}")
+  if args.child:
+    print(json.dumps(measure_on_workers(args, args.child)))
+    return
+  if args.per_worker:
+    per_worker = {}
+    for name in names:
+      per_worker[name] = measure_in_child(args, name)
+      peaks = per_worker[name]["peak_bytes_per_worker"]
+      print(f"{name:32s} peak per worker " + " ".join(f"{p / 2**20:8.1f} MiB" for p in peaks)
+            + f"   step {per_worker[name]['step_seconds']:.2f} s", flush=True)
+    summary = {"bench": "remat_memory", "mode": "per_worker",
+               "machine": f"{platform.machine()} {os.cpu_count()} cores, TF {tf.__version__}",
+               "layers": args.layers, "dim": args.dim, "hidden": args.hidden,
+               "tokens_per_batch": args.batch * args.seq,
+               "peak_bytes_per_worker": {n: r["peak_bytes_per_worker"]
+                                         for n, r in per_worker.items()}}
+    for recompute in ("recompute", "never"):
+      one_f, zb = per_worker.get(f"1f1b_k2_m8_{recompute}"), per_worker.get(
+          f"zb_h1_k2_m8_{recompute}")
+      if one_f and zb:
+        summary[f"zb_h1_over_1f1b_peak_k2_m8_{recompute}"] = round(
+            max(zb["peak_bytes_per_worker"]) / max(one_f["peak_bytes_per_worker"]), 3)
+    print(json.dumps(summary))
+    return
+  devices = configure_devices("cpu:4")
 
   results = {}
   for name in names:
