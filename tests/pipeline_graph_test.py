@@ -1,4 +1,4 @@
-"""The traced training step's size: one loop per cell, cells traced once per shape."""
+"""The traced training step's size: one loop per device, cells traced once per shape."""
 
 import pytest
 import tensorflow as tf
@@ -57,7 +57,7 @@ def total_nodes(concrete) -> int:
     ("gpipe", "always", 1), ("1f1b", "never", 1), ("1f1b", "except_last", 4)])
 def test_the_step_graph_does_not_grow_with_micro_batches(cpu_devices, num_cells, schedule,
                                                          recompute, group):
-  """One loop per cell over a constant table: M=4 and M=64 micro-batches (of 2
+  """One loop per device over a constant table: M=4 and M=64 micro-batches (of 2
   examples each) trace to graphs of the same size (the step, and every function in
   its library)."""
   counts = {}

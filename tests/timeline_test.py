@@ -124,7 +124,7 @@ def test_a_step_stamps_every_action_in_the_loop_of_its_device(cpu_devices, sched
     return grads, timeline.fetches(ctx.spans)
 
   graph = step.get_concrete_function().graph
-  # The stamps are taken inside the loops: one loop per cell, on the cell's device.
+  # The stamps are taken inside the loops: one loop per device (here one cell each).
   loops = [op for op in graph.get_operations() if op.type == "While"]
   assert sorted(tf.DeviceSpec.from_string(op.device).device_index for op in loops) == [0, 1]
   assert not [op for op in graph.get_operations() if op.type == "Timestamp"]

@@ -136,17 +136,31 @@ class WeightProduct:
 
 
 class WeightProducts:
-  """The weight products of a pass differentiated by `tape`, in the order made."""
+  """The weight products of a pass, in the order made.
 
-  def __init__(self, tape: Any):
+  tape: the tape that differentiates the pass (it watches each product's outputs), or
+  None. probes: one tensor [n, O] per product, added to its outputs; a function
+  differentiated by TensorFlow's gradient of a call (no tape) gives each product's
+  output gradient as its probe's gradient (zeros change nothing).
+  """
+
+  def __init__(self, tape: Any = None, probes: Any = None):
     self.tape = tape
+    self.probes = None if probes is None else list(probes)
     self.products: list[WeightProduct] = []
 
-  def record(self, variable: Any, inputs: Any, outputs: Any) -> None:
-    # Watched, so that the tape can give the outputs' gradient even where nothing
-    # the product was made from is watched (a first layer's input).
-    self.tape.watch(outputs)
+  def record(self, variable: Any, inputs: Any, outputs: Any) -> Any:
+    """Records outputs = inputs · variable; returns the outputs to go on with."""
+    if self.probes is not None:
+      if len(self.products) >= len(self.probes):
+        raise RuntimeError(f"{len(self.probes)} probes for more weight products")
+      outputs = outputs + self.probes[len(self.products)]
+    if self.tape is not None:
+      # Watched, so that the tape can give the outputs' gradient even where nothing
+      # the product was made from is watched (a first layer's input).
+      self.tape.watch(outputs)
     self.products.append(WeightProduct(variable, inputs, outputs))
+    return outputs
 
 
 _STATE = threading.local()

@@ -55,8 +55,7 @@ def _matmul(inputs: tf.Tensor, weight: tf.Tensor) -> tf.Tensor:
   if products is None or not isinstance(weight, tf.Variable) or not weight.trainable:
     return tf.matmul(inputs, weight)
   out = tf.matmul(inputs, tf.stop_gradient(weight.read_value()))
-  products.record(weight, inputs, out)
-  return out
+  return products.record(weight, inputs, out)
 
 
 def project(inputs: tf.Tensor, weight: tf.Tensor) -> tf.Tensor:

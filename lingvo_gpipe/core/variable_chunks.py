@@ -101,7 +101,7 @@ def _unflatten_chunk(flat: tf.Tensor, shape: tuple[int, ...], count: int) -> lis
 
 class FlatLayout:
   """Where each of `variables`' tensors (e.g. gradients) lives in flat vectors, one per
-  dtype: a pipeline cell's loop carries its running gradient sums as these few
+  dtype: a pipeline's device loop carries each cell's running gradient sums as these few
   vectors instead of one loop variable per variable (whose plumbing through the loop
   and its branches was most of the cost of tracing a deep cell). Packing and
   unpacking is one traced call per chunk of variables of one shape and dtype.

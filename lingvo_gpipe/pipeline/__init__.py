@@ -3,8 +3,9 @@
   layer.py          PipeliningLayer: partition into cells, placement, the training entry
   cell_function.py  a cell's forward and backward, traced once per micro-batch shape
   layer_function.py layers of one kind share one traced function (variables as arguments)
-  schedule.py       each cell's actions as data (gpipe, 1f1b; F, B, W), validated
-  device_loop.py    one loop per cell runs its actions; sums the gradients
+  schedule.py       each cell's actions and each device's order as data (gpipe, 1f1b,
+                    zb_h1, interleaved_1f1b; F, B, W), validated and simulated
+  device_loop.py    one loop per device runs its cells' actions; sums the gradients
   channels.py       Send/Recv hand-offs between neighbouring cells
   partition.py      the exact min-bottleneck partitioner and measured layer costs
   timeline.py       the measured schedule: spans, busy fractions, bubble

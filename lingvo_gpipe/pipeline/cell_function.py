@@ -13,11 +13,11 @@ head) in `tf.function`s:
         G > 1, or the zb_h1 schedule; the backward then leaves them out)
 
 `sums` are the cell's running gradient sums as a few flat vectors, one per dtype
-(`variable_chunks.FlatLayout` of the variables the cell reads): the cell's loop
+(`variable_chunks.FlatLayout` of the variables the cell reads): its device's loop
 carries them instead of one loop variable per variable.
 
 Each is traced once per distinct micro-batch shape (an uneven split has two; see
-`CallSignature`) and called from the cell's loop (device_loop.py), whatever M is
+`CallSignature`) and called from its device's loop (device_loop.py), whatever M is
 (`tests/pipeline_graph_test.py` pins it). What varies per call enters as tensors: the
 global step, and `call_info` = int64 [micro-batch index, example offset]; the step
 and the offset seed dropout exactly as in the unpartitioned model, so the recompute
@@ -26,7 +26,11 @@ inside `backward` draws the forward's masks.
 A cell that is not re-materialized (`recompute=False`) is differentiated by
 TensorFlow's own pair for its forward function (`tf_internals.forward_backward_pair`):
 a forward that also returns the intermediates the gradient needs, which the loop
-keeps per micro-batch in flight, and a backward that takes them.
+keeps per micro-batch in flight, and a backward that takes them. Such a cell defers
+its weight gradients (zb_h1) through probes: its forward is traced once more with
+each product x·W made as x·stop_gradient(W) + probe (a zero input [n, O]) and x
+returned, so TensorFlow's backward gives each product's output gradient as the
+probe's and leaves x out of what it keeps (W keeps it instead).
 
 TensorFlow behaviours that shape the engine (the ones beyond its documented API are
 listed, with the tests that pin them, in `tf_internals.py`):
@@ -116,6 +120,10 @@ class CallSignature:
   # [n, I] and output gradient [n, O].
   product_inputs: list[tf.TensorSpec] = dataclasses.field(default_factory=list)
   product_grads: list[tf.TensorSpec] = dataclasses.field(default_factory=list)
+  # A cell not re-materialized that defers: its pair's function takes one probe per
+  # product (shaped as product_grads) and returns the products' inputs after its
+  # outputs and statistics; `saved` starts with those inputs.
+  probes: list[tf.TensorSpec] = dataclasses.field(default_factory=list)
 
   @property
   def float_inputs(self) -> list[tf.TensorSpec]:
@@ -143,10 +151,10 @@ class CellFunctions:
     self.recompute = recompute
     self.head = head
     self.needs_input_grads = needs_input_grads
-    # Re-materialized cells only: the projections' weight gradients are left out of
-    # the backward call and computed by `weight_gradients` in the schedule's W actions
-    # (over G micro-batches at once, or one at a time in the bubble: zb_h1).
-    self.defers_weight_gradients = defer_weight_gradients and recompute
+    # The projections' weight gradients are left out of the backward call and
+    # computed by `weight_gradients` in the schedule's W actions (over G micro-batches
+    # at once, or one at a time in the bubble: zb_h1).
+    self.defers_weight_gradients = defer_weight_gradients
     # Python structure of a call, fixed by the layers (the same for every shape);
     # recorded when a body is traced.
     self.input_structure: Any = None
@@ -165,6 +173,8 @@ class CellFunctions:
                                     autograph=False)
     self._weight_fn = tf.function(self._weight_body, experimental_attributes=NOT_INLINED,
                                   autograph=False, reduce_retracing=True)
+    self._probed_forward_fn = tf.function(self._probed_forward_body,
+                                          experimental_attributes=NOT_INLINED, autograph=False)
     self._signatures: dict[Any, CallSignature] = {}
 
   # -- traced bodies ------------------------------------------------------------------
@@ -190,6 +200,27 @@ class CellFunctions:
     self.output_structure = outputs
     self.stats_structure = [(layer, s) for layer, s in stats]
     return tf.nest.flatten(outputs), tf.nest.flatten([s for _, s in stats])
+
+  def _product_outputs_body(self, flat_inputs, flat_head_inputs, step, call_info):
+    """The forward, for the specs of its weight products' outputs [n, O] (traced once
+    per shape, to size the probes of `_probed_forward_body`)."""
+    products = base_layer.WeightProducts()
+    self._run(flat_inputs, flat_head_inputs, step, call_info, stats=[], products=products)
+    return [p.outputs for p in products.products]
+
+  def _probed_forward_body(self, flat_inputs, flat_head_inputs, step, call_info, probes):
+    """The forward with each weight product made as x·stop_gradient(W) + probe
+    (WeightProducts): → outputs, statistics, and the products' inputs [n, I]."""
+    stats: list = []
+    products = base_layer.WeightProducts(probes=probes)
+    with tf.name_scope(FORWARD_SCOPE):
+      outputs = self._run(flat_inputs, flat_head_inputs, step, call_info, stats, products)
+    recorded = self._record_products(products.products)
+    if len(recorded) != len(probes):
+      raise RuntimeError(f"cell {self.index}: {len(probes)} probes for {len(recorded)} "
+                         "trainable weight products")
+    return (tf.nest.flatten(outputs), tf.nest.flatten([s for _, s in stats]),
+            [p.inputs for p in recorded])
 
   def _backward_body(self, flat_inputs, flat_head_inputs, output_grads, sums, step,
                      call_info):
@@ -256,7 +287,7 @@ class CellFunctions:
                          f"({[v.name for v in variables]} vs {[v.name for v in self.variables]})")
     return self.variables
 
-  # -- what the cell's loop calls ------------------------------------------------------
+  # -- what the device's loop calls ----------------------------------------------------
 
   def differentiable_outputs(self, flat_outputs: Sequence[Any]) -> list[Any]:
     """The outputs a backward pass gets gradients for: the loss on the last cell,
@@ -295,11 +326,21 @@ class CellFunctions:
           flat_inputs, flat_head, output_grads, sums, scalar, tf.TensorSpec([2], tf.int64))
       _, _, product_inputs, product_grads = backward.structured_outputs
     else:
+      probes = []
+      if self.defers_weight_gradients:
+        probes = _specs(tf.function(self._product_outputs_body, autograph=False)
+                        .get_concrete_function(flat_inputs, flat_head, scalar,
+                                               tf.TensorSpec([2], tf.int64)).structured_outputs)
+        concrete = self._probed_forward_fn.get_concrete_function(
+            flat_inputs, flat_head, scalar, tf.TensorSpec([2], tf.int64), probes)
+        _, _, product_inputs = concrete.structured_outputs
+        product_grads = probes
       pair = tf_internals.forward_backward_pair(concrete)
       graph_outputs = concrete.graph.outputs
-      saved = _specs([graph_outputs[i] for i in pair.kept_positions])
+      saved = _specs(product_inputs) + _specs([graph_outputs[i] for i in pair.kept_positions])
     signature = CallSignature(flat_inputs, flat_head, _specs(flat_outputs), _specs(flat_stats),
-                              saved, pair, _specs(product_inputs), _specs(product_grads))
+                              saved, pair, _specs(product_inputs), _specs(product_grads),
+                              probes if not self.recompute else [])
     self._signatures[key] = signature
     return signature
 
@@ -312,9 +353,13 @@ class CellFunctions:
       flat_outputs, flat_stats = self._forward_fn(list(flat_inputs), list(flat_head), step,
                                                   call_info)
       return list(flat_outputs), list(flat_stats), list(flat_inputs) + list(flat_head)
-    results, kept = sig.pair.forward(list(flat_inputs) + list(flat_head) + [step, call_info])
-    num_outputs = len(sig.outputs)
-    return results[:num_outputs], results[num_outputs:], kept
+    probes = [tf.zeros(spec.shape, spec.dtype) for spec in sig.probes]
+    results, kept = sig.pair.forward(list(flat_inputs) + list(flat_head) + [step, call_info]
+                                     + probes)
+    num_outputs, num_stats = len(sig.outputs), len(sig.stats)
+    product_inputs = results[num_outputs + num_stats:]
+    return (results[:num_outputs], results[num_outputs:num_outputs + num_stats],
+            product_inputs + kept)
 
   def backward(self, sig: CallSignature, saved: Sequence[tf.Tensor],
                output_grads: Sequence[tf.Tensor], sums: Sequence[tf.Tensor], step: tf.Tensor,
@@ -335,9 +380,13 @@ class CellFunctions:
           step, call_info)
       return list(input_grads), list(new_sums), list(product_inputs), list(product_grads)
     pair = sig.pair
-    # Seeds for every floating output of the forward function (outputs, then
-    # statistics): the given gradients for the differentiable ones, zeros elsewhere.
-    seeds = [tf.zeros(spec.shape, spec.dtype) for spec in sig.outputs + sig.stats]
+    num_products = len(sig.probes)
+    product_inputs, saved = list(saved[:num_products]), saved[num_products:]
+    # Seeds for every floating output of the forward function (outputs, statistics,
+    # then the products' inputs): the given gradients for the differentiable ones,
+    # zeros elsewhere.
+    seeds = [tf.zeros(spec.shape, spec.dtype)
+             for spec in sig.outputs + sig.stats + (sig.product_inputs if num_products else [])]
     if self.head is not None:
       seeds[self.loss_positions()[0]] = output_grads[0]
     else:
@@ -345,7 +394,9 @@ class CellFunctions:
       for i, g in zip(differentiable, output_grads):
         seeds[i] = g
     grads = pair.backward([seeds[i] for i in pair.trainable_outputs], saved)
-    num_args = len(sig.inputs) + len(sig.head_inputs) + 2
+    num_args = len(sig.inputs) + len(sig.head_inputs) + 2 + num_products
+    product_grads = [tf.zeros(spec.shape, spec.dtype) if g is None else g
+                     for g, spec in zip(grads[num_args - num_products:num_args], sig.probes)]
     input_grads = []
     if self.needs_input_grads:
       input_grads = [tf.zeros(spec.shape, spec.dtype) if g is None else _dense(g)
@@ -353,7 +404,8 @@ class CellFunctions:
                      if spec.dtype.is_floating]
     by_handle = {id(c): g for c, g in zip(pair.captured_inputs, grads[num_args:])}
     variable_grads = [by_handle.get(id(v.handle)) for v in self.variables]
-    return input_grads, _accumulate(self.layout, sums, variable_grads), [], []
+    return (input_grads, _accumulate(self.layout, sums, variable_grads), product_inputs,
+            product_grads)
 
   def zero_gradients(self) -> list[tf.Tensor]:
     """The running sums' start: zero vectors of self.layout (the variables are known
@@ -391,4 +443,5 @@ class CellFunctions:
     once; whatever M is)."""
     return (self._forward_fn.experimental_get_tracing_count()
             + self._backward_fn.experimental_get_tracing_count()
-            + self._weight_fn.experimental_get_tracing_count())
+            + self._weight_fn.experimental_get_tracing_count()
+            + self._probed_forward_fn.experimental_get_tracing_count())

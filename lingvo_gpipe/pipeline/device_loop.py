@@ -454,7 +454,7 @@ def _with_batch(structure: Any, size: int) -> Any:
 @tf.autograph.experimental.do_not_convert  # plain Python on static values
 def run(cells: Sequence[CellFunctions], plan: PipelineSchedule, inputs: Any, head_inputs: Any,
         sizes: Sequence[int], offsets: Sequence[int], link_prefix: str) -> StepGradients:
-  """One training step: a loop per cell, each running plan.actions[k].
+  """One training step: a loop per device, each running plan.device_orders[d].
 
   inputs: the pipeline's nested inputs [B, ...] on cells[0]'s device; head_inputs: the
   head's nested tensors [B, ...] on the last cell's device; sizes, offsets: each

@@ -286,7 +286,7 @@ class PipeliningLayer(BaseLayer):
       cache[head] = [CellFunctions(self.cell_layers(k), self.cell_devices[k], k,
                                    self._recompute_cell(k), head if k == last else None,
                                    needs_input_grads=k > 0,
-                                   defer_weight_gradients=self._defers_weight_gradients(),
+                                   defer_weight_gradients=k in self._deferring_cells(),
                                    run_layers=self._function_cache.call_layers)
                      for k in range(len(self.cells))]
     return cache[head]
@@ -308,10 +308,15 @@ class PipeliningLayer(BaseLayer):
     return device_loop.run(self.cell_functions(head), self.plan(), inputs, head_inputs, sizes,
                            offsets, self._channel_prefix)
 
-  def _defers_weight_gradients(self) -> bool:
-    """Whether re-materialized cells run their weight gradients as W actions."""
+  def _deferring_cells(self) -> list[int]:
+    """The cells that run their weight gradients as W actions: every cell under zb_h1;
+    with weight_gradient_group G > 1, the re-materialized ones."""
     p = self.params
-    return p.weight_gradient_group > 1 or p.schedule == "zb_h1"
+    if p.schedule == "zb_h1":
+      return list(range(len(self.cells)))
+    if p.weight_gradient_group > 1:
+      return [k for k in range(len(self.cells)) if self._recompute_cell(k)]
+    return []
 
   def plan(self) -> schedule.PipelineSchedule:
     """The actions of each cell in a training step and each device's order
@@ -320,8 +325,7 @@ class PipeliningLayer(BaseLayer):
     in one loop, in the order of the schedule (interleaved_1f1b) or, placed there
     round-robin, in the order their actions start in the simulated timeline."""
     p = self.params
-    deferring = ([k for k in range(len(self.cells)) if self._recompute_cell(k)]
-                 if self._defers_weight_gradients() else [])
+    deferring = self._deferring_cells()
     try:
       plan = schedule.make(p.schedule, len(self.cells), p.num_micro_batches,
                            virtual_stages=p.virtual_stages, weight_cells=deferring)

@@ -1,14 +1,15 @@
 """The measured pipeline schedule: when each cell ran each action, forward and back.
 
-Each cell's loop (device_loop.py) takes two `tf.timestamp()`s per action on the cell's
-device, the first once the action's inputs have arrived, the second once its results
+Each device's loop (device_loop.py) takes two `tf.timestamp()`s per action on the
+device, the first once the action's inputs are there, the second once its results
 are made and sent on, and returns them with what each action is as one float64
 [actions, 5] tensor: a `CellTimes`. They are ops of the step itself, so they measure
 the schedule the devices actually ran, without a profiler.
 
 `fetches(cell_times)` gives one tensor per device (one transfer each);
 `MeasuredTimeline.from_fetched` turns the fetched numbers back into spans, and from them come
-each cell's busy fraction and the measured bubble beside GPipe's (K−1)/(M+K−1);
+each cell's and each device's busy fraction, the measured bubble beside GPipe's
+(D−1)/(M+D−1), and the plan simulated with the step's own call times (`planned`);
 `schedule_chart` draws them for TensorBoard.
 
 Timestamps are wall-clock seconds of the host running the device: cells on one host
