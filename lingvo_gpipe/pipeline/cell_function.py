@@ -101,6 +101,19 @@ def _specs(tensors: Sequence[tf.Tensor]) -> list[tf.TensorSpec]:
   return [tf.TensorSpec(t.shape, t.dtype) for t in tensors]
 
 
+_BITS = {2: tf.int16, 4: tf.int32, 8: tf.int64}
+
+
+def _as_bits(t: tf.Tensor) -> tf.Tensor:
+  """A float tensor's bits as integers of its width (no copy): returned by a function
+  so, TensorFlow's gradient of the call asks for no gradient of it."""
+  return tf.bitcast(t, _BITS[t.dtype.size])
+
+
+def _from_bits(t: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
+  return tf.bitcast(t, dtype)
+
+
 @dataclasses.dataclass
 class CallSignature:
   """A cell's calls for one micro-batch shape: flat specs of what goes in and out.
@@ -210,7 +223,9 @@ class CellFunctions:
 
   def _probed_forward_body(self, flat_inputs, flat_head_inputs, step, call_info, probes):
     """The forward with each weight product made as x·stop_gradient(W) + probe
-    (WeightProducts): → outputs, statistics, and the products' inputs [n, I]."""
+    (WeightProducts): → outputs, statistics, and the products' inputs [n, I] as bits
+    (`_as_bits`: outputs that take no gradient, so the backward needs no zero seeds
+    of their size)."""
     stats: list = []
     products = base_layer.WeightProducts(probes=probes)
     with tf.name_scope(FORWARD_SCOPE):
@@ -220,7 +235,7 @@ class CellFunctions:
       raise RuntimeError(f"cell {self.index}: {len(probes)} probes for {len(recorded)} "
                          "trainable weight products")
     return (tf.nest.flatten(outputs), tf.nest.flatten([s for _, s in stats]),
-            [p.inputs for p in recorded])
+            [_as_bits(p.inputs) for p in recorded])
 
   def _backward_body(self, flat_inputs, flat_head_inputs, output_grads, sums, step,
                      call_info):
@@ -333,11 +348,13 @@ class CellFunctions:
                                                tf.TensorSpec([2], tf.int64)).structured_outputs)
         concrete = self._probed_forward_fn.get_concrete_function(
             flat_inputs, flat_head, scalar, tf.TensorSpec([2], tf.int64), probes)
-        _, _, product_inputs = concrete.structured_outputs
+        _, _, bits = concrete.structured_outputs
+        product_inputs = [tf.TensorSpec(b.shape, p.dtype) for b, p in zip(bits, probes)]
         product_grads = probes
       pair = tf_internals.forward_backward_pair(concrete)
       graph_outputs = concrete.graph.outputs
-      saved = _specs(product_inputs) + _specs([graph_outputs[i] for i in pair.kept_positions])
+      saved = ([tf.TensorSpec(s.shape, _BITS[s.dtype.size]) for s in product_inputs]
+               + _specs([graph_outputs[i] for i in pair.kept_positions]))
     signature = CallSignature(flat_inputs, flat_head, _specs(flat_outputs), _specs(flat_stats),
                               saved, pair, _specs(product_inputs), _specs(product_grads),
                               probes if not self.recompute else [])
@@ -353,7 +370,10 @@ class CellFunctions:
       flat_outputs, flat_stats = self._forward_fn(list(flat_inputs), list(flat_head), step,
                                                   call_info)
       return list(flat_outputs), list(flat_stats), list(flat_inputs) + list(flat_head)
-    probes = [tf.zeros(spec.shape, spec.dtype) for spec in sig.probes]
+    # Zeros: one tensor per distinct shape, passed as every probe of that shape.
+    zeros: dict[tuple, tf.Tensor] = {}
+    probes = [zeros.setdefault((tuple(spec.shape), spec.dtype), tf.zeros(spec.shape, spec.dtype))
+              for spec in sig.probes]
     results, kept = sig.pair.forward(list(flat_inputs) + list(flat_head) + [step, call_info]
                                      + probes)
     num_outputs, num_stats = len(sig.outputs), len(sig.stats)
@@ -381,12 +401,12 @@ class CellFunctions:
       return list(input_grads), list(new_sums), list(product_inputs), list(product_grads)
     pair = sig.pair
     num_products = len(sig.probes)
-    product_inputs, saved = list(saved[:num_products]), saved[num_products:]
-    # Seeds for every floating output of the forward function (outputs, statistics,
-    # then the products' inputs): the given gradients for the differentiable ones,
-    # zeros elsewhere.
-    seeds = [tf.zeros(spec.shape, spec.dtype)
-             for spec in sig.outputs + sig.stats + (sig.product_inputs if num_products else [])]
+    product_inputs = [_from_bits(t, spec.dtype)
+                      for t, spec in zip(saved[:num_products], sig.product_inputs)]
+    saved = saved[num_products:]
+    # Seeds for every floating output of the forward function (outputs, then
+    # statistics): the given gradients for the differentiable ones, zeros elsewhere.
+    seeds = [tf.zeros(spec.shape, spec.dtype) for spec in sig.outputs + sig.stats]
     if self.head is not None:
       seeds[self.loss_positions()[0]] = output_grads[0]
     else:

@@ -208,6 +208,31 @@ def _list(specs: Sequence[tf.TensorSpec], size: int) -> list[tf.TensorArray]:
   return [tf.TensorArray(s.dtype, size=size, element_shape=s.shape) for s in specs]
 
 
+def _slots(specs: Sequence[tf.TensorSpec], size: int) -> list[tf.TensorArray]:
+  """One TensorArray per spec, `size` slots that `_take` empties once read (a read
+  element stays alive until its slot is written again otherwise)."""
+  return [tf.TensorArray(s.dtype, size=size, infer_shape=False,
+                         element_shape=tf.TensorShape([None]).concatenate(s.shape[1:]))
+          if s.shape.rank else tf.TensorArray(s.dtype, size=size, element_shape=s.shape)
+          for s in specs]
+
+
+def _take(slots: Sequence[tf.TensorArray], index: Any, specs: Sequence[tf.TensorSpec]
+          ) -> tuple[list[tf.Tensor], list[tf.TensorArray]]:
+  """Slot `index` of each TensorArray of `_slots`, and the arrays with the slot
+  emptied (scalars stay)."""
+  values, emptied = [], []
+  for ta, spec in zip(slots, specs):
+    value = ta.read(index)
+    value.set_shape(spec.shape)
+    values.append(value)
+    if spec.shape.rank:
+      with tf.control_dependencies([value]):
+        ta = ta.write(index, tf.zeros([0] + spec.shape[1:].as_list(), spec.dtype))
+    emptied.append(ta)
+  return values, emptied
+
+
 def _ring(specs: Sequence[tf.TensorSpec], size: int) -> list[tf.TensorArray]:
   """One TensorArray per spec, `size` elements [n, ...] whose n differs between
   micro-batch shapes."""
@@ -217,16 +242,18 @@ def _ring(specs: Sequence[tf.TensorSpec], size: int) -> list[tf.TensorArray]:
 
 
 def _read_group(ring: Sequence[tf.TensorArray], size: int, first: tf.Tensor, n: int,
-                specs: Sequence[tf.TensorSpec]) -> list[tf.Tensor]:
+                specs: Sequence[tf.TensorSpec]
+                ) -> tuple[list[tf.Tensor], list[tf.TensorArray]]:
   """Slots first, first+1, ... (mod the ring's `size`) of each ring, concatenated
-  along the batch: [Σ n_i, ...] per spec."""
-  slots = [tf.math.floormod(first + i, size) for i in range(n)]
-  out = []
-  for ta, spec in zip(ring, specs):
-    t = tf.concat([ta.read(s) for s in slots], axis=0) if n > 1 else ta.read(slots[0])
-    t.set_shape(tf.TensorShape([None]).concatenate(spec.shape[1:]))
-    out.append(t)
-  return out
+  along the batch: [Σ n_i, ...] per spec; and the rings with those slots emptied."""
+  parts: list[list[tf.Tensor]] = [[] for _ in ring]
+  ring = list(ring)
+  unknown_batch = [tf.TensorSpec([None] + s.shape[1:].as_list(), s.dtype) for s in specs]
+  for i in range(n):
+    taken, ring = _take(ring, tf.math.floormod(first + i, size), unknown_batch)
+    for part, t in zip(parts, taken):
+      part.append(t)
+  return [tf.concat(p, axis=0) if n > 1 else p[0] for p in parts], ring
 
 
 def _after(tensors: Sequence[Any], deps: Sequence[Any]) -> list[Any]:
@@ -262,7 +289,7 @@ class CellLoop:
     sig0 = self.signatures[0]
     return {
         "sums": self.cell.zero_gradients(),
-        "stash": [_list(sig.saved, self.stash_slots) for sig in self.signatures],
+        "stash": [_slots(sig.saved, self.stash_slots) for sig in self.signatures],
         "outputs": (_list(sig0.outputs, self.num_micro_batches) if self.cell.head is not None
                     else []),
         "stats": _list(sig0.stats, self.num_micro_batches),
@@ -331,7 +358,8 @@ class CellLoop:
       seeds = [tf.cast(weight, loss_spec.dtype)]
     else:
       seeds = list(received)
-    saved = [ta.read(slot) for ta in state["stash"][c]]
+    state["stash"] = list(state["stash"])
+    saved, state["stash"][c] = _take(state["stash"][c], slot, sig.saved)
     start = _timestamp(seeds + saved)
     seeds = _after(seeds, [start])
     input_grads, state["sums"], product_inputs, product_grads = cell.backward(
@@ -349,10 +377,10 @@ class CellLoop:
     state = dict(state)
     start = _timestamp(list(state["sums"]))
     sig = self.signatures[0]
-    inputs = _read_group(state["product_inputs"], self.product_slots, first, n,
-                         sig.product_inputs)
-    grads = _read_group(state["product_grads"], self.product_slots, first, n,
-                        sig.product_grads)
+    inputs, state["product_inputs"] = _read_group(
+        state["product_inputs"], self.product_slots, first, n, sig.product_inputs)
+    grads, state["product_grads"] = _read_group(
+        state["product_grads"], self.product_slots, first, n, sig.product_grads)
     state["sums"] = self.cell.weight_gradients(_after(state["sums"], [start]), inputs, grads)
     end = _timestamp(list(state["sums"]))
     return state, start, end
