@@ -29,8 +29,8 @@ a forward that also returns the intermediates the gradient needs, which the loop
 keeps per micro-batch in flight, and a backward that takes them. Such a cell defers
 its weight gradients (zb_h1) through probes: its forward is traced once more with
 each product x·W made as x·stop_gradient(W) + probe (a zero input [n, O]) and x
-returned, so TensorFlow's backward gives each product's output gradient as the
-probe's and leaves x out of what it keeps (W keeps it instead).
+returned (as bits, sharing its buffer), so TensorFlow's backward gives each
+product's output gradient as the probe's gradient and W gets x.
 
 TensorFlow behaviours that shape the engine (the ones beyond its documented API are
 listed, with the tests that pin them, in `tf_internals.py`):
@@ -105,8 +105,9 @@ _BITS = {2: tf.int16, 4: tf.int32, 8: tf.int64}
 
 
 def _as_bits(t: tf.Tensor) -> tf.Tensor:
-  """A float tensor's bits as integers of its width (no copy): returned by a function
-  so, TensorFlow's gradient of the call asks for no gradient of it."""
+  """A float tensor's bits as integers of its width (no copy). A function output of
+  an integer type takes no gradient, so TensorFlow's backward of the call needs no
+  zero seed of its size."""
   return tf.bitcast(t, _BITS[t.dtype.size])
 
 

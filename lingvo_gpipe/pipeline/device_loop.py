@@ -157,7 +157,8 @@ def action_table(plan: PipelineSchedule, d: int, shape_class: Sequence[int],
   product_slots = {k: plan.max_awaiting_weights(k) for k in cells}
   free: dict[int, list[int]] = {k: [] for k in cells}
   slot_of: dict[tuple[int, int], int] = {}
-  backward_index: dict[tuple[int, int], int] = {}
+  backward_index: dict[tuple[int, int], int] = {}  # (cell, m) → its position among B's
+  backwards_run = dict.fromkeys(cells, 0)
   groups = {k: plan.weight_groups(k) for k in cells}
   receives = [(k, phase, c) for k in cells for c in range(num_classes)
               for phase, neighbour in ((FORWARD, k - 1), (BACKWARD, k + 1))
@@ -175,7 +176,8 @@ def action_table(plan: PipelineSchedule, d: int, shape_class: Sequence[int],
                    _receive_index(receives, (k, FORWARD, shape_class[m]))])
     elif action.phase == BACKWARD:
       free[k].append(slot_of[(k, m)])
-      index = backward_index[(k, m)] = len([1 for c, _ in backward_index if c == k])
+      index = backward_index[(k, m)] = backwards_run[k]
+      backwards_run[k] += 1
       product_slot = index % product_slots[k] if product_slots[k] else 0
       rows.append([b.backward(shape_class[m]), m, offsets[m], slot_of[(k, m)], product_slot,
                    _receive_index(receives, (k, BACKWARD, shape_class[m]))])
@@ -210,7 +212,8 @@ def _list(specs: Sequence[tf.TensorSpec], size: int) -> list[tf.TensorArray]:
 
 def _slots(specs: Sequence[tf.TensorSpec], size: int) -> list[tf.TensorArray]:
   """One TensorArray per spec, `size` slots that `_take` empties once read (a read
-  element stays alive until its slot is written again otherwise)."""
+  element stays alive until its slot is written again otherwise); their batch size
+  may differ between micro-batch shapes."""
   return [tf.TensorArray(s.dtype, size=size, infer_shape=False,
                          element_shape=tf.TensorShape([None]).concatenate(s.shape[1:]))
           if s.shape.rank else tf.TensorArray(s.dtype, size=size, element_shape=s.shape)
@@ -231,14 +234,6 @@ def _take(slots: Sequence[tf.TensorArray], index: Any, specs: Sequence[tf.Tensor
         ta = ta.write(index, tf.zeros([0] + spec.shape[1:].as_list(), spec.dtype))
     emptied.append(ta)
   return values, emptied
-
-
-def _ring(specs: Sequence[tf.TensorSpec], size: int) -> list[tf.TensorArray]:
-  """One TensorArray per spec, `size` elements [n, ...] whose n differs between
-  micro-batch shapes."""
-  return [tf.TensorArray(s.dtype, size=size, infer_shape=False,
-                         element_shape=tf.TensorShape([None]).concatenate(s.shape[1:]))
-          for s in specs]
 
 
 def _read_group(ring: Sequence[tf.TensorArray], size: int, first: tf.Tensor, n: int,
@@ -293,8 +288,8 @@ class CellLoop:
         "outputs": (_list(sig0.outputs, self.num_micro_batches) if self.cell.head is not None
                     else []),
         "stats": _list(sig0.stats, self.num_micro_batches),
-        "product_inputs": _ring(sig0.product_inputs, self.product_slots),
-        "product_grads": _ring(sig0.product_grads, self.product_slots),
+        "product_inputs": _slots(sig0.product_inputs, self.product_slots),
+        "product_grads": _slots(sig0.product_grads, self.product_slots),
     }
 
   def actions(self) -> list[tuple[int, ReceiveKind | None, Any]]:

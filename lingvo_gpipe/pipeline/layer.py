@@ -127,10 +127,11 @@ class PipeliningLayer(BaseLayer):
     p.define("schedule", "gpipe", "Order of each cell's forward and backward calls: "
              f"{sorted(schedule.SCHEDULES)} (pipeline/schedule.py). 1f1b has GPipe's bubble "
              "but holds at most K micro-batches per cell in flight instead of M; zb_h1 "
-             "splits re-materialized cells' backwards into input and weight gradients "
-             "and runs the weight gradients in 1F1B's cool-down (about a third of its "
-             "bubble, at its peak memory); interleaved_1f1b puts virtual_stages cells "
-             "on each device (bubble / V, V× the hand-offs).")
+             "splits every backward into input and weight gradients and runs the weight "
+             "gradients in 1F1B's cool-down (idle (K-1)(F+B-W) instead of (K-1)(F+B+W); "
+             "up to K micro-batches held on every cell, and each backward's "
+             "weight-gradient inputs until its W); interleaved_1f1b puts virtual_stages "
+             "cells on each device (bubble / V, V× the hand-offs).")
     p.define("virtual_stages", 1, "V (schedule='interleaved_1f1b'): cells per device; the "
              "K cells go on K/V devices, cell k on device k mod (K/V). M must be a "
              "multiple of K/V.")
