@@ -105,23 +105,32 @@ def test_rows_must_match_the_keys():
     timeline.MeasuredTimeline.from_spans(np.zeros((3, 2)), [timeline.SpanKey(0, 0, FORWARD)] * 2)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_a_step_stamps_every_action_in_the_loop_of_its_device(cpu_devices, schedule):
-  num_cells, num_micro = 2, 3
+def stamped_step(batch_size: int, **pipeline):
+  """A pipeline of four 4-wide Linear layers and its traced training step → (grads,
+  the timestamps to fetch)."""
   model = gpipe.PipeliningLayer.Params().set(
-      name="stack", num_cells=num_cells, num_micro_batches=num_micro, devices=cpu_devices[:2],
-      schedule=schedule,
-      layers=[layers.Linear.Params().set(name=f"fc{i}", input_dim=4, output_dim=4)
-              for i in range(4)]).instantiate()
+      name="stack", layers=[layers.Linear.Params().set(name=f"fc{i}", input_dim=4,
+                                                        output_dim=4) for i in range(4)],
+      **pipeline).instantiate()
   wrapped = train_step.StackWithLoss(
       model, lambda out, _: {"loss": (tf.reduce_sum(out), tf.constant(1.0))})
+
   @tf.function
   def step():
     with base_layer.step_context(training=True, step=tf.constant(1, tf.int64),
                                  spans=[]) as ctx:
-      _, grads = train_step.loss_and_gradients(wrapped, {"inputs": tf.ones([6, 4])},
+      _, grads = train_step.loss_and_gradients(wrapped, {"inputs": tf.ones([batch_size, 4])},
                                                model.trainable_variables)
     return grads, timeline.fetches(ctx.spans)
+
+  return model, step
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_step_stamps_every_action_in_the_loop_of_its_device(cpu_devices, schedule):
+  num_cells, num_micro = 2, 3
+  model, step = stamped_step(6, num_cells=num_cells, num_micro_batches=num_micro,
+                             devices=cpu_devices[:2], schedule=schedule)
 
   graph = step.get_concrete_function().graph
   # The stamps are taken inside the loops: one loop per device (here one cell each).
@@ -166,25 +175,13 @@ def test_a_step_stamps_every_action_in_the_loop_of_its_device(cpu_devices, sched
 def test_each_device_runs_its_cells_in_one_loop_one_call_at_a_time(cpu_devices, schedule_name,
                                                                    num_cells, virtual_stages):
   num_micro, num_devices = 4, num_cells // virtual_stages
-  model = gpipe.PipeliningLayer.Params().set(
-      name="stack", num_cells=num_cells, num_micro_batches=num_micro,
-      devices=cpu_devices[:num_devices], schedule=schedule_name, virtual_stages=virtual_stages,
-      layers=[layers.Linear.Params().set(name=f"fc{i}", input_dim=4, output_dim=4)
-              for i in range(4)]).instantiate()
-  wrapped = train_step.StackWithLoss(
-      model, lambda out, _: {"loss": (tf.reduce_sum(out), tf.constant(1.0))})
-
-  @tf.function
-  def step():
-    with base_layer.step_context(training=True, step=tf.constant(1, tf.int64),
-                                 spans=[]) as ctx:
-      train_step.loss_and_gradients(wrapped, {"inputs": tf.ones([8, 4])},
-                                    model.trainable_variables)
-    return timeline.fetches(ctx.spans)
+  model, step = stamped_step(8, num_cells=num_cells, num_micro_batches=num_micro,
+                             devices=cpu_devices[:num_devices], schedule=schedule_name,
+                             virtual_stages=virtual_stages)
 
   graph = step.get_concrete_function().graph
   assert len([op for op in graph.get_operations() if op.type == "While"]) == num_devices
-  measured = timeline.MeasuredTimeline.from_fetched([t.numpy() for t in step()])
+  measured = timeline.MeasuredTimeline.from_fetched([t.numpy() for t in step()[1]])
   plan = model.plan()
   assert measured.num_devices == num_devices
   assert measured.followed(plan) == [True] * num_cells
