@@ -151,3 +151,26 @@ def test_measured_costs_count_bytes_from_shapes_and_are_cached(tmp_path):
   assert len(calls) == 1
   planner.cached_layer_costs(path, ["model", 16], measure)
   assert len(calls) == 2
+
+
+def test_plan_mode_prints_a_plan_the_trainer_runs_and_refuses_a_budget_nothing_fits(tmp_path):
+  import json
+
+  from conftest import run_trainer
+
+  cache = tmp_path / "costs.json"
+  planned = run_trainer("--model=lm.TransformerTiny", "--mode=plan", "--devices=cpu:2",
+                        "--device_memory=64MiB", f"--cost_cache={cache}")
+  assert planned.returncode == 0, planned.stderr
+  assert "splits" in planned.stdout and cache.exists()
+  best = json.loads(planned.stdout.strip().splitlines()[-1])
+  assert best["devices"] == 2 and max(best["peak_bytes"]) <= 0.9 * 64 * 2**20
+  trained = run_trainer("--model=lm.TransformerTiny", "--devices=cpu:2",
+                        f"--logdir={tmp_path / 'run'}", "--max_steps=2",
+                        f"--params_override={best['params_override']}")
+  assert trained.returncode == 0, trained.stderr
+  refused = run_trainer("--model=lm.TransformerTiny", "--mode=plan", "--devices=cpu:2",
+                        "--device_memory=1KiB", f"--cost_cache={cache}")
+  assert refused.returncode == 2
+  assert "no plan fits 922 B per device on 2 device(s); the smallest any plan needs is" \
+      in refused.stderr

@@ -18,12 +18,14 @@ import json
 import os
 import sys
 import threading
+import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from absl import app, flags, logging  # noqa: E402
 
-MODES = ("train", "eval", "train_and_eval", "inspect_params", "inspect_model", "list_models")
+MODES = ("train", "eval", "train_and_eval", "inspect_params", "inspect_model", "list_models",
+         "plan")
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", None, "Registered model key, e.g. demo.TinyConvNet.")
@@ -44,6 +46,11 @@ flags.DEFINE_integer("inspect_depth", 3, "Layer depth shown by --mode=inspect_mo
 flags.DEFINE_string("profile_steps", "", "A,B: capture a TensorFlow profile of global steps "
                     "A..B into <logdir>/train/plugins/profile (TensorBoard's profile tab), "
                     "e.g. 10,12.")
+flags.DEFINE_string("device_memory", "16GB", "--mode=plan: each device's memory budget "
+                    "(e.g. 16GB, 512MiB); plans keep 10% of it free.")
+flags.DEFINE_string("cost_cache", "~/.cache/lingvo_gpipe/layer_costs.json", "--mode=plan: "
+                    "the file measured per-layer costs are kept in (a plan is redone "
+                    "quickly once they are there); empty: measure every time.")
 flags.DEFINE_string("data_dir", None, "Prepared TFDS data for the model's TFDS inputs "
                     "(sets train_input.data_dir and eval_input.data_dir).")
 
@@ -134,6 +141,46 @@ def _inspect_model(params) -> None:
   print(json.dumps(summary))
 
 
+def _plan(params, num_devices: int) -> int:
+  """--mode=plan: measures (or reads from --cost_cache) each layer's costs, prints the
+  best plans for the devices and --device_memory, and last one JSON line with the
+  best plan's --params_override."""
+  import platform
+
+  import tensorflow as tf
+
+  from lingvo_gpipe.pipeline import planner
+  from lingvo_gpipe.tasks.base_task import probe_main_stack
+
+  try:
+    budget = planner.parse_bytes(FLAGS.device_memory) * 0.9
+  except ValueError as e:
+    raise UsageFailure(f"--device_memory: {e}") from None
+  specs, layer_params = probe_main_stack(params.task, params.train_input)
+  batch_size = tf.nest.flatten(specs)[0].shape[0]
+  key = [FLAGS.model, params.task.to_text(), specs, platform.node(), tf.__version__]
+  measure = lambda: planner.measure_layer_costs(layer_params, specs)  # noqa: E731
+  print(f"Costs of the {len(layer_params)} layers at batch {batch_size} ...", flush=True)
+  costs = (planner.cached_layer_costs(os.path.expanduser(FLAGS.cost_cache), key, measure)
+           if FLAGS.cost_cache else measure())
+  slot_factor = planner.slot_factor(params.task.train.optimizer)
+  machine = planner.Machine(num_devices, budget, slot_factor)
+  start = time.perf_counter()
+  try:
+    plans = planner.plan(costs, machine, batch_size)
+  except planner.PlanError as e:
+    raise UsageFailure(str(e)) from None
+  print(f"Planned in {time.perf_counter() - start:.1f} s: {num_devices} device(s), "
+        f"{budget / 2**30:.3g} GiB each after a 10% margin, batch {batch_size}")
+  print(planner.format_plans(plans))
+  best = plans[0]
+  print(json.dumps({"model": FLAGS.model, "devices": num_devices,
+                    "device_memory_bytes": budget / 0.9, "step_s": best.step_s,
+                    "bubble": best.bubble, "peak_bytes": list(best.peak_bytes),
+                    "params_override": best.params_override()}))
+  return 0
+
+
 def _latest_checkpoint() -> str | None:
   from lingvo_gpipe import checkpoints
 
@@ -198,7 +245,7 @@ def _run() -> int:
             flush=True)
       watchdog = _watch_workers(spec.get("worker", []))
     else:
-      configure_devices(FLAGS.devices)
+      devices = configure_devices(FLAGS.devices)
   except DeviceSpecError as e:
     flag = "--cluster_spec" if FLAGS.cluster_spec else "--devices"
     raise UsageFailure(f"{flag}: {e}") from None
@@ -206,6 +253,9 @@ def _run() -> int:
     with _bad_params_are_usage_errors():
       _inspect_model(params)
     return 0
+  if FLAGS.mode == "plan":
+    with _bad_params_are_usage_errors():
+      return _plan(params, len(devices))
 
   from lingvo_gpipe import logdirs
   from lingvo_gpipe import trainer as trainer_lib

@@ -64,6 +64,11 @@ class Optimizer(Instantiable, tf.Module):
     """{slot name: (shape, initial value)} for `var`."""
     return {}
 
+  def slot_shapes(self, var: tf.Variable) -> dict[str, tuple[list[int], float]]:
+    """{slot name: (shape, initial value)} of the slots `create_slots` makes for `var`
+    (the planner's memory model counts them)."""
+    return self._slot_shapes(var)
+
   def create_slots(self, variables: Sequence[tf.Variable]) -> None:
     """Creates the slots of each variable on that variable's device (idempotent)."""
     for var in variables:

@@ -96,7 +96,7 @@ class Machine:
   num_devices: int
   memory_bytes: float
   slot_factor: float = 2.0
-  action_overhead_s: float = 0.0
+  action_overhead_s: float = 0.15e-3  # a device loop's action in one process, measured
   allreduce_bytes_per_s: float = 10e9
 
 
@@ -188,6 +188,34 @@ def predict(costs: Sequence[LayerCost], machine: Machine, num_replicas: int,
               schedule_name, step, schedule.idle_fraction(times, plan.num_devices), peaks)
 
 
+def parse_bytes(text: str) -> float:
+  """'16GB', '16GiB', '512MiB', '2e9' → bytes (GB and GiB both 2**30: device memory is
+  quoted in either)."""
+  units = {"": 1, "b": 1, "kb": 2**10, "kib": 2**10, "mb": 2**20, "mib": 2**20,
+           "gb": 2**30, "gib": 2**30, "tb": 2**40, "tib": 2**40}
+  stripped = text.strip().lower()
+  number = stripped.rstrip("kmgtib")
+  unit = stripped[len(number):]
+  try:
+    value = float(number) * units[unit]
+  except (ValueError, KeyError):
+    raise ValueError(f"{text!r} is not a memory size; write e.g. 16GB or 512MiB") from None
+  if value <= 0:
+    raise ValueError(f"{text!r}: a memory size must be > 0")
+  return value
+
+
+def slot_factor(optimizer_params: Any) -> float:
+  """Optimizer slot elements per weight element (Adam 2, SGD with momentum 1), from a
+  1024×1024 variable's slots."""
+  import tensorflow as tf
+
+  optimizer = optimizer_params.instantiate()
+  probe = tf.Variable(tf.zeros([1024, 1024]))
+  shapes = optimizer.slot_shapes(probe)
+  return sum(float(np.prod(shape)) for shape, _ in shapes.values()) / (1024 * 1024)
+
+
 def _divisors(n: int) -> list[int]:
   return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -222,11 +250,18 @@ def plan(costs: Sequence[LayerCost], machine: Machine, batch_size: int,
             fitting.append(predict(costs, machine, replicas, splits, m, recompute, name,
                                    batch_size))
   if not fitting:
-    raise PlanError(f"no plan fits {machine.memory_bytes / 2**30:.3g} GiB per device on "
+    raise PlanError(f"no plan fits {format_bytes(machine.memory_bytes)} per device on "
                     f"{machine.num_devices} device(s); the smallest any plan needs is "
-                    f"{smallest_need / 2**30:.3g} GiB")
+                    f"{format_bytes(smallest_need)}")
   fitting.sort(key=lambda p: (p.step_s, max(p.peak_bytes)))
   return fitting[:top]
+
+
+def format_bytes(n: float) -> str:
+  for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    if n >= size:
+      return f"{n / size:.3g} {unit}"
+  return f"{n:.0f} B"
 
 
 def format_plans(plans: Sequence[Plan]) -> str:
@@ -314,11 +349,14 @@ def _flat_call(layer: Any, given: Any, structure: dict) -> Any:
 
 def _median_seconds(fn, args: Sequence[Any], steps: int) -> float:
   """Median wall seconds of fn(*args), its results fetched, over `steps` runs."""
+  import tensorflow as tf
+
   runs = []
   for _ in range(steps):
     start = time.perf_counter()
     for t in fn(*args):
-      t.numpy()
+      if t is not None:
+        tf.convert_to_tensor(t).numpy()  # embeddings' gradients are IndexedSlices
     runs.append(time.perf_counter() - start)
   return float(np.median(runs))
 

@@ -100,7 +100,7 @@ def with_partition_costs(task_params: Params, input_params: Params,
   if pipeline.partition_cost not in NEEDS_INPUT_SPECS or not requested_cells(pipeline):
     return task_params
   completed = task_params.copy()
-  specs, layers_params = _probe_main_stack(task_params, input_params)
+  specs, layers_params = probe_main_stack(task_params, input_params)
   if pipeline.input_specs is None:
     completed.pipeline.input_specs = specs
   if pipeline.partition_cost == "measured" and not pipeline.layer_costs:
@@ -113,7 +113,7 @@ def with_partition_costs(task_params: Params, input_params: Params,
   return completed.freeze() if task_params.is_frozen else completed
 
 
-def _probe_main_stack(task_params: Params, input_params: Params) -> tuple[Any, list]:
+def probe_main_stack(task_params: Params, input_params: Params) -> tuple[Any, list]:
   """(nested tf.TensorSpec of `stack_inputs(batch)` for the batches of `input_params`,
   the params of the main stack's layers)."""
   batch_spec = input_params.instantiate().batch_spec()
