@@ -151,7 +151,7 @@ def _config_name(model_name: str, k: int, m: int, schedule: str, group: int) -> 
 
 def _weight_share(measured) -> float:
   """The W actions' share of the backward time (B + W) over the cells that defer."""
-  forward, backward, weight = measured.action_times()
+  _, backward, weight = measured.action_times()
   deferring = [k for k, w in enumerate(weight) if w > 0]
   total_w = sum(weight[k] for k in deferring)
   return total_w / max(total_w + sum(backward[k] for k in deferring), 1e-12)

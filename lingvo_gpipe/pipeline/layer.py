@@ -174,7 +174,8 @@ class PipeliningLayer(BaseLayer):
     self.create_children("layers", p.layers, devices=layer_devices)
     self._function_cache = _FunctionCache(p.share_layer_functions)
     self._channel_prefix = channels.channel_prefix(self.path)
-    self.plan()  # a schedule these cells and micro-batches cannot run fails here
+    # Made once (a schedule these cells and micro-batches cannot run fails here).
+    self._function_cache.plan = self._make_plan()
 
   # -- partition and placement ----------------------------------------------------
 
@@ -320,6 +321,11 @@ class PipeliningLayer(BaseLayer):
     return []
 
   def plan(self) -> schedule.PipelineSchedule:
+    """The actions of each cell in a training step and each device's order (see
+    `_make_plan`)."""
+    return self._function_cache.plan
+
+  def _make_plan(self) -> schedule.PipelineSchedule:
     """The actions of each cell in a training step and each device's order
     (params.schedule; with weight_gradient_group G > 1, a W after every G-th backward
     of each re-materialized cell and after its last). Cells that share a device run
@@ -382,8 +388,8 @@ class PipeliningLayer(BaseLayer):
 
 
 class _FunctionCache:
-  """Holds a pipeline's CellFunctions per head and the functions its kinds of layer
-  share (None: not shared); a plain object, so that tf.Module's attribute tracking
+  """Holds a pipeline's CellFunctions per head, the functions its kinds of layer
+  share (None: not shared) and its schedule; a plain object, so that tf.Module's attribute tracking
   (checkpoints, variable collection) does not walk into it."""
 
   def __init__(self, share_layer_functions: bool):
@@ -391,3 +397,4 @@ class _FunctionCache:
     self.layers = LayerFunctions() if share_layer_functions else None
     # `layers` in order on x, through the shared functions when there are some.
     self.call_layers = self.layers.call_layers if self.layers is not None else call_layers
+    self.plan: schedule.PipelineSchedule | None = None

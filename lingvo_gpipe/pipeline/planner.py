@@ -100,15 +100,31 @@ class Machine:
   allreduce_bytes_per_s: float = 10e9
 
 
+class _MemoryModel:
+  """Prefix sums of the layers' bytes at one micro-batch size: `peak(starts, end, held)`
+  gives the cells [start, end) their predicted peaks at once (module docstring)."""
+
+  def __init__(self, costs: Sequence[LayerCost], micro_batch: int, recompute: bool,
+               slot_factor: float):
+    scale = micro_batch / costs[0].batch
+    self.weights = np.concatenate([[0.0], np.cumsum([c.weight_bytes for c in costs])]) * (
+        2.0 + slot_factor)
+    self.kept = np.concatenate([[0.0], np.cumsum([c.kept_bytes * scale for c in costs])])
+    self.inputs = np.array([c.input_bytes * scale for c in costs])
+    self.recompute = recompute
+
+  def peak(self, starts: Any, end: int, held: int) -> Any:
+    kept = self.kept[end] - self.kept[starts]
+    held_bytes = held * (self.inputs[starts] if self.recompute else kept)
+    # re-materialized: one backward's recomputed forward at a time on top
+    return self.weights[end] - self.weights[starts] + held_bytes + (
+        kept if self.recompute else 0.0)
+
+
 def cell_memory(costs: Sequence[LayerCost], start: int, end: int, micro_batch: int,
                 held: int, recompute: bool, slot_factor: float) -> float:
   """Predicted peak bytes of the cell of layers [start, end) (module docstring)."""
-  scale = micro_batch / costs[0].batch
-  weights = sum(c.weight_bytes for c in costs[start:end]) * (2.0 + slot_factor)
-  kept = sum(c.kept_bytes for c in costs[start:end]) * scale
-  if recompute:
-    return weights + held * costs[start].input_bytes * scale + kept
-  return weights + held * kept
+  return float(_MemoryModel(costs, micro_batch, recompute, slot_factor).peak(start, end, held))
 
 
 def cell_times(costs: Sequence[LayerCost], bounds: Sequence[tuple[int, int]],
@@ -134,9 +150,7 @@ def best_split(costs: Sequence[LayerCost], num_cells: int, micro_batch: int,
   per_layer = [(c.forward_s * (2.0 if recompute else 1.0) + c.backward_s) * scale
                for c in costs]
   time_prefix = np.concatenate([[0.0], np.cumsum(per_layer)])
-  weight_prefix = np.concatenate([[0.0], np.cumsum([c.weight_bytes for c in costs])])
-  kept_prefix = np.concatenate([[0.0], np.cumsum([c.kept_bytes * scale for c in costs])])
-  inputs = np.array([c.input_bytes * scale for c in costs])
+  memory = _MemoryModel(costs, micro_batch, recompute, slot_factor)
   best = np.full((num_cells + 1, num_layers + 1), np.inf)
   come_from = np.full((num_cells + 1, num_layers + 1), -1)
   best[0, 0] = 0.0
@@ -144,11 +158,8 @@ def best_split(costs: Sequence[LayerCost], num_cells: int, micro_batch: int,
   for k in range(1, num_cells + 1):
     for end in range(k, num_layers - (num_cells - k) + 1):
       s = starts[k - 1:end]
-      kept = kept_prefix[end] - kept_prefix[s]
-      memory = (weight_prefix[end] - weight_prefix[s]) * (2.0 + slot_factor) + (
-          held[k - 1] * inputs[s] + kept if recompute else held[k - 1] * kept)
       bottleneck = np.maximum(best[k - 1, s], time_prefix[end] - time_prefix[s])
-      bottleneck[memory > memory_bytes] = np.inf
+      bottleneck[memory.peak(s, end, held[k - 1]) > memory_bytes] = np.inf
       i = int(np.argmin(bottleneck))
       if bottleneck[i] < np.inf:
         best[k, end], come_from[k, end] = bottleneck[i], s[i]

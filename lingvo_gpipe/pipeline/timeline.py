@@ -180,10 +180,9 @@ class MeasuredTimeline:
               ) -> dict[tuple[int, Action], tuple[float, float]]:
     """The plan's simulated timeline with this step's per-cell action times (hand-offs
     free): what the devices would have run without waiting on anything else."""
-    forward, backward, weight = self.action_times()
-    # A cell that does not defer runs its weight gradients inside B (measured there).
-    weight = [w if plan.defers(k) else 0.0 for k, w in enumerate(weight)]
-    return plan.simulate(forward, backward, weight)
+    # A cell that does not defer has no W calls: its weight gradients are measured
+    # inside B and its W time is 0.
+    return plan.simulate(*self.action_times())
 
   def cell_orders(self) -> list[list[Action]]:
     """Per cell, its forward and backward actions in the order they started, as the
