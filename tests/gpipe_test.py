@@ -5,6 +5,7 @@ import itertools
 import numpy as np
 import pytest
 import tensorflow as tf
+from numerics import assert_all_close, assert_close
 
 from lingvo_gpipe import train_step
 from lingvo_gpipe.core import base_layer, layers, optimizers
@@ -106,10 +107,6 @@ def fprop_loss_and_grads(model):
   return loss.numpy(), [g.numpy() for g in grads]
 
 
-def max_relative_difference(got, want) -> float:
-  return float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-12))
-
-
 @pytest.fixture(scope="module")
 def reference():
   return reference_loss_and_grads(model_params(layers.Sequential).instantiate())
@@ -141,10 +138,8 @@ def test_the_grid_covers_every_pair():
 def assert_matches_reference(got, reference):
   loss, grads = got
   want_loss, want_grads = reference
-  assert max_relative_difference(loss, want_loss) <= 1e-5
-  assert len(grads) == len(want_grads)
-  for g, w in zip(grads, want_grads):
-    assert max_relative_difference(g, w) <= 1e-5
+  assert_close(loss, want_loss)
+  assert_all_close(grads, want_grads)
 
 
 @pytest.mark.parametrize("schedule, num_cells, num_micro_batches, recompute", GRID)
@@ -197,8 +192,8 @@ def test_two_training_steps_give_the_same_weights(cpu_devices, num_cells, recomp
   for _ in range(2):
     run({"inputs": (x, skip), "target": target})
   assert int(global_step.numpy()) == 2
-  for g, w in zip(model.trainable_variables, variables):
-    assert max_relative_difference(g.numpy(), w.numpy()) <= 1e-5
+  assert_all_close([v.numpy() for v in model.trainable_variables],
+                   [v.numpy() for v in variables])
 
 
 def test_eval_runs_forward_only_and_matches(cpu_devices):
@@ -209,8 +204,7 @@ def test_eval_runs_forward_only_and_matches(cpu_devices):
   fn = tf.function(lambda a, b: pipe(a, b))
   graph = fn.get_concrete_function(x, skip).graph
   assert not [op for op in graph.get_operations() if op.type == "IdentityN"]
-  for got, want in zip(fn(x, skip), ref(x, skip)):
-    np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-6)
+  assert_all_close([t.numpy() for t in fn(x, skip)], [t.numpy() for t in ref(x, skip)])
 
 
 def test_checkpoints_move_between_sequential_and_pipeline(tmp_path, cpu_devices):
@@ -260,8 +254,8 @@ def test_batch_norm_moving_stats_come_from_the_whole_batch_once(cpu_devices, sch
   num_reports, _ = step()
   assert num_reports == num_micro_batches  # the recomputed forward reported nothing
   h = x @ fc1.w.numpy() + fc1.b.numpy()
-  np.testing.assert_allclose(bn.moving_mean.numpy(), 0.1 * h.mean(0), rtol=1e-5, atol=1e-6)
-  np.testing.assert_allclose(bn.moving_variance.numpy(), 0.9 + 0.1 * h.var(0), rtol=1e-5)
+  assert_close(bn.moving_mean.numpy(), 0.1 * h.mean(0), dtype=np.float32)
+  assert_close(bn.moving_variance.numpy(), 0.9 + 0.1 * h.var(0), dtype=np.float32)
 
 
 @pytest.mark.parametrize("schedule, num_cells, num_micro_batches, group, recompute", [
@@ -438,9 +432,8 @@ def test_nested_map_between_cells_matches_unpartitioned(cpu_devices):
     return metrics["loss"][0], grads
 
   got_loss, got_grads = step()
-  assert max_relative_difference(got_loss.numpy(), want_loss.numpy()) <= 1e-5
-  for g, w in zip(got_grads, want_grads):
-    assert max_relative_difference(g.numpy(), w.numpy()) <= 1e-5
+  assert_close(got_loss.numpy(), want_loss.numpy())
+  assert_all_close([g.numpy() for g in got_grads], [w.numpy() for w in want_grads])
 
 
 def test_flops_and_given_costs_drive_the_partition(cpu_devices):

@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 import tensorflow as tf
+from numerics import assert_close
 
 from lingvo_gpipe.core import base_layer, layers, optimizers
 from lingvo_gpipe.pipeline import hybrid
@@ -98,7 +99,7 @@ def test_two_replicas_of_two_cells_train_like_one_pipeline_on_the_double_batch(c
     got = [v.numpy() for v in rep.variables]
     assert len(got) == len(want)
     for g, w in zip(got, want):
-      np.testing.assert_allclose(g, w, rtol=2e-5, atol=1e-6)
+      assert_close(g, w)
   # The update did something: the weights moved away from their initial values.
   initial = pipeline_params(2).set(devices=cpu_devices[:2]).instantiate()
   assert not np.allclose(initial.variables[0].numpy(), want[0])
@@ -160,7 +161,7 @@ def test_the_trainer_with_two_replicas_equals_one_pipeline_and_resumes_them_equa
       single.task.input_device, tf.config.list_logical_devices("CPU")[2].name]
   losses_hybrid = []
   hybrid_run.train(3, on_step=lambda _, v: losses_hybrid.append(float(v["loss"])))
-  np.testing.assert_allclose(losses_hybrid, losses_single, rtol=1e-5)
+  assert_close(losses_hybrid, losses_single)
 
   got = tf.train.load_checkpoint(str(tmp_path / "r2" / "train" / "ckpt-3"))
   want = tf.train.load_checkpoint(str(tmp_path / "r1" / "train" / "ckpt-3"))
@@ -169,8 +170,7 @@ def test_the_trainer_with_two_replicas_equals_one_pipeline_and_resumes_them_equa
   dtypes = want.get_variable_to_dtype_map()
   for name in names:  # every numeric tensor: weights, slots, batch-norm statistics, step
     if dtypes[name].is_floating or dtypes[name].is_integer:
-      np.testing.assert_allclose(got.get_tensor(name), want.get_tensor(name),
-                                 rtol=1e-5, atol=1e-6, err_msg=name)
+      assert_close(got.get_tensor(name), want.get_tensor(name), err_msg=name)
 
   resumed = demo_trainer(tmp_path / "r2", "task.pipeline.num_micro_batches=2;"
                          "task.pipeline.num_replicas=2")

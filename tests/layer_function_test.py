@@ -11,6 +11,7 @@ import collections
 import numpy as np
 import pytest
 import tensorflow as tf
+from numerics import assert_close
 
 from lingvo_gpipe import train_step
 from lingvo_gpipe.core import base_layer, layers
@@ -76,14 +77,14 @@ def test_shared_functions_give_what_layers_traced_apart_give(cpu_devices, recomp
     results.append((loss.numpy(), [g.numpy() for g in grads],
                     [(path, {k: v.numpy() for k, v in s.items()}) for path, s in stats]))
   (loss, grads, stats), (want_loss, want_grads, want_stats) = results
-  np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+  assert_close(loss, want_loss)
   for got, want in zip(grads, want_grads):
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+    assert_close(got, want)
   assert [path for path, _ in stats] == [path for path, _ in want_stats]
   assert len(stats) == len(keep_probs) * 2  # each batch norm, each micro-batch
   for (_, got), (_, want) in zip(stats, want_stats):
     for key in want:
-      np.testing.assert_allclose(got[key], want[key], rtol=1e-6)
+      assert_close(got[key], want[key])
 
 
 def test_identical_layers_trace_their_function_once_whatever_their_number(cpu_devices):
@@ -150,7 +151,7 @@ def test_eval_calls_the_shared_functions(cpu_devices):
     outputs.append(tf.function(model)(batch()["inputs"]).numpy())
     if share:
       assert shared(model).num_kinds == 1  # the eval kind (batch norm's moving averages)
-  np.testing.assert_allclose(outputs[0], outputs[1], rtol=1e-5, atol=1e-6)
+  assert_close(outputs[0], outputs[1])
 
 
 class _Counter(layers.Linear):

@@ -5,6 +5,7 @@ import math
 import numpy as np
 import pytest
 import tensorflow as tf
+from numerics import assert_close
 
 from lingvo_gpipe.core import base_layer, layers
 from lingvo_gpipe.core.base_layer import weight_init
@@ -54,16 +55,15 @@ def test_linear_matches_numpy_with_activation():
   layer.b.assign(RNG.randn(3).astype(np.float32))
   x = RNG.randn(4, 2, 5).astype(np.float32)
   want = np.maximum(x @ layer.w.numpy() + layer.b.numpy(), 0)
-  np.testing.assert_allclose(layer(x).numpy(), want, rtol=1e-5, atol=1e-6)
-  np.testing.assert_allclose(layer(x[:, 0]).numpy(), want[:, 0], rtol=1e-5, atol=1e-6)
+  assert_close(layer(x).numpy(), want)
+  assert_close(layer(x[:, 0]).numpy(), want[:, 0])
 
 
 @pytest.mark.parametrize("stride", [1, 2])
 def test_conv2d_matches_numpy(stride):
   layer = build(layers.Conv2D.Params().set(filter_shape=(3, 3, 2, 4), filter_stride=(stride,) * 2))
   x = RNG.randn(2, 7, 6, 2).astype(np.float32)
-  np.testing.assert_allclose(layer(x).numpy(), np_conv(x, layer.w.numpy(), stride),
-                             rtol=1e-4, atol=1e-5)
+  assert_close(layer(x).numpy(), np_conv(x, layer.w.numpy(), stride))
 
 
 def test_depthwise_separable_conv_matches_numpy():
@@ -72,7 +72,7 @@ def test_depthwise_separable_conv_matches_numpy():
   x = RNG.randn(2, 8, 8, 3).astype(np.float32)
   depthwise = np_depthwise(x, layer.depthwise_w.numpy(), 2)
   want = np.einsum("bhwc,co->bhwo", depthwise, layer.pointwise_w.numpy()[0, 0])
-  np.testing.assert_allclose(layer(x).numpy(), want, rtol=1e-4, atol=1e-5)
+  assert_close(layer(x).numpy(), want)
 
 
 def test_pooling_and_global_pooling_match_numpy():
@@ -82,7 +82,7 @@ def test_pooling_and_global_pooling_match_numpy():
     pool = build(layers.Pooling.Params().set(pooling_type=kind))
     np.testing.assert_allclose(pool(x).numpy(), reduce(blocks, axis=(2, 4)), rtol=1e-6)
     glob = build(layers.GlobalPooling.Params().set(pooling_type=kind))
-    np.testing.assert_allclose(glob(x).numpy(), reduce(x, axis=(1, 2)), rtol=1e-5)
+    assert_close(glob(x).numpy(), reduce(x, axis=(1, 2)))
 
 
 def test_batch_norm_train_eval_and_moving_stats():
@@ -94,15 +94,15 @@ def test_batch_norm_train_eval_and_moving_stats():
   with base_layer.step_context(training=True, layer_stats=[]) as ctx:
     y = layer(x).numpy()
   want = (x - mean) / np.sqrt(var + 1e-3) * layer.gamma.numpy() + layer.beta.numpy()
-  np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-4)
+  assert_close(y, want)
   np.testing.assert_allclose(layer.moving_mean.numpy(), 0.0)  # not updated by fprop
   base_layer.apply_layer_stats(ctx.layer_stats)
-  np.testing.assert_allclose(layer.moving_mean.numpy(), 0.1 * mean, rtol=1e-5)
-  np.testing.assert_allclose(layer.moving_variance.numpy(), 0.9 + 0.1 * var, rtol=1e-5)
+  assert_close(layer.moving_mean.numpy(), 0.1 * mean)
+  assert_close(layer.moving_variance.numpy(), 0.9 + 0.1 * var)
   y_eval = layer(x).numpy()  # no context: inference with the moving statistics
   want_eval = ((x - layer.moving_mean.numpy()) / np.sqrt(layer.moving_variance.numpy() + 1e-3)
                * layer.gamma.numpy() + layer.beta.numpy())
-  np.testing.assert_allclose(y_eval, want_eval, rtol=1e-4, atol=1e-4)
+  assert_close(y_eval, want_eval)
 
 
 def test_batch_norm_stats_of_parts_combine_to_whole_batch():
@@ -112,8 +112,8 @@ def test_batch_norm_stats_of_parts_combine_to_whole_batch():
     for part in (x[:3], x[3:7], x[7:]):  # unequal parts, as uneven micro-batches
       layer(part)
   base_layer.apply_layer_stats(ctx.layer_stats)
-  np.testing.assert_allclose(layer.moving_mean.numpy(), x.mean(0), rtol=1e-5)
-  np.testing.assert_allclose(layer.moving_variance.numpy(), x.var(0), rtol=1e-5)
+  assert_close(layer.moving_mean.numpy(), x.mean(0))
+  assert_close(layer.moving_variance.numpy(), x.var(0))
 
 
 def test_layer_norm_matches_numpy():
@@ -122,7 +122,7 @@ def test_layer_norm_matches_numpy():
   x = RNG.randn(3, 4, 6).astype(np.float32)
   want = ((x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + 1e-6)
           * layer.scale.numpy())
-  np.testing.assert_allclose(layer(x).numpy(), want, rtol=1e-4, atol=1e-5)
+  assert_close(layer(x).numpy(), want)
 
 
 def test_dropout_is_reproducible_and_keyed_by_step_and_position():
@@ -169,12 +169,11 @@ def test_embedding_and_softmax_xent_with_label_smoothing():
   x = RNG.randn(3, 4).astype(np.float32)
   labels = np.array([0, 4, 2])
   logits = softmax(x).numpy()
-  np.testing.assert_allclose(logits, x @ softmax.w.numpy(), rtol=1e-5, atol=1e-6)
+  assert_close(logits, x @ softmax.w.numpy())
   log_probs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
   targets = np.full([3, 5], 0.1 / 5)
   targets[np.arange(3), labels] += 0.9
-  np.testing.assert_allclose(softmax.xent_loss(logits, labels).numpy(),
-                             -(targets * log_probs).sum(-1), rtol=1e-5)
+  assert_close(softmax.xent_loss(logits, labels).numpy(), -(targets * log_probs).sum(-1))
 
 
 def test_softmax_logit_clipping():
@@ -191,7 +190,7 @@ def test_sequential_chains_layers():
   x = RNG.randn(5, 3).astype(np.float32)
   a, b = seq.layers
   want = np.tanh(x @ a.w.numpy() + a.b.numpy()) @ b.w.numpy() + b.b.numpy()
-  np.testing.assert_allclose(seq(x).numpy(), want, rtol=1e-5, atol=1e-6)
+  assert_close(seq(x).numpy(), want)
   assert [c.path for c in seq.children()] == ["sequential/a", "sequential/b"]
 
 

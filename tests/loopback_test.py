@@ -11,10 +11,10 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 import tensorflow as tf
 from conftest import REPO, run_trainer
+from numerics import assert_close
 
 from lingvo_gpipe.runtime import cluster
 from lingvo_gpipe.runtime.devices import DeviceSpecError
@@ -157,8 +157,7 @@ def test_a_dead_worker_stops_training_in_bounded_time_and_a_restart_resumes(tmp_
            if dtype.is_floating or dtype.is_integer]
   assert any("global_step" in n for n in names) and len(names) > 10
   for name in names:
-    np.testing.assert_allclose(got.get_tensor(name), want.get_tensor(name), rtol=1e-4,
-                               atol=1e-5, err_msg=name)
+    assert_close(got.get_tensor(name), want.get_tensor(name), err_msg=name)
 
 
 def _start_trainer(logdir: Path, spec: str, model: list[str]) -> subprocess.Popen:

@@ -5,6 +5,7 @@ import math
 import numpy as np
 import pytest
 import tensorflow as tf
+from numerics import assert_close
 
 from lingvo_gpipe.core import attention, base_layer, model_stats
 from lingvo_gpipe.models import amoeba_net, transformer
@@ -104,7 +105,7 @@ def test_multi_head_attention_matches_numpy_with_causal_mask():
   mask = np.tril(np.ones([5, 5], bool))
   want = numpy_attention(x, x, layer.query.w.numpy(), layer.key.w.numpy(),
                          layer.value.w.numpy(), layer.post.w.numpy(), 2, mask)
-  np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+  assert_close(got, want)
   assert layer.query.w.shape == [8, 12]  # per-head dimension is its own parameter
 
 
@@ -118,7 +119,7 @@ def test_lm_stack_is_causal_and_counts_match():
   assert logits.shape == (2, 7, 30)
   changed = tf.tensor_scatter_nd_update(ids, [[0, 5], [1, 6]], [4, 4])
   logits2 = stack(changed, paddings).numpy()
-  np.testing.assert_allclose(logits[:, :5], logits2[:, :5], rtol=1e-5, atol=1e-6)
+  assert_close(logits[:, :5], logits2[:, :5])
   assert not np.allclose(logits[0, 5:], logits2[0, 5:])
   assert real_param_count(stack) == shapes_only_count(params)
   # Per layer: 4 projections D×D + biases, two layer norms, the feed-forward block.
@@ -139,8 +140,7 @@ def test_encoder_decoder_ignores_padded_source_and_counts_match():
   logits = stack(src, src_pad, tgt, tgt_pad).numpy()
   assert logits.shape == (2, 5, 40)
   other_src = tf.tensor_scatter_nd_update(src, [[0, 4], [0, 5]], [7, 9])
-  np.testing.assert_allclose(logits[0], stack(other_src, src_pad, tgt, tgt_pad).numpy()[0],
-                             rtol=1e-5, atol=1e-6)
+  assert_close(logits[0], stack(other_src, src_pad, tgt, tgt_pad).numpy()[0])
   assert real_param_count(stack) == shapes_only_count(params)
 
 

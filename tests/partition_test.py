@@ -7,7 +7,7 @@ import pytest
 import tensorflow as tf
 
 from lingvo_gpipe.core import layers
-from lingvo_gpipe.pipeline import partition
+from lingvo_gpipe.pipeline import layer_profiler, partition
 
 
 def brute_force(costs, num_cells, memory=None, cap=np.inf):
@@ -75,6 +75,49 @@ def test_bad_requests_are_named():
     partition.balance([1, -2, 3], 2)
 
 
+def test_the_band_search_is_exact_when_one_layer_dominates_or_costs_are_zero():
+  """Costs that make the band's first limit too narrow (a huge layer) or empty (all
+  zero): the split is still the brute-force optimum."""
+  for costs, num_cells in [([1, 1, 1, 1, 100, 1, 1, 1], 3), ([0, 0, 0, 0], 2),
+                           ([0, 0, 5, 0, 0], 4), ([3, 0, 0, 0, 0, 0, 0, 3], 2)]:
+    cells = partition.balance(costs, num_cells)
+    assert [(c.start, c.end) for c in cells] == list(zip(
+        [0, *[c.end for c in cells[:-1]]], [*[c.end for c in cells[:-1]], len(costs)]))
+    assert all(c.start < c.end for c in cells) and len(cells) == num_cells
+    assert max(c.cost for c in cells) == pytest.approx(brute_force(costs, num_cells))
+
+
+def test_per_cell_times_and_a_start_dependent_fit_against_brute_force():
+  """The solver's general form (the planner's): a layer's time differs per cell, and
+  whether a cell fits depends on k and on its first layer."""
+  rng = np.random.RandomState(3)
+  for _ in range(20):
+    num_layers, num_cells = rng.randint(2, 8), rng.randint(1, 4)
+    num_cells = min(num_cells, num_layers)
+    times = rng.exponential(size=(num_cells, num_layers))
+    first_cost = rng.uniform(0, 5, num_layers + 1)
+    limit = rng.uniform(2, 8)
+
+    def fits(k, starts, ends, first_cost=first_cost, limit=limit):
+      return (k + 1) * first_cost[starts] + (ends - starts) <= limit
+
+    best, best_value = None, np.inf
+    for cuts in itertools.combinations(range(1, num_layers), num_cells - 1):
+      bounds = list(zip((0, *cuts), (*cuts, num_layers)))
+      if all(fits(k, s, e) for k, (s, e) in enumerate(bounds)):
+        value = max(times[k, s:e].sum() for k, (s, e) in enumerate(bounds))
+        if value < best_value - 1e-12:
+          best, best_value = (*cuts, num_layers), value
+    got = partition.min_bottleneck_split(times, num_cells, fits)
+    if best is None:
+      assert got is None
+      continue
+    bounds = list(zip((0, *got[:-1]), got))
+    assert all(fits(k, s, e) for k, (s, e) in enumerate(bounds))
+    assert max(times[k, s:e].sum() for k, (s, e) in enumerate(bounds)) == pytest.approx(
+        best_value)
+
+
 def test_large_partition_is_fast_and_exact_against_a_dp():
   rng = np.random.RandomState(7)
   costs = rng.exponential(size=300)
@@ -95,5 +138,6 @@ def test_profiled_costs_rank_layers_by_work():
   # and a gap this wide survives a loaded machine.
   params = [layers.Linear.Params().set(name="big", input_dim=256, output_dim=4096),
             layers.Linear.Params().set(name="small", input_dim=4096, output_dim=1)]
-  costs = partition.profile_layer_costs(params, tf.TensorSpec([1024, 256]), steps=5)
+  costs = [c.step_s for c in layer_profiler.measure_layer_costs(
+      params, tf.TensorSpec([1024, 256]), steps=5)]
   assert len(costs) == 2 and costs[0] > costs[1] > 0

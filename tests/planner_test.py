@@ -1,12 +1,14 @@
 """The automatic plan against brute force over every split, and its cost model."""
 
 import itertools
+import json
 
 import numpy as np
 import pytest
 
-from lingvo_gpipe.pipeline import planner
-from lingvo_gpipe.pipeline.planner import LayerCost, Machine
+from lingvo_gpipe.pipeline import layer_profiler, planner
+from lingvo_gpipe.pipeline.layer_profiler import LayerCost
+from lingvo_gpipe.pipeline.planner import Machine
 
 
 def table(seed: int, num_layers: int = 6) -> list[LayerCost]:
@@ -23,12 +25,17 @@ def all_splits(num_layers: int, num_cells: int):
     yield (*cuts, num_layers)
 
 
+def remat(policy: str, k: int, num_cells: int) -> bool:
+  return {"always": True, "never": False, "except_last": k < num_cells - 1}[policy]
+
+
 def brute_force_split(costs, num_cells, micro_batch, held, recompute, slot_factor, cap):
   """The least largest cell time over every split whose cells fit, written out."""
   best, best_value = None, np.inf
   for splits in all_splits(len(costs), num_cells):
     bounds = list(zip([0, *splits[:-1]], splits))
-    fits = all(planner.cell_memory(costs, s, e, micro_batch, held[k], recompute, slot_factor)
+    fits = all(planner.cell_memory(costs, s, e, micro_batch, held[k],
+                                   remat(recompute, k, num_cells), slot_factor)
                <= cap for k, (s, e) in enumerate(bounds))
     forward, backward = planner.cell_times(costs, bounds, micro_batch, recompute)
     value = max(f + b for f, b in zip(forward, backward))
@@ -39,13 +46,14 @@ def brute_force_split(costs, num_cells, micro_batch, held, recompute, slot_facto
 
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("num_cells", [1, 2, 3, 4])
-@pytest.mark.parametrize("recompute", [True, False])
+@pytest.mark.parametrize("recompute", ["always", "except_last", "never"])
 def test_the_split_is_the_brute_force_optimum_under_a_memory_cap(seed, num_cells, recompute):
   costs = table(seed)
   held = [num_cells - k for k in range(num_cells)]  # 1F1B's
 
   def peak(splits):
-    return max(planner.cell_memory(costs, s, e, 8, held[k], recompute, 2.0)
+    return max(planner.cell_memory(costs, s, e, 8, held[k], remat(recompute, k, num_cells),
+                                   2.0)
                for k, (s, e) in enumerate(zip([0, *splits[:-1]], splits)))
 
   free_split, _ = brute_force_split(costs, num_cells, 8, held, recompute, 2.0, np.inf)
@@ -78,8 +86,8 @@ def test_the_search_is_the_brute_force_best_of_every_plan(seed):
   for replicas in (1, 2, 4):
     for num_cells in range(1, 4 // replicas + 1):
       for m in [m for m in (1, 2, 4, 8) if (8 // replicas) % m == 0]:
-        for recompute in planner.RECOMPUTE:
-          for name in planner.SCHEDULES:
+        for recompute in ("always", "except_last", "never"):
+          for name in ("gpipe", "1f1b"):
             for splits in all_splits(len(costs), num_cells):
               p = planner.predict(costs, Machine(4, np.inf), replicas, splits, m, recompute,
                                   name, 8)
@@ -97,7 +105,7 @@ def test_the_search_is_the_brute_force_best_of_every_plan(seed):
     key = (p.num_replicas, p.num_cells, p.num_micro_batches, p.recompute, p.schedule)
     bounds = list(zip([0, *p.splits[:-1]], p.splits))
     forward, backward = planner.cell_times(costs, bounds, 8 // p.num_replicas //
-                                           p.num_micro_batches, p.recompute == "always")
+                                           p.num_micro_batches, p.recompute)
     bottleneck = max(f + b for f, b in zip(forward, backward))
     if key not in best_per_config or bottleneck < best_per_config[key][0] - 1e-12:
       best_per_config[key] = (bottleneck, p)
@@ -107,6 +115,44 @@ def test_the_search_is_the_brute_force_best_of_every_plan(seed):
   # The unconstrained fastest plan needs more than the budget.
   fastest = min(candidates, key=lambda p: p.step_s)
   assert max(fastest.peak_bytes) > budget or fastest.step_s == pytest.approx(got.step_s)
+
+
+@pytest.mark.parametrize("schedule_name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("recompute", ["always", "never"])
+@pytest.mark.parametrize("replicas, num_cells, num_micro", [(1, 1, 1), (1, 3, 4), (2, 2, 2),
+                                                            (1, 4, 8)])
+def test_prediction_of_equal_cells_is_the_papers_formula(schedule_name, recompute, replicas,
+                                                         num_cells, num_micro):
+  """predict (the search's ranking) against closed forms written from the paper: K
+  equal cells of F and B per micro-batch fill and drain in (M + K − 1)·(F + B) with
+  either schedule; each cell holds its weights, their gradient sums and slots, and
+  per micro-batch in flight (gpipe M, 1f1b K − k) its input when re-materialized
+  (plus one recomputed forward) or everything its backward keeps."""
+  layer = LayerCost(forward_s=2e-3, backward_s=5e-3, weight_bytes=1000, input_bytes=64,
+                    kept_bytes=300, batch=4)
+  per_cell = 2
+  costs = [layer] * (num_cells * per_cell)
+  batch = 16 * replicas
+  micro = batch // replicas // num_micro
+  machine = Machine(4, np.inf, slot_factor=2.0, action_overhead_s=1e-4,
+                    allreduce_bytes_per_s=1e6)
+  splits = [per_cell * (k + 1) for k in range(num_cells)]
+  got = planner.predict(costs, machine, replicas, splits, num_micro, recompute,
+                        schedule_name, batch)
+  scale = micro / layer.batch
+  f = per_cell * layer.forward_s * scale
+  b = per_cell * layer.backward_s * scale + (f if recompute == "always" else 0.0)
+  want_step = (num_micro + num_cells - 1) * (f + b) + 2 * num_micro * 1e-4
+  if replicas > 1:
+    want_step += 2 * (replicas - 1) / replicas * (len(costs) * 1000 / num_cells) / 1e6
+  assert got.step_s == pytest.approx(want_step, rel=1e-9)
+  assert got.bubble == pytest.approx((num_cells - 1) / (num_micro + num_cells - 1), rel=1e-9)
+  weights = per_cell * 1000 * (2 + 2.0)
+  kept = per_cell * 300 * scale
+  for k, peak in enumerate(got.peak_bytes):
+    held = num_micro if schedule_name == "gpipe" else min(num_cells - k, num_micro)
+    activations = held * 64 * scale + kept if recompute == "always" else held * kept
+    assert peak == pytest.approx(weights + activations, rel=1e-9), k
 
 
 def test_a_budget_nothing_fits_names_the_smallest_need():
@@ -133,7 +179,8 @@ def test_measured_costs_count_bytes_from_shapes_and_are_cached(tmp_path):
   params = [layers.Linear.Params().set(name=f"fc{i}", input_dim=16 + 16 * i,
                                        output_dim=32 - 16 * i, activation="TANH")
             for i in range(2)]
-  costs = planner.measure_layer_costs(params, tf.TensorSpec([8, 16], tf.float32), steps=2)
+  costs = layer_profiler.measure_layer_costs(params, tf.TensorSpec([8, 16], tf.float32),
+                                             steps=2)
   assert [c.weight_bytes for c in costs] == [(16 * 32 + 32) * 4, (32 * 16 + 16) * 4]
   assert [c.input_bytes for c in costs] == [8 * 16 * 4, 8 * 32 * 4]
   # tanh(x·W + b) keeps at least its output for tanh's gradient and x for W's.
@@ -146,11 +193,59 @@ def test_measured_costs_count_bytes_from_shapes_and_are_cached(tmp_path):
     calls.append(1)
     return costs
 
-  assert planner.cached_layer_costs(path, ["model", 8], measure) == costs
-  assert planner.cached_layer_costs(path, ["model", 8], measure) == costs
+  assert layer_profiler.cached_layer_costs(path, ["model", 8], measure) == costs
+  assert layer_profiler.cached_layer_costs(path, ["model", 8], measure) == costs
   assert len(calls) == 1
-  planner.cached_layer_costs(path, ["model", 16], measure)
+  layer_profiler.cached_layer_costs(path, ["model", 16], measure)
   assert len(calls) == 2
+
+
+@pytest.mark.parametrize("text", ["nan", "inf", "-inf", "1e30", "0", "-4GB", "lots", "16XB"])
+def test_a_device_memory_that_is_not_a_size_is_refused_by_name(text):
+  with pytest.raises(ValueError, match=f"'{text}'"):
+    planner.parse_bytes(text)
+
+
+def test_memory_sizes_read_as_bytes():
+  assert planner.parse_bytes("16GB") == planner.parse_bytes("16GiB") == 16 * 2**30
+  assert planner.parse_bytes(" 512MiB ") == 512 * 2**20
+  assert planner.parse_bytes("2e9") == 2e9
+  assert planner.parse_bytes("1024TiB") == 2**50
+
+
+def test_a_cost_cache_that_is_not_one_is_measured_around_and_left_as_it_was(tmp_path):
+  costs = table(0, num_layers=2)
+  warnings = []
+  for name, content in [("garbage", "\x00{not json"), ("list", "[1, 2]")]:
+    path = tmp_path / name
+    path.write_text(content)
+    got = layer_profiler.cached_layer_costs(str(path), ["m"], lambda: costs, warnings.append)
+    assert got == costs
+    assert path.read_text() == content  # maybe the user's file: not overwritten
+    assert f"cost cache {path} ignored" in warnings[-1]
+  # Our file, but this model's entry holds wrong types: measured again and replaced.
+  path = tmp_path / "costs.json"
+  layer_profiler.cached_layer_costs(str(path), ["m"], lambda: costs, warnings.append)
+  stored = json.loads(path.read_text())
+  (key,) = stored
+  calls = []
+  bad_entries = [[{"forward_s": "fast"}], "x", [], [dict(stored[key][0], batch=2.5)],
+                 [dict(stored[key][0], kept_bytes=-1)]]
+  for i, bad in enumerate(bad_entries):
+    path.write_text(json.dumps({key: bad}))
+    got = layer_profiler.cached_layer_costs(
+        str(path), ["m"], lambda: calls.append(1) or costs, warnings.append)
+    assert got == costs and len(calls) == i + 1, bad
+    assert "not usable" in warnings[-1]
+    assert json.loads(path.read_text())[key] == stored[key]
+
+
+def test_a_cost_cache_path_that_can_never_be_one_is_refused_before_measuring(tmp_path):
+  a_file = tmp_path / "file"
+  a_file.write_text("")
+  for path, why in [(tmp_path, "is a directory"), (a_file / "costs.json", "cannot be written")]:
+    with pytest.raises(layer_profiler.CostCacheError, match=why):
+      layer_profiler.cached_layer_costs(str(path), ["m"], lambda: pytest.fail("measured"))
 
 
 def test_plan_mode_prints_a_plan_the_trainer_runs_and_refuses_a_budget_nothing_fits(tmp_path):

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 import tensorflow_datasets as tfds
+from numerics import assert_close
 
 from lingvo_gpipe.inputs import tfds_inputs, vocabulary
 
@@ -27,7 +28,7 @@ def test_cifar_eval_is_normalized_pixels_of_the_raw_images(dataset, classes):
     raw = [ex for ex in tfds.load(dataset, split="test").take(4)]
   mean, std = tfds_inputs._MEAN_STD[dataset]
   want = np.stack([(ex["image"].numpy() / 255.0 - mean) / std for ex in raw])
-  np.testing.assert_allclose(batch["image"].numpy(), want, rtol=1e-5, atol=1e-5)
+  assert_close(batch["image"].numpy(), want)
   np.testing.assert_array_equal(batch["label"].numpy(), [int(ex["label"]) for ex in raw])
   assert gen.num_classes == classes
 

@@ -32,7 +32,14 @@ import tensorflow as tf
 from lingvo_gpipe.core import base_layer, hyperparams, model_stats
 from lingvo_gpipe.core.base_layer import BaseLayer
 from lingvo_gpipe.core.hyperparams import ParamsError
-from lingvo_gpipe.pipeline import channels, device_loop, partition, schedule, tf_internals
+from lingvo_gpipe.pipeline import (
+  channels,
+  device_loop,
+  layer_profiler,
+  partition,
+  schedule,
+  tf_internals,
+)
 from lingvo_gpipe.pipeline.cell_function import CellFunctions, Head, call_layers
 from lingvo_gpipe.pipeline.layer_function import LayerFunctions
 from lingvo_gpipe.runtime.devices import available_devices, default_devices, known_device
@@ -55,6 +62,12 @@ def micro_batch_sizes(batch_size: int, num_micro_batches: int) -> list[int]:
                         f"size {batch_size}; use at most {batch_size} micro-batches")
   base, extra = divmod(batch_size, num_micro_batches)
   return [base + (1 if m < extra else 0) for m in range(num_micro_batches)]
+
+
+def recomputes(policy: str, k: int, num_cells: int) -> bool:
+  """Whether cell k of K is re-materialized under the recompute `policy`
+  (RECOMPUTE_POLICIES): always, every cell but the last, or never."""
+  return policy == "always" or (policy == "except_last" and k < num_cells - 1)
 
 
 def requested_cells(p: hyperparams.Params) -> int:
@@ -144,12 +157,12 @@ class PipeliningLayer(BaseLayer):
     p.define("partition_cost", "params", f"Cost the partitioner balances: {PARTITION_COSTS}. "
              "'measured': each layer's forward + backward time on this machine, profiled "
              "when the pipeline is built unless layer_costs holds them already "
-             "(partition.profile_layer_costs; the trainer profiles before it builds).")
+             "(layer_profiler.measure_layer_costs; the trainer measures before it builds).")
     p.define("input_specs", None, "Nested tf.TensorSpec of the pipeline input with the batch "
              "size (needed by partition_cost='flops' and 'measured'; the trainer derives "
              "it from the training input).")
     p.define("layer_costs", [], "Per-layer costs for partition_cost='given' (e.g. measured by "
-             "partition.profile_layer_costs).")
+             "layer_profiler.measure_layer_costs).")
     p.define("share_layer_functions", True, "Layers of one kind (class and params, name "
              "aside) share one traced function, called with each layer's variables and "
              "dropout seeds (pipeline/layer_function.py): tracing and the first step's "
@@ -198,7 +211,8 @@ class PipeliningLayer(BaseLayer):
         raise PipelineError(f"{self.path}: partition_cost='measured' profiles the layers, "
                             "which needs eager execution; build the pipeline eagerly, or "
                             "measure first and give the costs (partition_cost='given')")
-      return partition.profile_layer_costs(p.layers, p.input_specs)  # seconds per layer
+      return [c.step_s for c in layer_profiler.measure_layer_costs(p.layers, p.input_specs,
+                                                                steps=3)]
     from lingvo_gpipe.core import layers as layers_lib
 
     seq = layers_lib.Sequential.Params().set(name="cost_probe", layers=p.layers)
@@ -250,8 +264,7 @@ class PipeliningLayer(BaseLayer):
     return list(self.layers[self.cells[k].start:self.cells[k].end])
 
   def _recompute_cell(self, k: int) -> bool:
-    policy = self.params.recompute
-    return policy == "always" or (policy == "except_last" and k < len(self.cells) - 1)
+    return recomputes(self.params.recompute, k, len(self.cells))
 
   # -- forward and backward ------------------------------------------------------------
 

@@ -498,25 +498,27 @@ def zero_bubble_h1(num_cells: int, num_micro_batches: int,
   drops from (K−1)(F+B+W) to (K−1)(F+B−W) per device; every cell holds at most K
   micro-batches between forward and W, 1F1B's peak (cell 0's).
   """
-  m = num_micro_batches
   weight_cells = set(weight_cells)
   actions = []
-  for k in range(num_cells):
-    lag = k if k in weight_cells else None
-    warmup = min(num_cells - k, m)
-    cell = [forward(i) for i in range(warmup)]
-    next_forward = warmup
-    for i in range(m):
-      cell.append(backward(i))
-      if lag is not None and i >= lag:
-        cell.append(weight_gradient(i - lag))
-      if next_forward < m:
-        cell.append(forward(next_forward))
-        next_forward += 1
-    if lag is not None:
-      cell += [weight_gradient(i) for i in range(max(m - lag, 0), m)]
-    actions.append(tuple(cell))
-  return PipelineSchedule("zb_h1", num_cells, m, tuple(actions))
+  for k, cell in enumerate(one_f_one_b(num_cells, num_micro_batches).actions):
+    actions.append(_with_lagging_weights(cell, k, num_micro_batches) if k in weight_cells
+                   else cell)
+  return PipelineSchedule("zb_h1", num_cells, num_micro_batches, tuple(actions))
+
+
+def _with_lagging_weights(cell: Sequence[Action], lag: int, num_micro_batches: int
+                          ) -> tuple[Action, ...]:
+  """cell's actions with the W of micro-batch i − lag right after the backward of
+  micro-batch i, and the last `lag` W actions at the end."""
+  out = []
+  for action in cell:
+    out.append(action)
+    i = action.micro_batch
+    if action.phase == BACKWARD and i >= lag:
+      out.append(weight_gradient(i - lag))
+  out += [weight_gradient(i) for i in range(max(num_micro_batches - lag, 0),
+                                            num_micro_batches)]
+  return tuple(out)
 
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")

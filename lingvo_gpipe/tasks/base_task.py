@@ -26,7 +26,7 @@ import tensorflow as tf
 
 from lingvo_gpipe.core import base_layer, layers, optimizers
 from lingvo_gpipe.core.hyperparams import InstantiableParams, Params, ParamsError
-from lingvo_gpipe.pipeline import partition
+from lingvo_gpipe.pipeline import layer_profiler
 from lingvo_gpipe.pipeline.layer import (
   NEEDS_INPUT_SPECS,
   PipeliningLayer,
@@ -90,8 +90,8 @@ def with_partition_costs(task_params: Params, input_params: Params,
     (nested, batch size included), found by building the task unpipelined in a scratch
     graph (nothing is allocated);
   - 'measured' without `layer_costs`: each layer's forward + backward seconds, profiled
-    here and now on this machine (partition.profile_layer_costs: each layer is built and
-    run alone, a few times), recorded as its `layer_costs`.
+    here and now on this machine (layer_profiler.measure_layer_costs: each layer is
+    built and run alone, a few times), recorded as its `layer_costs`.
 
   Otherwise `task_params` itself (and the input is not built). `log` hears when layers
   are profiled (seconds of silence otherwise).
@@ -107,9 +107,9 @@ def with_partition_costs(task_params: Params, input_params: Params,
     if log is not None:
       log("Measuring each layer's forward and backward time for the partition ...")
     # 7 timed runs per layer after a warm-up: 3 let a noisy machine pick another split.
-    costs = partition.profile_layer_costs(layers_params, completed.pipeline.input_specs,
-                                          steps=7)
-    completed.pipeline.layer_costs = costs
+    costs = layer_profiler.measure_layer_costs(layers_params, completed.pipeline.input_specs,
+                                            steps=7)
+    completed.pipeline.layer_costs = [c.step_s for c in costs]
   return completed.freeze() if task_params.is_frozen else completed
 
 

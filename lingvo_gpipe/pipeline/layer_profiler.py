@@ -1,0 +1,230 @@
+"""What each layer of a stack costs, measured on this machine, and a cache of it.
+
+One record per layer (`LayerCost`), measured by building and running the layer alone
+at the training micro-batch (`measure_layer_costs`), feeds both the partitioner
+(`partition_cost='measured'`: forward + backward seconds) and the planner (seconds
+and bytes). The bytes TensorFlow keeps of a forward for its backward are counted
+exactly, from the static shapes of the tensors TensorFlow's own forward/backward pair
+passes between them (`tf_internals.forward_backward_pair`), not guessed.
+
+`cached_layer_costs` keeps measured records in a JSON file keyed by what they depend
+on (model, input specs, host, TensorFlow version), so a plan is redone quickly. A cache
+is only ever a shortcut: a file that cannot be read as one is reported and measured
+around (never overwritten, since it may be the user's file given by mistake); a path
+that can never hold one (a directory, an unwritable folder) is refused before anything
+is measured.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from lingvo_gpipe.core import base_layer
+from lingvo_gpipe.core.hyperparams import ParamsError
+
+
+class CostCacheError(ParamsError):
+  """A cost cache path that can never hold a cache; the message names it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerCost:
+  """One layer at a micro-batch of `batch` examples: seconds and bytes."""
+  forward_s: float
+  backward_s: float
+  weight_bytes: int
+  input_bytes: int
+  kept_bytes: int
+  batch: int
+
+  @property
+  def step_s(self) -> float:
+    """Forward and backward seconds together (the partitioner's cost)."""
+    return self.forward_s + self.backward_s
+
+
+def random_like(spec: tf.TensorSpec) -> tf.Tensor:
+  """A tensor of spec's shape and dtype: normal floats, zeros otherwise (ids, masks)."""
+  if spec.dtype.is_floating:
+    return tf.random.normal(spec.shape, dtype=spec.dtype)
+  return tf.zeros(spec.shape, spec.dtype)
+
+
+def measure_layer_costs(layer_params: Sequence[Any], input_specs: Any, steps: int = 5
+                        ) -> list[LayerCost]:
+  """Each layer built and run alone on the default device, in training.
+
+  Args:
+    layer_params: the stack's layers' params, in order.
+    input_specs: nested tf.TensorSpec of the first layer's input, batch first; each
+      later layer gets the previous one's real output.
+    steps: timed runs per layer after one warm-up; the median is kept.
+
+  Returns:
+    One LayerCost per layer: median forward and forward+backward seconds, the bytes of
+    its trainable weights and of its input, and the bytes TensorFlow keeps of its
+    forward for the backward.
+  """
+  inputs = tf.nest.map_structure(random_like, input_specs)
+  batch = tf.nest.flatten(input_specs)[0].shape[0]
+  costs = []
+  for p in layer_params:
+    layer = p.copy().instantiate()
+    structure: dict[str, Any] = {}
+    call = _flat_call(layer, inputs, structure)
+    flat = tf.nest.flatten(inputs)
+    forward = tf.function(call, autograph=False)
+
+    @tf.function(autograph=False)
+    def forward_backward(*flat, layer=layer, call=call):
+      with tf.GradientTape() as tape:
+        tape.watch([t for t in flat if t.dtype.is_floating])
+        out = call(*flat)
+        total = tf.add_n([tf.reduce_sum(t) for t in out if t.dtype.is_floating])
+      return tape.gradient(total, layer.trainable_variables)
+
+    outputs = forward(*flat)
+    forward_backward(*flat)
+    forward_s = _median_seconds(forward, flat, steps)
+    both_s = _median_seconds(forward_backward, flat, steps)
+    costs.append(LayerCost(forward_s, max(both_s - forward_s, 0.0),
+                           _nbytes(layer.trainable_variables), _nbytes(flat),
+                           _kept_bytes(call, flat), batch))
+    inputs = tf.nest.pack_sequence_as(structure["out"], list(outputs))
+  return costs
+
+
+def _kept_bytes(call: Callable, flat: Sequence[tf.Tensor]) -> int:
+  """Bytes of what TensorFlow's backward of `call` takes from its forward."""
+  from lingvo_gpipe.pipeline import tf_internals
+
+  concrete = tf.function(call, autograph=False).get_concrete_function(
+      *[tf.TensorSpec(t.shape, t.dtype) for t in flat])
+  pair = tf_internals.forward_backward_pair(concrete)
+  return _nbytes([concrete.graph.outputs[i] for i in pair.kept_positions])
+
+
+def _nbytes(tensors: Sequence[Any]) -> int:
+  return int(sum(t.shape.num_elements() * t.dtype.size for t in tensors))
+
+
+def _flat_call(layer: Any, given: Any, structure: dict) -> Callable:
+  """flat inputs (shaped as `given`) → the layer's flat outputs in training; the
+  outputs' nesting is left in structure["out"]."""
+  def call(*flat):
+    with base_layer.step_context(training=True, layer_stats=[]):
+      out = base_layer.call_with(layer, tf.nest.pack_sequence_as(given, list(flat)))
+    structure["out"] = out
+    return tf.nest.flatten(out)
+
+  return call
+
+
+def _median_seconds(fn: Callable, args: Sequence[Any], steps: int) -> float:
+  """Median wall seconds of fn(*args), its results fetched, over `steps` runs."""
+  runs = []
+  for _ in range(steps):
+    start = time.perf_counter()
+    for t in fn(*args):
+      if t is not None:
+        tf.convert_to_tensor(t).numpy()  # embeddings' gradients are IndexedSlices
+    runs.append(time.perf_counter() - start)
+  return float(np.median(runs))
+
+
+# -- the cache -------------------------------------------------------------------------
+
+
+def check_cache_path(path: str) -> None:
+  """Raises CostCacheError when `path` can never hold a cache: a directory, or a file
+  that cannot be created or replaced in its folder. Called before measuring."""
+  if os.path.isdir(path):
+    raise CostCacheError(f"cost cache {path!r} is a directory; give a file path (e.g. "
+                         f"{os.path.join(path, 'layer_costs.json')!r}) or '' for none")
+  folder = _first_existing_folder(os.path.dirname(os.path.abspath(path)))
+  if not os.path.isdir(folder) or not os.access(folder, os.W_OK | os.X_OK):
+    raise CostCacheError(f"cost cache {path!r} cannot be written ({folder!r} is not a "
+                         "writable folder); give another path or '' for none")
+
+
+def _first_existing_folder(folder: str) -> str:
+  while not os.path.exists(folder):
+    folder = os.path.dirname(folder)
+  return folder
+
+
+def cached_layer_costs(path: str, key_parts: Sequence[Any],
+                       measure: Callable[[], list[LayerCost]],
+                       warn: Callable[[str], None] = print) -> list[LayerCost]:
+  """The costs stored in the JSON file `path` under the key of `key_parts`, or
+  `measure()`'s, stored there (written whole to a temporary file, then renamed).
+
+  A file that is not a cache (not JSON, not an object) is left as it is: `warn` says
+  so and the costs are measured without being stored. An entry that is not a list of
+  LayerCost records (another version's, or edited) is measured again and replaced.
+
+  Raises:
+    CostCacheError: `path` can never hold a cache (check_cache_path).
+  """
+  check_cache_path(path)
+  key = hashlib.sha256(json.dumps([str(k) for k in key_parts]).encode()).hexdigest()[:16]
+  stored, why_not = _read_cache(path)
+  if why_not is not None:
+    warn(f"warning: cost cache {path} ignored ({why_not}); measuring, and not saving over "
+         "it: remove it or give another --cost_cache")
+    return measure()
+  if key in stored:
+    try:
+      return [LayerCost(**entry) for entry in _checked_entries(stored[key])]
+    except (TypeError, ValueError) as e:
+      warn(f"warning: cost cache {path}: the entry for this model is not usable ({e}); "
+           "measuring again")
+  costs = measure()
+  stored[key] = [dataclasses.asdict(c) for c in costs]
+  try:
+    with open(path + ".tmp", "w") as f:
+      json.dump(stored, f)
+    os.replace(path + ".tmp", path)
+  except OSError as e:  # e.g. a full disk: the costs are measured all the same
+    warn(f"warning: cost cache {path} not saved ({e})")
+  return costs
+
+
+def _read_cache(path: str) -> tuple[dict, str | None]:
+  """(the cache's entries, None), or ({}, why it is not a cache)."""
+  if not os.path.exists(path):
+    return {}, None
+  try:
+    with open(path) as f:
+      stored = json.load(f)
+  except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    return {}, f"not readable as JSON: {e}"
+  if not isinstance(stored, dict):
+    return {}, f"holds a JSON {type(stored).__name__}, not an object of cost records"
+  return stored, None
+
+
+def _checked_entries(entries: Any) -> list[dict]:
+  """entries, if they are LayerCost records with numbers ≥ 0 of the right kinds."""
+  if not isinstance(entries, list) or not entries:
+    raise ValueError("not a non-empty list")
+  fields = {f.name: f.type for f in dataclasses.fields(LayerCost)}
+  for entry in entries:
+    if not isinstance(entry, dict) or set(entry) != set(fields):
+      raise ValueError(f"a record has keys {sorted(entry) if isinstance(entry, dict) else entry}"
+                       f", not {sorted(fields)}")
+    for name, value in entry.items():
+      kind = (int,) if fields[name] == "int" else (int, float)
+      if isinstance(value, bool) or not isinstance(value, kind) or not value >= 0 \
+          or not np.isfinite(value):
+        raise ValueError(f"{name}={value!r} is not a number >= 0 of type {fields[name]}")
+  return entries
