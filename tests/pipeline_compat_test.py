@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tensorflow as tf
+from numerics import assert_close
 
 from lingvo_gpipe import model_registry, trainer
 from lingvo_gpipe.core import hyperparams
@@ -30,9 +31,9 @@ def test_a_params_text_naming_the_old_module_loads():
   assert p.schedule == "gpipe"  # not in the old text: the default, today's fill-drain
 
 
-def legacy_params(schedule: str):
+def legacy_params(schedule: str, num_cells: int = 2):
   params = model_registry.get_params("demo.TinyConvNet")
-  overrides = ("task.pipeline.num_cells=2;task.pipeline.num_micro_batches=2;"
+  overrides = (f"task.pipeline.num_cells={num_cells};task.pipeline.num_micro_batches=2;"
                f"task.pipeline.schedule={schedule};task.train.save_interval_steps=100")
   for name, value in hyperparams.parse_overrides(overrides):
     params.set_from_text(name, value)
@@ -56,5 +57,16 @@ def test_a_checkpoint_of_the_old_engine_restores_and_training_goes_on(tmp_path, 
   assert checked == 10  # two convolutions, two batch norms (4 each)
   losses = []
   run.train(5, on_step=lambda step, values: losses.append(float(values["loss"])))
-  assert len(losses) == 2 and np.isfinite(losses).all()
   assert tf.train.latest_checkpoint(str(logdir / "train")).endswith("ckpt-5")
+  # Reference: the same checkpoint (weights, momentum slots, input position) restored
+  # into the model as one cell (the same two micro-batches: batch norm's statistics
+  # are per micro-batch), trained the same two steps.
+  reference_dir = tmp_path / "one_cell"
+  shutil.copytree(DATA / "legacy_tiny_conv_net_k2", reference_dir)
+  reference = trainer.Trainer(legacy_params(schedule, num_cells=1), str(reference_dir),
+                              log=lambda _: None)
+  assert len(reference.task.pipeline.cells) == 1 and reference.restore_latest() == 3
+  want = []
+  reference.train(5, on_step=lambda step, values: want.append(float(values["loss"])))
+  assert len(losses) == len(want) == 2
+  assert_close(losses, want, dtype=np.float32)

@@ -1,6 +1,7 @@
 """`import lingvo_gpipe` gives the public API, in a fresh interpreter (no import cycle),
 and the library table (docs/library.md) names every module there is."""
 
+import ast
 import os
 import re
 import subprocess
@@ -45,3 +46,17 @@ def test_the_readme_library_table_matches_the_tree():
   missing = sorted(m for m in modules
                    if m not in paths and not any(m.startswith(f) for f in folders))
   assert missing == [], f"modules the README's library table does not name: {missing}"
+
+
+def test_each_subpackage_module_map_names_exactly_its_modules():
+  """A subpackage's __init__ docstring that lists modules ("  name.py  what it is")
+  lists every module of the package and no other."""
+  repo = Path(__file__).resolve().parent.parent
+  for init in sorted((repo / "lingvo_gpipe").glob("*/__init__.py")):
+    docstring = ast.get_docstring(ast.parse(init.read_text()), clean=False) or ""
+    listed = set(re.findall(r"^ +(\w+\.py) ", docstring, flags=re.MULTILINE))
+    if not listed:
+      continue
+    modules = {p.name for p in init.parent.glob("*.py") if p.name != "__init__.py"}
+    assert listed == modules, (f"{init.relative_to(repo)}: missing {sorted(modules - listed)}, "
+                               f"not there {sorted(listed - modules)}")

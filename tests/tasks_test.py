@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from conftest import run_trainer
-from numerics import assert_close
+from numerics import TRAINED, assert_close
 
 from lingvo_gpipe import model_registry, trainer
 from lingvo_gpipe.core import hyperparams
@@ -40,7 +40,7 @@ def test_lm_partitioning_keeps_the_loss_curve(tmp_path):
                                     ";task.pipeline.num_cells=2;"
                                     "task.pipeline.num_micro_batches=4"), tmp_path / "k2", 50)
   assert reference[-1] < reference[0] - 0.5  # it learns
-  assert_close(pipelined, reference)
+  assert_close(pipelined, reference, TRAINED, dtype=np.float32)  # 50 Adam steps
 
 
 def test_amoeba_net_tiny_partitioning_keeps_the_loss_curve(tmp_path):
@@ -55,7 +55,7 @@ def test_amoeba_net_tiny_partitioning_keeps_the_loss_curve(tmp_path):
   two_cells, _ = train(model_params("image.AmoebaNetTiny", common + ";task.pipeline.num_cells=2"),
                        tmp_path / "k2", 20)
   assert one_cell[-5:].mean() < one_cell[:5].mean() - 0.2  # it learns
-  assert_close(two_cells, one_cell)
+  assert_close(two_cells, one_cell, TRAINED, dtype=np.float32)  # 20 steps
 
 
 def eval_scalars(event_dir) -> dict[str, float]:

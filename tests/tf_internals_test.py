@@ -1,17 +1,68 @@
 """An upgrade tripwire: the TensorFlow behaviours the engine relies on beyond the
-documented API (lingvo_gpipe/pipeline/tf_internals.py) were checked on this version."""
+documented API (lingvo_gpipe/pipeline/tf_internals.py) were checked on this minor
+version, and a test here pins each (items 1, 3 to 9; item 2 is a timing)."""
 
 import numpy as np
 import tensorflow as tf
+from numerics import assert_close
+from tensorflow.python.eager import context
 
+from lingvo_gpipe.core import layers
 from lingvo_gpipe.pipeline import channels, tf_internals
 
 
 def test_the_tensorflow_internals_were_checked_on_this_version():
-  assert tf.__version__ == tf_internals.TENSORFLOW_CHECKED, (
+  """A patch release passes; a new minor version fails until it has been checked."""
+  minor = ".".join(tf.__version__.split(".")[:2])
+  assert minor == tf_internals.TENSORFLOW_CHECKED, (
       f"TensorFlow is {tf.__version__}; the tricks in tf_internals.py were checked on "
-      f"{tf_internals.TENSORFLOW_CHECKED}: re-check each with the test named beside it, "
-      "then update TENSORFLOW_CHECKED")
+      f"{tf_internals.TENSORFLOW_CHECKED}. On a new minor version, re-check each numbered "
+      "item of tf_internals.py's docstring with the tests named beside it (this file, "
+      "tests/pipeline_graph_test.py, tests/hybrid_test.py, tests/loopback_test.py, the "
+      "recompute=never rows of tests/gpipe_test.py; item 2 with bench/startup_time.py), "
+      f"then set TENSORFLOW_CHECKED to {minor!r}")
+
+
+def _executed_graphs(fn, *args) -> list:
+  """The partition graphs TensorFlow runs for one call of `fn`, after its rewrites
+  (inlining, Grappler)."""
+  ctx = context.context()
+  ctx.enable_graph_collection()
+  try:
+    fn(*args)
+    metadata = ctx.export_run_metadata()
+  finally:
+    ctx.disable_graph_collection()
+  return [g for f in metadata.function_graphs for g in f.partition_graphs]
+
+
+def test_calls_marked_not_inlined_stay_calls():
+  """Item 1: in the graph TensorFlow runs, calls of functions marked NOT_INLINED stay
+  calls, also with Grappler's function optimizer off (the engine turns it off, item 2);
+  unmarked, the same calls are inlined (and the sine both compute is merged)."""
+  tf_internals.disable_function_specialization()
+
+  def outer_calling(attributes):
+    @tf.function(experimental_attributes=attributes, autograph=False)
+    def forward(x):
+      return tf.sin(x) * 3.0
+
+    @tf.function(experimental_attributes=attributes, autograph=False)
+    def recompute(x):  # the same sine, as a backward's recompute would compute it
+      return tf.sin(x) * 3.0 + 1.0
+
+    return tf.function(lambda x: forward(x) + recompute(x), autograph=False)
+
+  def ops_run(attributes) -> list[str]:
+    graphs = _executed_graphs(outer_calling(attributes), tf.ones([3]))
+    # the outer function's graph: the one that adds the two results
+    (graph,) = [g for g in graphs if any(n.op == "AddV2" for n in g.node)]
+    return [n.op for n in graph.node]
+
+  marked = ops_run(tf_internals.NOT_INLINED)
+  assert marked.count("PartitionedCall") == 2 and "Sin" not in marked, marked
+  unmarked = ops_run(None)
+  assert "PartitionedCall" not in unmarked and "Sin" in unmarked, unmarked
 
 
 def test_sends_and_receives_in_two_device_loops_match_first_in_first_out(cpu_devices):
@@ -76,10 +127,9 @@ def test_forward_backward_pair_gives_the_gradient():
     loss = tf.reduce_sum(h * seed) + 2.0 * square
   want = tape.gradient(loss, [x, w, table])
   outputs, *got = by_pair()
-  np.testing.assert_allclose(outputs[0].numpy(), h.numpy(), rtol=1e-6)
+  assert_close(outputs[0].numpy(), h.numpy())
   for g, ref in zip(got, want):
-    np.testing.assert_allclose(g.numpy(), tf.convert_to_tensor(ref).numpy(), rtol=1e-5,
-                               atol=1e-6)
+    assert_close(g.numpy(), tf.convert_to_tensor(ref).numpy())
 
 
 def test_this_process_has_a_host_address_space():
@@ -87,6 +137,86 @@ def test_this_process_has_a_host_address_space():
   assert tf_internals.host_address_space() == "/job:localhost/replica:0/task:0"
   assert channels.full_device_name("/device:CPU:1") == (
       "/job:localhost/replica:0/task:0/device:CPU:1")
+
+
+def test_collective_reduce_is_a_mean_ordered_per_device(cpu_devices):
+  """Item 7: CollectiveReduceV2 (Add, Div) gives every device of the group the mean;
+  with an ordering token on each op's device, the automatic control dependencies
+  leave the two devices' ops unchained (without, the second would wait for the first:
+  the deadlock), and a second call reuses the group and instance keys."""
+  devices = cpu_devices[2:4]
+  rng = np.random.RandomState(0)
+  values = [rng.randn(2, 3).astype(np.float32) for _ in devices]
+  tokens = []
+  for device in devices:
+    with tf.device(device):
+      tokens.append(tf.Variable(0.0, trainable=False))
+
+  def all_reduce(with_tokens: bool):
+    def reduce():
+      results = []
+      for device, value, token in zip(devices, values, tokens):
+        with tf.device(device):
+          results.append(tf.raw_ops.CollectiveReduceV2(
+              input=tf.constant(value), group_size=len(devices), group_key=7_000_001,
+              instance_key=1, ordering_token=[token.handle] if with_tokens else [],
+              merge_op="Add", final_op="Div"))
+      return results
+    return tf.function(reduce, autograph=False)
+
+  def control_inputs(fn) -> list[list[str]]:
+    ops = [op for op in fn.get_concrete_function().graph.get_operations()
+           if op.type == "CollectiveReduceV2"]
+    return [[c.name for c in op.control_inputs if c in ops] for op in ops]
+
+  ordered = all_reduce(with_tokens=True)
+  assert control_inputs(ordered) == [[], []]
+  assert control_inputs(all_reduce(with_tokens=False))[1]  # chained (traced, not run)
+  for _ in range(2):
+    for got in ordered():
+      assert_close(got.numpy(), np.mean(values, axis=0))
+
+
+_PHILOX_MULTIPLIERS = (0xD2511F53, 0xCD9E8D57)
+_PHILOX_KEY_STEPS = (0x9E3779B9, 0xBB67AE85)
+
+
+def _philox_4x32_10(key: tuple[int, int], counter: int) -> list[int]:
+  """The four 32-bit words of Philox-4x32-10 (Salmon et al. 2011) for a 128-bit
+  counter whose low 64 bits are `counter` and high 64 bits are 0."""
+  mask = 0xFFFFFFFF
+  c = [counter & mask, counter >> 32, 0, 0]
+  k0, k1 = key
+  for _ in range(10):
+    p0, p1 = _PHILOX_MULTIPLIERS[0] * c[0], _PHILOX_MULTIPLIERS[1] * c[2]
+    c = [(p1 >> 32) ^ c[1] ^ k0, p1 & mask, (p0 >> 32) ^ c[3] ^ k1, p0 & mask]
+    k0, k1 = (k0 + _PHILOX_KEY_STEPS[0]) & mask, (k1 + _PHILOX_KEY_STEPS[1]) & mask
+  return c
+
+
+def _philox_uniform(key: int, start: int, num: int) -> np.ndarray:
+  """float32 elements start .. start+num-1 of the stream: word i mod 4 of counter
+  block i div 4, its low 23 bits as the mantissa of a float in [1, 2), minus 1."""
+  words = [w for block in range(start // 4, (start + num + 3) // 4 + 1)
+           for w in _philox_4x32_10((key & 0xFFFFFFFF, key >> 32), block)]
+  words = np.array(words, np.uint32)[start % 4:start % 4 + num]
+  return ((words & np.uint32(0x7FFFFF)) | np.uint32(0x3F800000)).view(np.float32) - 1.0
+
+
+def test_philox_counter_layout_of_position_keyed_masks():
+  """Item 9: StatelessRandomUniformV2 with the counter [c, 0] draws the stream from
+  block c on, four float32 elements per block, as Philox computed in numpy; so
+  position_keyed_uniform's rows at any offset are that stream's elements there."""
+  seed = tf.constant([12345, 678], tf.int64)
+  key, _ = tf.raw_ops.StatelessRandomGetKeyCounter(seed=seed)
+  drawn = tf.raw_ops.StatelessRandomUniformV2(
+      shape=[10], key=key, counter=tf.constant([5, 0], tf.uint64), alg=1, dtype=tf.float32)
+  key = int(key.numpy()[0])
+  np.testing.assert_array_equal(drawn.numpy(), _philox_uniform(key, 4 * 5, 10))
+  rows, columns, offset = 4, 3, 3  # starts at element 9: block 2, one element in
+  got = layers.position_keyed_uniform(tf.constant([rows, columns]), seed, offset)
+  np.testing.assert_array_equal(
+      got.numpy(), _philox_uniform(key, offset * columns, rows * columns).reshape(rows, 3))
 
 
 def _call_configs(graph_def) -> list:

@@ -326,6 +326,7 @@ class LayerNorm(BaseLayer):
     return normed * self.scale + self.bias
 
 
+# The Philox counter layout relied on: tf_internals.py item 9 (and the test it names).
 _PHILOX = 1  # tf.random.Algorithm.PHILOX
 _PHILOX_WORDS_PER_COUNTER = 4  # one counter step yields four 32-bit words
 

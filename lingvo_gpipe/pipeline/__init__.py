@@ -7,7 +7,11 @@
                     zb_h1, interleaved_1f1b; F, B, W), validated and simulated
   device_loop.py    one loop per device runs its cells' actions; sums the gradients
   channels.py       Send/Recv hand-offs between neighbouring cells
-  partition.py      the exact min-bottleneck partitioner and measured layer costs
+  partition.py      the one exact min-bottleneck split solver; the partitioner
+  layer_profiler.py each layer's measured seconds and bytes (LayerCost), and their cache
+  planner.py        an automatic plan (R, K, split, M, recompute, schedule) from those
+                    costs and a per-device memory budget
+  memory.py         a step's peak activation memory, from TensorFlow's allocator
   timeline.py       the measured schedule: spans, busy fractions, bubble
   schedule_chart.py the measured schedule drawn for TensorBoard
   tf_internals.py   the TensorFlow behaviours relied on beyond its documented API

@@ -16,12 +16,17 @@ head) in `tf.function`s:
 (`variable_chunks.FlatLayout` of the variables the cell reads): its device's loop
 carries them instead of one loop variable per variable.
 
-Each is traced once per distinct micro-batch shape (an uneven split has two; see
-`CallSignature`) and called from its device's loop (device_loop.py), whatever M is
-(`tests/pipeline_graph_test.py` pins it). What varies per call enters as tensors: the
-global step, and `call_info` = int64 [micro-batch index, example offset]; the step
-and the offset seed dropout exactly as in the unpartitioned model, so the recompute
-inside `backward` draws the forward's masks.
+Each is traced once per distinct micro-batch shape (an uneven split has two) by
+`CellFunctions.signature`, which returns what tracing found as a frozen
+`CallSignature` (flat specs in and out, the outputs' and statistics' structures, the
+variables and their sums' layout), and called from its device's loop
+(device_loop.py), whatever M is (`tests/pipeline_graph_test.py` pins it). What the
+bodies share with their tracer per cell lives in `_Traced` (see why there).
+
+What varies per call enters as tensors: the global step, and `call_info` = int64
+[micro-batch index, example offset]; the step and the offset seed dropout exactly as
+in the unpartitioned model, so the recompute inside `backward` draws the forward's
+masks.
 
 A cell that is not re-materialized (`recompute=False`) is differentiated by
 TensorFlow's own pair for its forward function (`tf_internals.forward_backward_pair`):
@@ -115,33 +120,102 @@ def _from_bits(t: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
   return tf.bitcast(t, dtype)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True, eq=False)
 class CallSignature:
-  """A cell's calls for one micro-batch shape: flat specs of what goes in and out.
+  """What tracing a cell for one micro-batch shape found (`CellFunctions.signature`).
 
   inputs, head_inputs: the flat arguments; outputs, stats: the forward's flat results;
   saved: what a forward keeps for its backward (the inputs and head inputs of a
   re-materialized cell, TensorFlow's intermediates of the others); pair: the
   forward/backward pair of a cell that is not re-materialized.
+
+  output_structure: the nest the layers (and the head) return, `outputs` flattened
+  from it; stats_structure: per layer that reported batch statistics, the layer and
+  the nest of its statistics, `stats` flattened from them; variables: the variables
+  the cell reads, in the order of its gradient sums; layout: those sums as flat
+  vectors, one per dtype. These four are the same for every shape of one cell
+  (traces that disagree raise).
   """
-  inputs: list[tf.TensorSpec]
-  head_inputs: list[tf.TensorSpec]
-  outputs: list[tf.TensorSpec]
-  stats: list[tf.TensorSpec]
-  saved: list[tf.TensorSpec]
+  inputs: tuple[tf.TensorSpec, ...]
+  head_inputs: tuple[tf.TensorSpec, ...]
+  outputs: tuple[tf.TensorSpec, ...]
+  stats: tuple[tf.TensorSpec, ...]
+  saved: tuple[tf.TensorSpec, ...]
+  output_structure: Any
+  stats_structure: tuple[tuple[BaseLayer, Any], ...]
+  variables: tuple[tf.Variable, ...]
+  layout: variable_chunks.FlatLayout
   pair: tf_internals.ForwardBackwardPair | None = None
   # Deferred weight products (cells with W actions): per product, its inputs
   # [n, I] and output gradient [n, O].
-  product_inputs: list[tf.TensorSpec] = dataclasses.field(default_factory=list)
-  product_grads: list[tf.TensorSpec] = dataclasses.field(default_factory=list)
+  product_inputs: tuple[tf.TensorSpec, ...] = ()
+  product_grads: tuple[tf.TensorSpec, ...] = ()
   # A cell not re-materialized that defers: its pair's function takes one probe per
   # product (shaped as product_grads) and returns the products' inputs after its
   # outputs and statistics; `saved` starts with those inputs.
-  probes: list[tf.TensorSpec] = dataclasses.field(default_factory=list)
+  probes: tuple[tf.TensorSpec, ...] = ()
 
   @property
   def float_inputs(self) -> list[tf.TensorSpec]:
     return [t for t in self.inputs if t.dtype.is_floating]
+
+  def loss_positions(self) -> tuple[int, int]:
+    """Positions of the loss value and its weight among the last cell's flat outputs."""
+    return _loss_positions(self.output_structure)
+
+  def unflatten_outputs(self, flat_outputs: Sequence[Any]) -> Any:
+    """Flat outputs (or anything in their places, e.g. stacked [M, ...]) → the nest
+    the layers return."""
+    return tf.nest.pack_sequence_as(self.output_structure, list(flat_outputs))
+
+  def unflatten_stats(self, flat_stats: Sequence[tf.Tensor]) -> list[tuple[BaseLayer, Any]]:
+    """Flat statistics → (layer, its statistics) per reporting layer."""
+    return _unflatten_stats(self.stats_structure, flat_stats)
+
+
+@dataclasses.dataclass
+class _Traced:
+  """What a cell's traced bodies share with the code that traces them.
+
+  A tf.function body takes and returns flat tensors only: the nests it packs its
+  arguments into come in here (input_structure, head_structure, set before each
+  trace), and what a trace learns comes out here (the outputs' nest, the reporting
+  layers, the variables read, the weight products' variables). Kept per cell, not
+  per trace, because bodies traced later read it: the backward lays its sums out as
+  the forward's variables, and the weight-gradient function is traced by the loop's
+  first W call of each group size. The variables and weight products are checked to
+  agree between traces (`_record_variables`, `_record_products`).
+  """
+  input_structure: Any = None
+  head_structure: Any = None
+  output_structure: Any = None
+  stats_structure: tuple[tuple[BaseLayer, Any], ...] = ()
+  variables: list[tf.Variable] | None = None
+  # The running gradient sums of `variables` as flat vectors, one per dtype.
+  layout: variable_chunks.FlatLayout | None = None
+  # Per deferred weight product (in the order the layers make them): the position of
+  # its variable in `variables`.
+  product_variables: list[int] | None = None
+
+
+def _differentiable(outputs: Any, has_head: bool) -> list[Any]:
+  """The outputs (a cell's nest) a backward pass gets gradients for: the loss with a
+  head, every floating output without one."""
+  if has_head:
+    return [outputs["loss"][0]]
+  return [t for t in tf.nest.flatten(outputs) if _is_float(t)]
+
+
+def _loss_positions(output_structure: Any) -> tuple[int, int]:
+  positions = tf.nest.pack_sequence_as(
+      output_structure, list(range(len(tf.nest.flatten(output_structure)))))
+  return positions["loss"]
+
+
+def _unflatten_stats(structure: Sequence[tuple[BaseLayer, Any]],
+                     flat_stats: Sequence[tf.Tensor]) -> list[tuple[BaseLayer, Any]]:
+  packed = tf.nest.pack_sequence_as([s for _, s in structure], list(flat_stats))
+  return [(layer, s) for (layer, _), s in zip(structure, packed)]
 
 
 class CellFunctions:
@@ -169,18 +243,7 @@ class CellFunctions:
     # computed by `weight_gradients` in the schedule's W actions (over G micro-batches
     # at once, or one at a time in the bubble: zb_h1).
     self.defers_weight_gradients = defer_weight_gradients
-    # Python structure of a call, fixed by the layers (the same for every shape);
-    # recorded when a body is traced.
-    self.input_structure: Any = None
-    self.head_structure: Any = None
-    self.output_structure: Any = None
-    self.stats_structure: list[tuple[BaseLayer, Any]] | None = None
-    self.variables: list[tf.Variable] | None = None
-    # The running gradient sums of self.variables as flat vectors, one per dtype.
-    self.layout: variable_chunks.FlatLayout | None = None
-    # Per deferred weight product (in the order the layers make them): the position of
-    # its variable in self.variables.
-    self.product_variables: list[int] | None = None
+    self._traced = _Traced()
     self._forward_fn = tf.function(self._forward_body, experimental_attributes=NOT_INLINED,
                                    autograph=False)
     self._backward_fn = tf.function(self._backward_body, experimental_attributes=NOT_INLINED,
@@ -191,6 +254,12 @@ class CellFunctions:
                                           experimental_attributes=NOT_INLINED, autograph=False)
     self._signatures: dict[Any, CallSignature] = {}
 
+  @property
+  def product_variables(self) -> list[int] | None:
+    """Per deferred weight product, the position of its variable among the cell's
+    variables (None until a body that makes them is traced)."""
+    return self._traced.product_variables
+
   # -- traced bodies ------------------------------------------------------------------
 
   def _run(self, flat_inputs, flat_head_inputs, step, call_info, stats, products=None):
@@ -198,10 +267,11 @@ class CellFunctions:
     with base_layer.step_context(training=True, step=step, micro_batch=micro_batch,
                                  example_offset=example_offset, layer_stats=stats,
                                  spans=None, weight_products=products):
+      traced = self._traced
       outputs = self.run_layers(self.layers,
-                                tf.nest.pack_sequence_as(self.input_structure, flat_inputs))
+                                tf.nest.pack_sequence_as(traced.input_structure, flat_inputs))
       if self.head is not None:
-        outputs = self.head(outputs, tf.nest.pack_sequence_as(self.head_structure,
+        outputs = self.head(outputs, tf.nest.pack_sequence_as(traced.head_structure,
                                                              flat_head_inputs))
     return outputs
 
@@ -211,8 +281,8 @@ class CellFunctions:
       # (the tape only learns which variables the cell reads)
       outputs = self._run(flat_inputs, flat_head_inputs, step, call_info, stats)
     self._record_variables(tape.watched_variables())
-    self.output_structure = outputs
-    self.stats_structure = [(layer, s) for layer, s in stats]
+    self._traced.output_structure = outputs
+    self._traced.stats_structure = tuple((layer, s) for layer, s in stats)
     return tf.nest.flatten(outputs), tf.nest.flatten([s for _, s in stats])
 
   def _product_outputs_body(self, flat_inputs, flat_head_inputs, step, call_info):
@@ -253,7 +323,7 @@ class CellFunctions:
         outputs = self._run(flat_inputs, flat_head_inputs, step, call_info,
                             stats=None,  # statistics are reported by the forward only
                             products=products)
-      differentiated = self.differentiable_outputs(tf.nest.flatten(outputs))
+      differentiated = _differentiable(outputs, self.head is not None)
     variables = self._record_variables(tape.watched_variables())
     products = self._record_products(products.products if products else [])
     input_sources = float_inputs if self.needs_input_grads else []
@@ -267,82 +337,78 @@ class CellFunctions:
     variable_grads = grads[len(input_sources):len(input_sources) + len(variables)]
     product_grads = _zeros_for_none(grads[len(input_sources) + len(variables):],
                                     product_outputs)
-    return (input_grads, _accumulate(self.layout, sums, variable_grads),
+    return (input_grads, _accumulate(self._traced.layout, sums, variable_grads),
             [p.inputs for p in products],
             product_grads)
 
   def _weight_body(self, sums, inputs, output_grads):
     """sums + the deferred weight products' gradients over a group of micro-batches:
     inputs[i]ᵀ · output_grads[i] ([n, I]ᵀ·[n, O] → [I, O]) for each product i."""
+    traced = self._traced
     grads: dict[int, tf.Tensor] = {}
     with tf.name_scope(WEIGHT_SCOPE):
       for i, (x, dy) in enumerate(zip(inputs, output_grads)):
         grad = tf.matmul(x, dy, transpose_a=True)
-        v = self.product_variables[i]
+        v = traced.product_variables[i]
         grads[v] = grad if v not in grads else grads[v] + grad
-    return _accumulate(self.layout, sums, [grads.get(v) for v in range(len(self.variables))])
+    return _accumulate(traced.layout, sums,
+                       [grads.get(v) for v in range(len(traced.variables))])
 
   def _record_products(self, products: list[base_layer.WeightProduct]
                        ) -> list[base_layer.WeightProduct]:
-    positions = {v.ref(): i for i, v in enumerate(self.variables)}
+    traced = self._traced
+    positions = {v.ref(): i for i, v in enumerate(traced.variables)}
     products = [p for p in products if p.variable.ref() in positions]  # trainable ones
     indices = [positions[p.variable.ref()] for p in products]
-    if self.product_variables is None:
-      self.product_variables = indices
-    elif indices != self.product_variables:
+    if traced.product_variables is None:
+      traced.product_variables = indices
+    elif indices != traced.product_variables:
       raise RuntimeError(f"cell {self.index}: a second trace made other weight products")
     return products
 
   def _record_variables(self, watched: Sequence[tf.Variable]) -> list[tf.Variable]:
+    traced = self._traced
     variables = list(watched)
-    if self.variables is None:
-      self.variables = variables
-      self.layout = variable_chunks.FlatLayout(variables)
-    elif [v.ref() for v in variables] != [v.ref() for v in self.variables]:
-      raise RuntimeError(f"cell {self.index}: a second trace read other variables "
-                         f"({[v.name for v in variables]} vs {[v.name for v in self.variables]})")
-    return self.variables
+    if traced.variables is None:
+      traced.variables = variables
+      traced.layout = variable_chunks.FlatLayout(variables)
+    elif [v.ref() for v in variables] != [v.ref() for v in traced.variables]:
+      raise RuntimeError(
+          f"cell {self.index}: a second trace read other variables "
+          f"({[v.name for v in variables]} vs {[v.name for v in traced.variables]})")
+    return traced.variables
 
   # -- what the device's loop calls ----------------------------------------------------
 
-  def differentiable_outputs(self, flat_outputs: Sequence[Any]) -> list[Any]:
-    """The outputs a backward pass gets gradients for: the loss on the last cell,
-    every floating output on the others."""
-    if self.head is not None:
-      packed = tf.nest.pack_sequence_as(self.output_structure, list(flat_outputs))
-      return [packed["loss"][0]]
-    return [t for t in flat_outputs if _is_float(t)]
-
-  def loss_positions(self) -> tuple[int, int]:
-    """Positions of the loss value and its weight among the last cell's flat outputs."""
-    positions = tf.nest.pack_sequence_as(
-        self.output_structure, list(range(len(tf.nest.flatten(self.output_structure)))))
-    return positions["loss"]
-
   def signature(self, input_specs: Any, head_specs: Any) -> CallSignature:
     """Traces the forward for one micro-batch shape (nested TensorSpecs; head_specs
-    None on cells without a head) and returns what its calls take and give."""
+    None on cells without a head), and the backward of a re-materialized cell, and
+    returns what tracing found: what its calls take and give, and the structures the
+    loop packs their results into. Traced once per shape (the record is cached)."""
     key = (tuple(tf.nest.flatten(input_specs)), tuple(tf.nest.flatten(head_specs or [])))
     if key in self._signatures:
       return self._signatures[key]
-    self.input_structure = input_specs
-    self.head_structure = head_specs
+    traced = self._traced
+    traced.input_structure = input_specs
+    traced.head_structure = head_specs
     flat_inputs, flat_head = list(key[0]), list(key[1])
     scalar = tf.TensorSpec([], tf.int64)
     concrete = self._forward_fn.get_concrete_function(flat_inputs, flat_head, scalar,
                                                       tf.TensorSpec([2], tf.int64))
     flat_outputs, flat_stats = concrete.structured_outputs
     pair = None
+    probes: list[tf.TensorSpec] = []
     product_inputs, product_grads = [], []
     if self.recompute:
       saved = flat_inputs + flat_head
-      output_grads = _specs(self.differentiable_outputs(flat_outputs))
-      sums = self.layout.specs()
+      output_grads = _specs(_differentiable(
+          tf.nest.pack_sequence_as(traced.output_structure, list(flat_outputs)),
+          self.head is not None))
+      sums = traced.layout.specs()
       backward = self._backward_fn.get_concrete_function(
           flat_inputs, flat_head, output_grads, sums, scalar, tf.TensorSpec([2], tf.int64))
       _, _, product_inputs, product_grads = backward.structured_outputs
     else:
-      probes = []
       if self.defers_weight_gradients:
         probes = _specs(tf.function(self._product_outputs_body, autograph=False)
                         .get_concrete_function(flat_inputs, flat_head, scalar,
@@ -356,9 +422,13 @@ class CellFunctions:
       graph_outputs = concrete.graph.outputs
       saved = ([tf.TensorSpec(s.shape, _BITS[s.dtype.size]) for s in product_inputs]
                + _specs([graph_outputs[i] for i in pair.kept_positions]))
-    signature = CallSignature(flat_inputs, flat_head, _specs(flat_outputs), _specs(flat_stats),
-                              saved, pair, _specs(product_inputs), _specs(product_grads),
-                              probes if not self.recompute else [])
+    signature = CallSignature(
+        inputs=tuple(flat_inputs), head_inputs=tuple(flat_head),
+        outputs=tuple(_specs(flat_outputs)), stats=tuple(_specs(flat_stats)),
+        saved=tuple(saved), output_structure=traced.output_structure,
+        stats_structure=traced.stats_structure, variables=tuple(traced.variables),
+        layout=traced.layout, pair=pair, product_inputs=tuple(_specs(product_inputs)),
+        product_grads=tuple(_specs(product_grads)), probes=tuple(probes))
     self._signatures[key] = signature
     return signature
 
@@ -390,7 +460,7 @@ class CellFunctions:
 
     output_grads: one per differentiable output (the loss weight on the last cell).
     Returns the gradients of the floating inputs (an empty list when the cell needs
-    none), `sums` (self.layout's flat vectors) plus this call's variable gradients,
+    none), `sums` (sig.layout's flat vectors) plus this call's variable gradients,
     and per deferred weight product its inputs [n, I] and output gradient [n, O]
     (empty lists unless weight gradients are deferred).
     """
@@ -409,7 +479,7 @@ class CellFunctions:
     # statistics): the given gradients for the differentiable ones, zeros elsewhere.
     seeds = [tf.zeros(spec.shape, spec.dtype) for spec in sig.outputs + sig.stats]
     if self.head is not None:
-      seeds[self.loss_positions()[0]] = output_grads[0]
+      seeds[sig.loss_positions()[0]] = output_grads[0]
     else:
       differentiable = [i for i, spec in enumerate(sig.outputs) if spec.dtype.is_floating]
       for i, g in zip(differentiable, output_grads):
@@ -424,14 +494,9 @@ class CellFunctions:
                      for g, spec in zip(grads[:len(sig.inputs)], sig.inputs)
                      if spec.dtype.is_floating]
     by_handle = {id(c): g for c, g in zip(pair.captured_inputs, grads[num_args:])}
-    variable_grads = [by_handle.get(id(v.handle)) for v in self.variables]
-    return (input_grads, _accumulate(self.layout, sums, variable_grads), product_inputs,
+    variable_grads = [by_handle.get(id(v.handle)) for v in sig.variables]
+    return (input_grads, _accumulate(sig.layout, sums, variable_grads), product_inputs,
             product_grads)
-
-  def zero_gradients(self) -> list[tf.Tensor]:
-    """The running sums' start: zero vectors of self.layout (the variables are known
-    once the forward is traced)."""
-    return self.layout.zeros()
 
   def weight_gradients(self, sums: Sequence[tf.Tensor], inputs: Sequence[tf.Tensor],
                        output_grads: Sequence[tf.Tensor]) -> list[tf.Tensor]:
@@ -444,19 +509,15 @@ class CellFunctions:
                    ) -> tuple[Any, list]:
     """A plain forward call under tf.device(self.device), differentiable by TensorFlow
     (`PipeliningLayer.fprop`): nested outputs and the (layer, stats) pairs reported."""
-    self.input_structure = inputs
-    self.head_structure = head_inputs
+    traced = self._traced
+    traced.input_structure = inputs
+    traced.head_structure = head_inputs
     flat_head = tf.nest.flatten(head_inputs) if head_inputs is not None else []
     with tf.device(self.device):
       flat_outputs, flat_stats = self._forward_fn(tf.nest.flatten(inputs), flat_head, step,
                                                   call_info)
-    return (tf.nest.pack_sequence_as(self.output_structure, list(flat_outputs)),
-            self.unflatten_stats(list(flat_stats)))
-
-  def unflatten_stats(self, flat_stats: list[tf.Tensor]) -> list[tuple[BaseLayer, Any]]:
-    structure = self.stats_structure or []
-    packed = tf.nest.pack_sequence_as([s for _, s in structure], flat_stats)
-    return [(layer, s) for (layer, _), s in zip(structure, packed)]
+    return (tf.nest.pack_sequence_as(traced.output_structure, list(flat_outputs)),
+            _unflatten_stats(traced.stats_structure, list(flat_stats)))
 
   def tracing_count(self) -> int:
     """How many times the bodies were traced (forward, and the backward of a

@@ -1,8 +1,12 @@
 """One loop per device: the device runs its cells' actions in the schedule's order.
 
-For device d, one functional While (`tf_internals.unlowered`) walks a constant table
-with one row per entry of `plan.device_orders[d]` (usually one cell's list; several
-cells' with interleaved virtual stages), and a Case picks the action's branch:
+For device d, one functional While (`tf_internals.unlowered`) walks a constant int32
+table (`ActionTable`) with one row per entry of `plan.device_orders[d]` (usually one
+cell's list; several cells' with interleaved virtual stages). A row is a `TableRow`:
+its Case branch, micro-batch, example offset, stash slot, product slot (B),
+first product slot (W) and what it receives; `COLUMNS` names each field's column.
+The row's Case branch runs the action, given an `ActionArgs` (the row and the
+hand-off received):
 
   F m   inputs: micro-batch m sliced from the batch (k = 0) or received from cell k−1
         → CellFunctions.forward → outputs sent to cell k+1 (last cell: the head's
@@ -21,11 +25,17 @@ An uneven split has two micro-batch shapes; each has its own F and B branch (the
 cell's functions are traced once per shape); W has a branch per group size. Each
 action's start and end are timestamped on the device (the measured timeline).
 
-The loop carries, per cell, the sums, one stash slot per micro-batch the cell holds
-in flight (`PipelineSchedule.max_in_flight`: M for gpipe, at most K−k for 1f1b), one
-product slot per backward awaiting its W (`max_awaiting_weights`), the head's
-per-micro-batch metrics and the statistics; and the device's timestamps. The step
-graph holds one loop per device whatever M is (`tests/pipeline_graph_test.py`).
+The loop carries a `LoopState`: per cell a `CellState` (the sums, one stash slot per
+micro-batch the cell holds in flight (`PipelineSchedule.max_in_flight`: M for gpipe,
+at most K−k for 1f1b), one product slot per backward awaiting its W
+(`max_awaiting_weights`), the head's per-micro-batch metrics and the statistics);
+the device's timestamps; and the inbox of hand-offs received one action ahead. The
+step graph holds one loop per device whatever M is (`tests/pipeline_graph_test.py`).
+
+`run`, one training step, reads as its steps: `_check_schedule`, `_trace` (each cell
+per micro-batch shape: `CellFunctions.signature`), the links, `action_table` and
+`_device_loop` per device (`_record_times` keeps its timestamps), then
+`_report_stats`, `_metrics` and `_mean_gradients`.
 
 The loss of the whole batch is the weighted mean of the micro-batch losses,
 Σ w_m·loss_m / Σ w_m, with w_m the loss's weight (examples, or target tokens): each
@@ -36,8 +46,9 @@ the end, so the update is the unpartitioned model's on the whole batch.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
-from typing import Any
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 import tensorflow as tf
@@ -91,13 +102,37 @@ def _weighted_mean(values: tf.Tensor, weights: tf.Tensor) -> tuple[tf.Tensor, tf
   return tf.math.divide_no_nan(tf.reduce_sum(values * weights), total), total
 
 
-# Columns of a device's action table.
-BRANCH, MICRO_BATCH, OFFSET, SLOT, PRODUCT_SLOT, RECEIVE = range(6)
-NO_RECEIVE = -1  # RECEIVE of an action whose inputs come from no other cell
+class TableRow(NamedTuple):
+  """One action of a device's table: a row of `ActionTable.rows` (Python ints there;
+  int32 scalars in the loop, where `ActionArgs` hands them to the action).
 
-# What an action receives from a neighbouring cell: (cell, FORWARD: its inputs from
-# cell k−1 / BACKWARD: its output gradients from cell k+1, micro-batch shape class).
-ReceiveKind = tuple[int, str, int]
+  branch: its Case branch (`Branches`: which cell, which action, which shape class or
+  W group size); micro_batch: m; offset: m's first example's position in the batch;
+  stash_slot: F: the stash slot it fills, B: the one it takes (W: 0);
+  product_slot: B: the product ring slot it writes (F, W: 0);
+  first_product_slot: W: the ring slot of its group's first backward, the first of
+  the consecutive slots it reads (F, B: 0);
+  receive: what it receives, an index into `ActionTable.receives`, or NO_RECEIVE.
+  """
+  branch: Any
+  micro_batch: Any
+  offset: Any
+  stash_slot: Any
+  product_slot: Any
+  first_product_slot: Any
+  receive: Any
+
+
+COLUMNS = TableRow(*range(len(TableRow._fields)))  # each field's column in the table
+NO_RECEIVE = -1  # `receive` of an action whose inputs come from no other cell
+
+
+class ReceiveKind(NamedTuple):
+  """What an action receives from a neighbouring cell: FORWARD, its inputs from cell
+  k−1; BACKWARD, its output gradients from cell k+1; of one micro-batch shape class."""
+  cell: int
+  phase: str
+  shape_class: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,10 +160,9 @@ class Branches:
 
 @dataclasses.dataclass
 class ActionTable:
-  """A device's actions as loop data: rows int32 [A, 6] (branch, micro-batch, example
-  offset, stash slot, product slot, what it receives: an index into `receives` or
-  NO_RECEIVE), one per entry of the device's order; per cell on the device, its
-  branches and how many stash and product slots it needs."""
+  """A device's actions as loop data: rows int32 [A, len(COLUMNS)], one `TableRow` per
+  entry of the device's order; per cell on the device, its branches and how many
+  stash and product slots it needs; the kinds of hand-off its actions receive."""
   rows: np.ndarray
   branches: dict[int, Branches]
   stash_slots: dict[int, int]
@@ -160,10 +194,11 @@ def action_table(plan: PipelineSchedule, d: int, shape_class: Sequence[int],
   backward_index: dict[tuple[int, int], int] = {}  # (cell, m) → its position among B's
   backwards_run = dict.fromkeys(cells, 0)
   groups = {k: plan.weight_groups(k) for k in cells}
-  receives = [(k, phase, c) for k in cells for c in range(num_classes)
+  receives = [ReceiveKind(k, phase, c) for k in cells for c in range(num_classes)
               for phase, neighbour in ((FORWARD, k - 1), (BACKWARD, k + 1))
               if 0 <= neighbour < plan.num_cells]
-  rows, keys = [], []
+  rows: list[TableRow] = []
+  keys = []
   for k, action in plan.device_orders[d]:
     m, b = action.micro_batch, branches[k]
     if action.phase == FORWARD:
@@ -172,22 +207,31 @@ def action_table(plan: PipelineSchedule, d: int, shape_class: Sequence[int],
         stash_slots[k] += 1
       slot_of[(k, m)] = min(free[k])
       free[k].remove(slot_of[(k, m)])
-      rows.append([b.forward(shape_class[m]), m, offsets[m], slot_of[(k, m)], 0,
-                   _receive_index(receives, (k, FORWARD, shape_class[m]))])
+      rows.append(TableRow(
+          branch=b.forward(shape_class[m]), micro_batch=m, offset=offsets[m],
+          stash_slot=slot_of[(k, m)], product_slot=0, first_product_slot=0,
+          receive=_receive_index(receives, ReceiveKind(k, FORWARD, shape_class[m]))))
     elif action.phase == BACKWARD:
       free[k].append(slot_of[(k, m)])
       index = backward_index[(k, m)] = backwards_run[k]
       backwards_run[k] += 1
-      product_slot = index % product_slots[k] if product_slots[k] else 0
-      rows.append([b.backward(shape_class[m]), m, offsets[m], slot_of[(k, m)], product_slot,
-                   _receive_index(receives, (k, BACKWARD, shape_class[m]))])
+      rows.append(TableRow(
+          branch=b.backward(shape_class[m]), micro_batch=m, offset=offsets[m],
+          stash_slot=slot_of[(k, m)],
+          product_slot=index % product_slots[k] if product_slots[k] else 0,
+          first_product_slot=0,
+          receive=_receive_index(receives, ReceiveKind(k, BACKWARD, shape_class[m]))))
     else:
       group = groups[k][m]
-      rows.append([b.weight_gradient(len(group)), m, offsets[m], 0,
-                   backward_index[(k, group[0])] % product_slots[k], NO_RECEIVE])
+      rows.append(TableRow(
+          branch=b.weight_gradient(len(group)), micro_batch=m, offset=offsets[m],
+          stash_slot=0, product_slot=0,
+          first_product_slot=backward_index[(k, group[0])] % product_slots[k],
+          receive=NO_RECEIVE))
     keys.append([k, m, timeline.PHASES.index(action.phase)])
-  return ActionTable(np.array(rows, np.int32).reshape(-1, 6), branches, stash_slots,
-                     product_slots, receives, np.array(keys, np.float64).reshape(-1, 3))
+  return ActionTable(np.array(rows, np.int32).reshape(-1, len(COLUMNS)), branches,
+                     stash_slots, product_slots, receives,
+                     np.array(keys, np.float64).reshape(-1, 3))
 
 
 def _receive_index(receives: list[ReceiveKind], kind: ReceiveKind) -> int:
@@ -257,6 +301,59 @@ def _after(tensors: Sequence[Any], deps: Sequence[Any]) -> list[Any]:
     return [tf.identity(t) for t in tensors]
 
 
+@dataclasses.dataclass(frozen=True)
+class StepInputs:
+  """What the actions read of the step besides the loop state.
+
+  inputs: the pipeline's flat batch [B, ...] (cell 0 slices its micro-batches from
+  it); head_inputs: the head's flat batch [B, ...] (the last cell's); step: the
+  global step, int64 []; base_offset: the batch's first example's position (r·B on
+  replica r; it keys dropout with each micro-batch's offset).
+  """
+  inputs: list[tf.Tensor]
+  head_inputs: list[tf.Tensor]
+  step: tf.Tensor
+  base_offset: Any
+
+
+class CellState(NamedTuple):
+  """One cell's part of its device's loop state (loop variables; tf.nest takes a
+  NamedTuple apart field by field)."""
+  sums: list[tf.Tensor]                # the running gradient sums (sig.layout's vectors)
+  stash: list[list[tf.TensorArray]]    # per shape class, per saved spec: the stash slots
+  outputs: list[tf.TensorArray]        # last cell: per flat output (metrics), M elements
+  stats: list[tf.TensorArray]          # per flat statistic, M elements
+  product_inputs: list[tf.TensorArray]  # per deferred product, its ring of product slots
+  product_grads: list[tf.TensorArray]   # (inputs [n, I] and output gradients [n, O])
+
+
+class LoopState(NamedTuple):
+  """A device's loop state."""
+  cells: list[CellState]          # in the order of the device's cells
+  times: tf.TensorArray           # float64 [A, 2]: each action's start and end
+  inbox: list[list[tf.Tensor]]    # per receive kind: its latest hand-off
+
+
+class ActionArgs(NamedTuple):
+  """What an action is given besides its cell's state: its table row (int32 scalars)
+  and the hand-off it received (None: it receives nothing)."""
+  row: TableRow
+  received: list[tf.Tensor] | None
+
+
+# An action: (the cell's state, its arguments) → (the state updated, its start and
+# end timestamps).
+ActionResult = tuple[CellState, tf.Tensor, tf.Tensor]
+
+
+class Handler(NamedTuple):
+  """One Case branch of a cell: its index, what it receives (None: nothing) and the
+  action it runs."""
+  branch: int
+  receives: ReceiveKind | None
+  run: Callable[[CellState, ActionArgs], ActionResult]
+
+
 @dataclasses.dataclass
 class CellLoop:
   """What cell k's actions need in its device's loop: the cell, its call signatures
@@ -273,43 +370,41 @@ class CellLoop:
   num_micro_batches: int
   previous: channels.Link | None     # to cell k−1
   following: channels.Link | None    # to cell k+1
-  inputs: list[tf.Tensor]            # cell 0: the flat batch
-  head_inputs: list[tf.Tensor]       # last cell: the head's flat batch
-  step: tf.Tensor
-  base_offset: Any
+  step_inputs: StepInputs
 
   # -- the cell's state ----------------------------------------------------------------
 
-  def initial_state(self) -> dict[str, Any]:
+  def initial_state(self) -> CellState:
     sig0 = self.signatures[0]
-    return {
-        "sums": self.cell.zero_gradients(),
-        "stash": [_slots(sig.saved, self.stash_slots) for sig in self.signatures],
-        "outputs": (_list(sig0.outputs, self.num_micro_batches) if self.cell.head is not None
-                    else []),
-        "stats": _list(sig0.stats, self.num_micro_batches),
-        "product_inputs": _slots(sig0.product_inputs, self.product_slots),
-        "product_grads": _slots(sig0.product_grads, self.product_slots),
-    }
+    return CellState(
+        sums=sig0.layout.zeros(),
+        stash=[_slots(sig.saved, self.stash_slots) for sig in self.signatures],
+        outputs=(_list(sig0.outputs, self.num_micro_batches) if self.cell.head is not None
+                 else []),
+        stats=_list(sig0.stats, self.num_micro_batches),
+        product_inputs=_slots(sig0.product_inputs, self.product_slots),
+        product_grads=_slots(sig0.product_grads, self.product_slots))
 
-  def actions(self) -> list[tuple[int, ReceiveKind | None, Any]]:
-    """Of each branch: its index, what it receives (None: nothing) and
-    action(state, received, m, offset, slot, product_slot)."""
+  def handlers(self) -> list[Handler]:
+    """The cell's Case branches: F and B per shape class, W per group size."""
     out = []
     for c in range(len(self.signatures)):
-      out.append((self.branches.forward(c), (self.k, FORWARD, c) if self.previous else None,
-                  lambda *a, c=c: self.forward(c, *a)))
-      out.append((self.branches.backward(c), (self.k, BACKWARD, c) if self.following else None,
-                  lambda *a, c=c: self.backward(c, *a)))
+      out.append(Handler(self.branches.forward(c),
+                         ReceiveKind(self.k, FORWARD, c) if self.previous else None,
+                         functools.partial(self.forward, c)))
+      out.append(Handler(self.branches.backward(c),
+                         ReceiveKind(self.k, BACKWARD, c) if self.following else None,
+                         functools.partial(self.backward, c)))
     for n in self.branches.weight_sizes:
-      out.append((self.branches.weight_gradient(n), None,
-                  lambda *a, n=n: self.weight_gradient(n, *a)))
+      out.append(Handler(self.branches.weight_gradient(n), None,
+                         functools.partial(self.weight_gradient, n)))
     return out
 
   def receive_specs(self, phase: str, c: int) -> list[tf.TensorSpec]:
     """What a forward (inputs) or backward (output gradients) of shape class c receives."""
     sig = self.signatures[c]
-    return sig.inputs if phase == FORWARD else [s for s in sig.outputs if s.dtype.is_floating]
+    return (list(sig.inputs) if phase == FORWARD
+            else [s for s in sig.outputs if s.dtype.is_floating])
 
   def receive(self, phase: str, c: int) -> list[tf.Tensor]:
     """The hand-off a forward or backward of shape class c takes, received."""
@@ -318,67 +413,81 @@ class CellLoop:
 
   # -- the actions ---------------------------------------------------------------------
 
-  def _call_info(self, m: tf.Tensor, offset: tf.Tensor) -> tf.Tensor:
-    return tf.stack([tf.cast(m, tf.int64),
-                     tf.cast(self.base_offset, tf.int64) + tf.cast(offset, tf.int64)])
+  def _call_info(self, row: TableRow) -> tf.Tensor:
+    """int64 [micro-batch index, example offset in the whole batch]."""
+    offset = tf.cast(self.step_inputs.base_offset, tf.int64) + tf.cast(row.offset, tf.int64)
+    return tf.stack([tf.cast(row.micro_batch, tf.int64), offset])
 
-  def forward(self, c: int, state: dict, received, m, offset, slot, _):
-    sig, state = self.signatures[c], dict(state)
+  def forward(self, c: int, state: CellState, args: ActionArgs) -> ActionResult:
+    """F: micro-batch m of shape class c through the cell; its outputs sent on (last
+    cell: kept), what its backward needs stashed, its statistics kept."""
+    sig, row = self.signatures[c], args.row
     if self.previous is None:
-      flat = _slice(self.inputs, offset, self.sizes[c])
+      flat = _slice(self.step_inputs.inputs, row.offset, self.sizes[c])
     else:
-      flat = list(received)
-    head = _slice(self.head_inputs, offset, self.sizes[c]) if self.cell.head else []
+      flat = list(args.received)
+    head = (_slice(self.step_inputs.head_inputs, row.offset, self.sizes[c]) if self.cell.head
+            else [])
     start = _timestamp(flat + head)
     flat, head = _after(flat, [start]), _after(head, [start])
-    outputs, stats, saved = self.cell.forward(sig, flat, head, self.step,
-                                              self._call_info(m, offset))
+    outputs, stats, saved = self.cell.forward(sig, flat, head, self.step_inputs.step,
+                                              self._call_info(row))
+    kept = state.outputs
     if self.following is not None:
       sent = self.following.forward.send(outputs)
     else:
       sent = []
-      state["outputs"] = [ta.write(m, t) for ta, t in zip(state["outputs"], outputs)]
-    state["stash"] = list(state["stash"])
-    state["stash"][c] = [ta.write(slot, t) for ta, t in zip(state["stash"][c], saved)]
-    state["stats"] = [ta.write(m, t) for ta, t in zip(state["stats"], stats)]
+      kept = [ta.write(row.micro_batch, t) for ta, t in zip(state.outputs, outputs)]
+    stash = list(state.stash)
+    stash[c] = [ta.write(row.stash_slot, t) for ta, t in zip(stash[c], saved)]
+    state = state._replace(
+        outputs=kept, stash=stash,
+        stats=[ta.write(row.micro_batch, t) for ta, t in zip(state.stats, stats)])
     end = _timestamp(list(outputs) + list(saved) + list(stats), sent)
     return state, start, end
 
-  def backward(self, c: int, state: dict, received, m, offset, slot, product_slot):
-    sig, cell, state = self.signatures[c], self.cell, dict(state)
+  def backward(self, c: int, state: CellState, args: ActionArgs) -> ActionResult:
+    """B: the backward of micro-batch m of shape class c on its stash slot; input
+    gradients sent back, variable gradients added to the sums, deferred products
+    written to the row's product slot."""
+    sig, cell, row = self.signatures[c], self.cell, args.row
     if self.following is None:
-      loss_index, weight_index = cell.loss_positions()
-      weight = state["outputs"][weight_index].read(m)
+      loss_index, weight_index = sig.loss_positions()
+      weight = state.outputs[weight_index].read(row.micro_batch)
       loss_spec = sig.outputs[loss_index]
       seeds = [tf.cast(weight, loss_spec.dtype)]
     else:
-      seeds = list(received)
-    state["stash"] = list(state["stash"])
-    saved, state["stash"][c] = _take(state["stash"][c], slot, sig.saved)
+      seeds = list(args.received)
+    stash = list(state.stash)
+    saved, stash[c] = _take(stash[c], row.stash_slot, sig.saved)
     start = _timestamp(seeds + saved)
     seeds = _after(seeds, [start])
-    input_grads, state["sums"], product_inputs, product_grads = cell.backward(
-        sig, saved, seeds, state["sums"], self.step, self._call_info(m, offset))
+    input_grads, sums, product_inputs, product_grads = cell.backward(
+        sig, saved, seeds, state.sums, self.step_inputs.step, self._call_info(row))
     sent = self.previous.backward.send(input_grads) if self.previous is not None else []
-    state["product_inputs"] = [ta.write(product_slot, t) for ta, t in
-                               zip(state["product_inputs"], product_inputs)]
-    state["product_grads"] = [ta.write(product_slot, t) for ta, t in
-                              zip(state["product_grads"], product_grads)]
-    end = _timestamp(list(input_grads) + list(state["sums"]) + list(product_inputs)
+    state = state._replace(
+        stash=stash, sums=sums,
+        product_inputs=[ta.write(row.product_slot, t) for ta, t in
+                        zip(state.product_inputs, product_inputs)],
+        product_grads=[ta.write(row.product_slot, t) for ta, t in
+                       zip(state.product_grads, product_grads)])
+    end = _timestamp(list(input_grads) + list(sums) + list(product_inputs)
                      + list(product_grads), sent)
     return state, start, end
 
-  def weight_gradient(self, n: int, state: dict, _received, _m, _offset, _slot, first):
-    state = dict(state)
-    start = _timestamp(list(state["sums"]))
-    sig = self.signatures[0]
-    inputs, state["product_inputs"] = _read_group(
-        state["product_inputs"], self.product_slots, first, n, sig.product_inputs)
-    grads, state["product_grads"] = _read_group(
-        state["product_grads"], self.product_slots, first, n, sig.product_grads)
-    state["sums"] = self.cell.weight_gradients(_after(state["sums"], [start]), inputs, grads)
-    end = _timestamp(list(state["sums"]))
-    return state, start, end
+  def weight_gradient(self, n: int, state: CellState, args: ActionArgs) -> ActionResult:
+    """W of a group of n backwards: their product slots, from the row's first one,
+    concatenated → one product per projection, added to the sums."""
+    start = _timestamp(list(state.sums))
+    sig, first = self.signatures[0], args.row.first_product_slot
+    inputs, product_inputs = _read_group(
+        state.product_inputs, self.product_slots, first, n, sig.product_inputs)
+    grads, product_grads = _read_group(
+        state.product_grads, self.product_slots, first, n, sig.product_grads)
+    sums = self.cell.weight_gradients(_after(state.sums, [start]), inputs, grads)
+    end = _timestamp(list(sums))
+    return (state._replace(sums=sums, product_inputs=product_inputs,
+                           product_grads=product_grads), start, end)
 
 
 @dataclasses.dataclass
@@ -397,8 +506,7 @@ class DeviceLoop:
   table: ActionTable
 
   def _receive(self, kind: ReceiveKind) -> list[tf.Tensor]:
-    k, phase, c = kind
-    return self.cells[k].receive(phase, c)
+    return self.cells[kind.cell].receive(kind.phase, kind.shape_class)
 
   def _prefetch(self, inbox: list[list[tf.Tensor]], index: tf.Tensor) -> list[list[tf.Tensor]]:
     """`inbox` with the hand-off of receive kind `index` received (NO_RECEIVE: as is)."""
@@ -410,7 +518,7 @@ class DeviceLoop:
                                        for q in range(len(self.table.receives))]
     return tf_internals.unlowered(lambda: tf.switch_case(index + 1, branches))
 
-  def build(self) -> tuple[dict[int, dict[str, Any]], tf.TensorArray]:
+  def build(self) -> tuple[dict[int, CellState], tf.TensorArray]:
     """The loop, under tf.device(device): each cell's final state, and the
     timestamps of its actions ([A, 2], in table order)."""
     rows = self.table.rows
@@ -420,40 +528,47 @@ class DeviceLoop:
     order = sorted(self.cells)
     position = {kind: q for q, kind in enumerate(self.table.receives)}
 
-    def body(i, state):
-      row = tf.unstack(tf.gather(table, i))
-      args = (row[MICRO_BATCH], row[OFFSET], row[SLOT], row[PRODUCT_SLOT])
+    def body(i: tf.Tensor, state: LoopState) -> tuple[tf.Tensor, LoopState]:
+      row = TableRow(*tf.unstack(tf.gather(table, i)))
       branches = {}
       for j, k in enumerate(order):
-        for index, kind, action in self.cells[k].actions():
-          received = state["inbox"][position[kind]] if kind is not None else None
-          branches[index] = (lambda j=j, action=action, received=received:
-                             self._step(state, i, j, action, received, args))
-      new_state = tf_internals.unlowered(
-          lambda: tf.switch_case(row[BRANCH], [branches[b] for b in range(len(branches))]))
-      new_state["inbox"] = self._prefetch(state["inbox"], tf.gather(table, i + 1)[RECEIVE])
-      return i + 1, new_state
+        for handler in self.cells[k].handlers():
+          received = (state.inbox[position[handler.receives]]
+                      if handler.receives is not None else None)
+          args = ActionArgs(row, received)
+          branches[handler.branch] = (lambda j=j, run=handler.run, args=args:
+                                      self._step(state, i, j, run, args))
+      cells, times = tf_internals.unlowered(
+          lambda: tf.switch_case(row.branch, [branches[b] for b in range(len(branches))]))
+      inbox = self._prefetch(state.inbox, tf.gather(table, i + 1)[COLUMNS.receive])
+      return i + 1, LoopState(cells, times, inbox)
 
     num_actions = len(rows)
     with tf.device(self.device):
       inbox = [[tf.zeros(spec.shape, spec.dtype)
-                for spec in self.cells[k].receive_specs(phase, c)]
-               for k, phase, c in self.table.receives]
-      if num_actions and rows[0, RECEIVE] != NO_RECEIVE:
-        inbox[rows[0, RECEIVE]] = self._receive(self.table.receives[rows[0, RECEIVE]])
-      initial = {"cells": [self.cells[k].initial_state() for k in order],
-                 "times": tf.TensorArray(tf.float64, size=num_actions, element_shape=[2]),
-                 "inbox": inbox}
+                for spec in self.cells[kind.cell].receive_specs(kind.phase, kind.shape_class)]
+               for kind in self.table.receives]
+      first_receive = rows[0, COLUMNS.receive] if num_actions else NO_RECEIVE
+      if first_receive != NO_RECEIVE:
+        inbox[first_receive] = self._receive(self.table.receives[first_receive])
+      initial = LoopState(
+          cells=[self.cells[k].initial_state() for k in order],
+          times=tf.TensorArray(tf.float64, size=num_actions, element_shape=[2]),
+          inbox=inbox)
       _, final = tf_internals.unlowered(lambda: tf.while_loop(
           lambda i, _: i < num_actions, body, (tf.constant(0, tf.int32), initial)))
-    return {k: cell_state for k, cell_state in zip(order, final["cells"])}, final["times"]
+    return dict(zip(order, final.cells)), final.times
 
   @staticmethod
-  def _step(state: dict, i, j: int, action, received, args) -> dict:
-    cell_state, start, end = action(state["cells"][j], received, *args)
-    cells = list(state["cells"])
+  def _step(state: LoopState, i: tf.Tensor, j: int,
+            run: Callable[[CellState, ActionArgs], ActionResult], args: ActionArgs
+            ) -> tuple[list[CellState], tf.TensorArray]:
+    """A Case branch: the action of the device's j-th cell → every cell's state (j's
+    updated) and the timestamps with the action's written at row i."""
+    cell_state, start, end = run(state.cells[j], args)
+    cells = list(state.cells)
     cells[j] = cell_state
-    return {"cells": cells, "times": state["times"].write(i, tf.stack([start, end]))}
+    return cells, state.times.write(i, tf.stack([start, end]))
 
 
 def _timestamp(wait_for: Sequence[Any], also: Sequence[Any] = ()) -> tf.Tensor:
@@ -474,6 +589,9 @@ def _with_batch(structure: Any, size: int) -> Any:
       lambda t: tf.TensorSpec([size] + t.shape[1:].as_list(), t.dtype), structure)
 
 
+# -- one training step: run's steps --------------------------------------------------------
+
+
 @tf.autograph.experimental.do_not_convert  # plain Python on static values
 def run(cells: Sequence[CellFunctions], plan: PipelineSchedule, inputs: Any, head_inputs: Any,
         sizes: Sequence[int], offsets: Sequence[int], link_prefix: str) -> StepGradients:
@@ -483,77 +601,135 @@ def run(cells: Sequence[CellFunctions], plan: PipelineSchedule, inputs: Any, hea
   head's nested tensors [B, ...] on the last cell's device; sizes, offsets: each
   micro-batch's size and first example's position in the batch. Batch statistics go
   to the StepContext's layer_stats, the loops' timestamps to its spans.
+
+  Raises:
+    ValueError: the schedule is for another number of cells or micro-batches, or puts
+      cells of different devices on one device.
   """
   ctx = base_layer.current_context()
-  num_cells = len(cells)
-  if plan.num_cells != num_cells or plan.num_micro_batches != len(sizes):
-    raise ValueError(f"schedule for {plan.num_cells} cells × {plan.num_micro_batches} "
-                     f"micro-batches given {num_cells} cells × {len(sizes)}")
+  _check_schedule(cells, plan, sizes)
   step = tf.cast(ctx.step, tf.int64)
   inputs, head_inputs = tf.nest.map_structure(tf.convert_to_tensor, (inputs, head_inputs))
   class_sizes, shape_class = _shape_classes(sizes)
-  # Trace each cell for each micro-batch shape, in order: cell k's outputs are cell
-  # k+1's inputs.
-  signatures: list[list[CallSignature]] = []
-  for k, cell in enumerate(cells):
-    per_class = []
-    for c, size in enumerate(class_sizes):
-      cell_inputs = (_with_batch(inputs, size) if k == 0 else tf.nest.pack_sequence_as(
-          cells[k - 1].output_structure, signatures[k - 1][c].outputs))
-      head = _with_batch(head_inputs, size) if cell.head is not None else None
-      with tf.device(cell.device):
-        per_class.append(cell.signature(cell_inputs, head))
-    signatures.append(per_class)
+  signatures = _trace(cells, inputs, head_inputs, class_sizes)
   links = channels.links(link_prefix, [cell.device for cell in cells])
-  finals: dict[int, dict[str, Any]] = {}
-  for d, device_order in enumerate(plan.device_orders):
+  step_inputs = StepInputs(tf.nest.flatten(inputs), tf.nest.flatten(head_inputs), step,
+                           ctx.example_offset)
+  finals: dict[int, CellState] = {}
+  for d in range(len(plan.device_orders)):
+    table = action_table(plan, d, shape_class, offsets, len(class_sizes))
+    loop = _device_loop(cells, signatures, class_sizes, len(sizes), table, links,
+                        step_inputs)
+    cell_states, times = loop.build()
+    finals.update(cell_states)
+    _record_times(ctx.spans, loop.device, times, table)
+  _report_stats(cells, signatures, finals, ctx.layer_stats)
+  metrics = _metrics(cells[-1], signatures[-1][0], finals[len(cells) - 1])
+  variables, gradients = _mean_gradients(cells, signatures, finals, metrics["loss"][1])
+  return StepGradients(metrics, variables, gradients)
+
+
+def _check_schedule(cells: Sequence[CellFunctions], plan: PipelineSchedule,
+                    sizes: Sequence[int]) -> None:
+  """Raises ValueError unless `plan` is for these cells and micro-batches and each of
+  its devices' cells are on one device."""
+  if plan.num_cells != len(cells) or plan.num_micro_batches != len(sizes):
+    raise ValueError(f"schedule for {plan.num_cells} cells × {plan.num_micro_batches} "
+                     f"micro-batches given {len(cells)} cells × {len(sizes)}")
+  for device_order in plan.device_orders:
     device_cells = sorted({k for k, _ in device_order})
     devices = {cells[k].device for k in device_cells}
     if len(devices) != 1:
       raise ValueError(f"the schedule puts cells {device_cells} on one device; they are on "
                        f"{sorted(map(str, devices))}")
-    table = action_table(plan, d, shape_class, offsets, len(class_sizes))
-    loops = {k: CellLoop(cells[k], k, signatures[k], class_sizes, table.branches[k],
-                         table.stash_slots[k], table.product_slots[k], len(sizes),
-                         links[k - 1] if k > 0 else None,
-                         links[k] if k + 1 < num_cells else None,
-                         tf.nest.flatten(inputs) if k == 0 else [],
-                         tf.nest.flatten(head_inputs) if cells[k].head is not None else [],
-                         step, ctx.example_offset)
-             for k in device_cells}
-    device = cells[device_cells[0]].device
-    cell_states, times = DeviceLoop(device, loops, table).build()
-    finals.update(cell_states)
-    if ctx.spans is not None:
-      with tf.device(device):
-        ctx.spans.append(timeline.CellTimes(
-            device, tf.concat([times.stack(), tf.constant(table.keys, tf.float64)], axis=1)))
+
+
+def _trace(cells: Sequence[CellFunctions], inputs: Any, head_inputs: Any,
+           class_sizes: Sequence[int]) -> list[list[CallSignature]]:
+  """Each cell traced for each micro-batch shape, in order (cell k's outputs are cell
+  k+1's inputs): per cell, per shape class, its CallSignature."""
+  signatures: list[list[CallSignature]] = []
   for k, cell in enumerate(cells):
-    if ctx.layer_stats is not None and finals[k]["stats"]:
+    per_class = []
+    for c, size in enumerate(class_sizes):
+      cell_inputs = (_with_batch(inputs, size) if k == 0
+                     else signatures[k - 1][c].unflatten_outputs(signatures[k - 1][c].outputs))
+      head = _with_batch(head_inputs, size) if cell.head is not None else None
       with tf.device(cell.device):
-        per_micro_batch = zip(*[tf.unstack(ta.stack()) for ta in finals[k]["stats"]])
+        per_class.append(cell.signature(cell_inputs, head))
+    signatures.append(per_class)
+  return signatures
+
+
+def _device_loop(cells: Sequence[CellFunctions], signatures: list[list[CallSignature]],
+                 class_sizes: list[int], num_micro_batches: int, table: ActionTable,
+                 links: list[channels.Link], step_inputs: StepInputs) -> DeviceLoop:
+  """The loop of the device whose table is `table`, over the cells it holds."""
+  last = len(cells) - 1
+  loops = {k: CellLoop(cells[k], k, signatures[k], class_sizes, branches,
+                       table.stash_slots[k], table.product_slots[k], num_micro_batches,
+                       previous=links[k - 1] if k > 0 else None,
+                       following=links[k] if k < last else None, step_inputs=step_inputs)
+           for k, branches in table.branches.items()}
+  return DeviceLoop(cells[min(loops)].device, loops, table)
+
+
+def _record_times(spans: list | None, device: str | None, times: tf.TensorArray,
+                  table: ActionTable) -> None:
+  """The loop's timestamps [A, 2] with the table's keys [A, 3] → a CellTimes in `spans`
+  (the StepContext's; None: not collected)."""
+  if spans is None:
+    return
+  with tf.device(device):
+    spans.append(timeline.CellTimes(
+        device, tf.concat([times.stack(), tf.constant(table.keys, tf.float64)], axis=1)))
+
+
+def _report_stats(cells: Sequence[CellFunctions], signatures: list[list[CallSignature]],
+                  finals: dict[int, CellState], layer_stats: list | None) -> None:
+  """Each cell's batch statistics, per micro-batch, as (layer, stats) into
+  `layer_stats` (the StepContext's; None: not collected)."""
+  if layer_stats is None:
+    return
+  for k, cell in enumerate(cells):
+    if finals[k].stats:
+      with tf.device(cell.device):
+        per_micro_batch = zip(*[tf.unstack(ta.stack()) for ta in finals[k].stats])
         for flat_stats in per_micro_batch:
-          ctx.layer_stats.extend(cell.unflatten_stats(list(flat_stats)))
-  last = cells[-1]
+          layer_stats.extend(signatures[k][0].unflatten_stats(list(flat_stats)))
+
+
+def _metrics(last: CellFunctions, sig: CallSignature, final: CellState) -> Metrics:
+  """The head's metrics of the M micro-batches (kept by the last cell) → the whole
+  batch's {name: (weighted mean, summed weight)}."""
   with tf.device(last.device):
-    per_micro_batch = tf.nest.pack_sequence_as(
-        last.output_structure, [ta.stack() for ta in finals[num_cells - 1]["outputs"]])
-    metrics = {name: _weighted_mean(tf.cast(value, tf.float32), tf.cast(weight, tf.float32))
-               for name, (value, weight) in per_micro_batch.items()}
-    inverse_weight = tf.math.divide_no_nan(1.0, metrics["loss"][1])
+    per_micro_batch = sig.unflatten_outputs([ta.stack() for ta in final.outputs])
+    return {name: _weighted_mean(tf.cast(value, tf.float32), tf.cast(weight, tf.float32))
+            for name, (value, weight) in per_micro_batch.items()}
+
+
+def _mean_gradients(cells: Sequence[CellFunctions], signatures: list[list[CallSignature]],
+                    finals: dict[int, CellState], loss_weight: tf.Tensor
+                    ) -> tuple[list[tf.Variable], list[tf.Tensor]]:
+  """The cells' summed gradients (each backward seeded with its micro-batch's loss
+  weight) divided by Σ w_m, the whole batch's `loss_weight`: the gradient of the
+  weighted mean loss. One per variable, in first-use order; a variable two cells
+  share (tied weights) gets the sum of theirs."""
+  with tf.device(cells[-1].device):
+    inverse_weight = tf.math.divide_no_nan(1.0, loss_weight)
   variables: list[tf.Variable] = []
   gradients: list[tf.Tensor] = []
   position: dict[Any, int] = {}
   for k, cell in enumerate(cells):
-    final = finals[k]
+    sig = signatures[k][0]
     with tf.device(cell.device):
       scale = tf.identity(inverse_weight)
-      sums = cell.layout.unflatten([s * tf.cast(scale, s.dtype) for s in final["sums"]])
-    for v, g in zip(cell.variables, sums):
+      sums = sig.layout.unflatten([s * tf.cast(scale, s.dtype) for s in finals[k].sums])
+    for v, g in zip(sig.variables, sums):
       if v.ref() in position:  # a variable shared by two cells (tied weights)
         gradients[position[v.ref()]] += g
       else:
         position[v.ref()] = len(variables)
         variables.append(v)
         gradients.append(g)
-  return StepGradients(metrics, variables, gradients)
+  return variables, gradients

@@ -49,7 +49,7 @@ class CollectiveMean:
   device waits for the first one to finish, which waits for its peer: a deadlock.
   With the token they are ordered per device only, and every device issues them in
   the same order (`tests/hybrid_test.py` runs them on logical CPU devices;
-  `tf_internals.py` lists the ordering behaviour).
+  `tf_internals.py` item 7 lists the op and the ordering behaviour, with their pins).
   """
 
   def __init__(self, devices: Sequence[str], group_key: int):

@@ -1,20 +1,24 @@
 """`PipeliningLayer`: GPipe's cells on devices, micro-batches and re-materialization.
 
 The layers are cut into K cells (explicit `splits`, or `partition.balance` on their
-costs); the variables of cell k are created on device k. Training goes through
-`forward_backward(inputs, head, head_inputs)`:
+costs); cell k's variables are created on its device: device k by default, device
+k mod D with `virtual_stages` V (interleaved_1f1b, D = K / V devices) or
+`round_robin_devices`. Training goes through `forward_backward(inputs, head,
+head_inputs)`:
 
-  batch [B, ...] → M micro-batches of near-equal size (axis 0) → for each cell, one
-  loop on its device running the actions `task.pipeline.schedule` lists (schedule.py:
-  gpipe or 1f1b; device_loop.py), each a call of the cell's forward, backward or
-  weight-gradient function, traced once per micro-batch shape (cell_function.py),
-  hand-offs through Send/Recv (channels.py) → the whole batch's metrics and every
-  variable's gradient of the whole batch's loss, summed over micro-batches on its
-  device.
+  batch [B, ...] → M micro-batches of near-equal size (axis 0) → for each device, one
+  loop running its cells' actions in the order `task.pipeline.schedule` gives
+  (schedule.py: gpipe, 1f1b, zb_h1, interleaved_1f1b; device_loop.py), each a call of
+  a cell's forward, backward or deferred weight-gradient function, traced once per
+  micro-batch shape (cell_function.py; layers of one kind share one traced function,
+  layer_function.py), hand-offs through Send/Recv (channels.py) → the whole batch's
+  metrics and every variable's gradient of the whole batch's loss, summed over
+  micro-batches on its device.
 
-The backward of a re-materialized cell recomputes its forward from the kept inputs,
-so peak activation memory is O(B + (L/K)·(B/M)) per device instead of O(B·L); with
-1F1B a cell keeps at most K micro-batches' inputs instead of M.
+The backward of a re-materialized cell (`recompute`: always, except_last, never)
+recomputes its forward from the kept inputs, so peak activation memory is
+O(B + (L/K)·(B/M)) per device instead of O(B·L); with 1F1B a cell keeps at most K
+micro-batches' inputs instead of M.
 
 `fprop` (eval, or a caller that differentiates it itself) runs the same cells: in
 eval on the whole batch, layer by layer on each cell's device; in training through

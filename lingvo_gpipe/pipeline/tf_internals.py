@@ -1,15 +1,20 @@
 """Every place the engine relies on TensorFlow behaviour beyond its documented API.
 
-Checked on TensorFlow `TENSORFLOW_CHECKED`. On an upgrade, `tests/tf_internals_test.py`
-fails until each item below has been re-checked with the test named beside it, then
-`TENSORFLOW_CHECKED` is updated.
+Checked on TensorFlow `TENSORFLOW_CHECKED` (a major.minor version; patch releases
+are taken to keep these behaviours). On a new minor version,
+`tests/tf_internals_test.py` fails until each item below has been re-checked with the
+test named beside it, then `TENSORFLOW_CHECKED` is updated.
 
 1. `NOT_INLINED`, the function attribute `_noinline` on the cells' functions
-   (`tf.function(..., experimental_attributes=NOT_INLINED)`). Grappler inlines
-   function calls by default and re-optimizes the flattened graph; common-subexpression
-   elimination could then merge the recomputed forward into the forward, undoing
-   re-materialization. Pinned by `tests/pipeline_graph_test.py` (the calls carry the
-   attribute) and the re-materialization memory test `tests/pipeline_memory_test.py`.
+   (`tf.function(..., experimental_attributes=NOT_INLINED)`). TensorFlow inlines
+   function calls by default (its runtime before placement, and Grappler's function
+   optimizer) and re-optimizes the flattened graph, where common-subexpression
+   elimination merges a recomputed forward into the forward (on 2.21 it merges the
+   repeated ops of two inlined calls), undoing re-materialization.
+   Pinned by `tests/tf_internals_test.py::test_calls_marked_not_inlined_stay_calls`
+   (in the graph TensorFlow runs, a marked call stays a call; an unmarked one is
+   inlined) and `tests/pipeline_graph_test.py::test_cell_calls_are_not_inlined` (the
+   cells' calls carry the attribute).
 2. `disable_function_specialization()`: Grappler's function optimizer off,
    process-wide (`tf.config.optimizer.set_experimental_options`; there is no
    per-function switch). It specializes a body copy per call site with a constant
@@ -40,12 +45,17 @@ fails until each item below has been re-checked with the test named beside it, t
 6. `host_address_space()`: this process's /job:…/replica:…/task:… from the eager
    context (`context.context().host_address_space()`), the prefix of a local device's
    full name. Pinned by `tests/tf_internals_test.py`.
-7. Ordering tokens on collective all-reduces (`hybrid.CollectiveMean`): the
-   `ordering_token` input of `tf.raw_ops.CollectiveReduceV2` (a raw op, outside the
-   `tf.distribute` API). Given a resource on its own device, tf.function's automatic
-   control dependencies order the collectives per device instead of chaining them in
-   program order across devices, which deadlocked the group. Pinned by
-   `tests/hybrid_test.py` (the all-reduce test and the two-replica equivalence).
+7. `tf.raw_ops.CollectiveReduceV2` (`hybrid.CollectiveMean`; a raw op, outside the
+   `tf.distribute` API), one op per device of a group: with merge_op "Add" and
+   final_op "Div" every device gets the mean of the group's tensors; `group_key`
+   names one set of devices for the whole process, `instance_key` one all-reduce in
+   the group (the same key is used again by every call of the step). Its
+   `ordering_token` input, given a resource on the op's own device, makes
+   tf.function's automatic control dependencies order the collectives per device;
+   without one they are chained in program order across devices, so the op on the
+   second device waits for the first one, which waits for its peer: a deadlock.
+   Pinned by `tests/tf_internals_test.py::test_collective_reduce_is_a_mean_ordered_per_device`
+   and `tests/hybrid_test.py` (the all-reduce test and the two-replica equivalence).
 8. `step_options()`: Grappler settings for the training step only, through the
    thread's function call options (`context.context().function_call_options`, not
    public API): each function call op made or run while they are set carries them in
@@ -58,6 +68,17 @@ fails until each item below has been re-checked with the test named beside it, t
    slower; Grappler entirely off was slower in the steady step (its remapper fusions and
    arithmetic rewrites pay). Pinned by
    `tests/tf_internals_test.py::test_step_options_reach_nested_calls`.
+9. The Philox counter layout of `tf.raw_ops.StatelessRandomUniformV2`
+   (`layers.position_keyed_uniform`, the dropout masks; `alg` 1 is Philox): given the
+   key of `StatelessRandomGetKeyCounter(seed)` and the counter [c, 0] (uint64 low,
+   high), element i of a float32 draw is made from 32-bit word i mod 4 of
+   Philox-4x32-10(key, c + i div 4), as (word's low 23 bits | 1.0's exponent) − 1.
+   So the stream of one seed can be started at any element (counter block
+   start div 4, then drop start mod 4 elements) without drawing what comes before:
+   a micro-batch draws its rows of the whole batch's mask. One word per element holds
+   for float32, float16 and bfloat16 only (float64 takes two). Pinned by
+   `tests/tf_internals_test.py::test_philox_counter_layout_of_position_keyed_masks`
+   (against Philox computed in numpy).
 """
 
 from __future__ import annotations
@@ -72,7 +93,7 @@ from tensorflow.core.framework import attr_value_pb2
 from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2
 from tensorflow.python.eager import context
 
-TENSORFLOW_CHECKED = "2.21.0"
+TENSORFLOW_CHECKED = "2.21"  # major.minor
 
 NOT_INLINED = {"_noinline": True}
 
