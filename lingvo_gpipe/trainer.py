@@ -107,6 +107,35 @@ def _build_replicas(task_params: Params) -> hybrid.Replicas:
   return hybrid.Replicas(tasks, [task.input_device for task in tasks])
 
 
+def check_batch_splits(params: Params) -> None:
+  """Refuses a training batch that cannot be split into the replicas and micro-batches
+  the params ask for, from the params alone, so that nothing is built first (the
+  schedule of M micro-batches is made when the pipeline is built: M = 10^9 would take
+  hours before the batch refused it).
+
+  Raises:
+    hybrid.HybridError, layer.PipelineError: ValueErrors naming the keys and what
+      would be valid.
+  """
+  batch = params.train_input.batch_size
+  pipeline = params.task.pipeline
+  num_replicas = pipeline.num_replicas
+  if not isinstance(num_replicas, int) or num_replicas < 1:
+    raise hybrid.HybridError(f"task.pipeline.num_replicas must be >= 1, got {num_replicas!r}")
+  if batch % num_replicas:
+    raise hybrid.HybridError(
+        f"train_input.batch_size={batch} is not divisible by task.pipeline.num_replicas="
+        f"{num_replicas}; use a multiple of {num_replicas}")
+  num_micro_batches = pipeline.num_micro_batches
+  per_replica = batch // num_replicas
+  if (requested_cells(pipeline) and isinstance(num_micro_batches, int)
+      and num_micro_batches > per_replica):  # (>= 1: check_pipeline_params)
+    shared = f" / {num_replicas} replicas" if num_replicas > 1 else ""
+    raise PipelineError(
+        f"task.pipeline.num_micro_batches={num_micro_batches} does not fit a batch of "
+        f"{per_replica} (train_input.batch_size={batch}{shared}); valid: 1..{per_replica}")
+
+
 class Trainer:
   """Builds a task from frozen model params and trains / evaluates it in `logdir`."""
 
@@ -117,6 +146,7 @@ class Trainer:
     self.eval_dir = os.path.join(logdir, "eval")
     self.log = log
     train_p = params.task.train
+    check_batch_splits(params)  # before anything is built: a schedule is linear in M
     log("Building the input and the model ...")
     # The input first, so that missing data is reported before a large model is built.
     # Its position is checkpointed too, so a resumed run sees the batches the
@@ -129,7 +159,6 @@ class Trainer:
     self.replicas = _build_replicas(
         base_task.with_partition_costs(params.task, params.train_input, log))
     self.task = self.replicas.replicas[0]
-    self._check_batch_splits()  # before the schedule of M micro-batches is made
     self.optimizers = [train_p.optimizer.instantiate() for _ in self.replicas.replicas]
     for optimizer, variables in zip(self.optimizers, self.replicas.trainable_variables):
       optimizer.create_slots(variables)
@@ -145,26 +174,6 @@ class Trainer:
     # Set from another thread (tools/trainer.py's Ctrl-C handler): the loop stops
     # after the step in flight.
     self.stop_requested = threading.Event()
-
-  def _check_batch_splits(self) -> None:
-    """Refuses, before anything is built or written, a batch that cannot be split into
-    the replicas and micro-batches the params ask for (hybrid.HybridError,
-    layer.PipelineError: both ValueErrors naming the keys)."""
-    batch = self.train_input.params.batch_size
-    num_replicas = self.replicas.num_replicas
-    if batch % num_replicas:
-      raise hybrid.HybridError(
-          f"train_input.batch_size={batch} is not divisible by task.pipeline.num_replicas="
-          f"{num_replicas}; use a multiple of {num_replicas}")
-    if self.task.pipeline is None:
-      return
-    num_micro_batches = self.task.pipeline.params.num_micro_batches
-    per_replica = batch // num_replicas
-    if num_micro_batches > per_replica:  # (>= 1 is checked with the other task.pipeline values)
-      shared = f" / {num_replicas} replicas" if num_replicas > 1 else ""
-      raise PipelineError(
-          f"task.pipeline.num_micro_batches={num_micro_batches} does not fit a batch of "
-          f"{per_replica} (train_input.batch_size={batch}{shared}); valid: 1..{per_replica}")
 
   # -- checkpoints -----------------------------------------------------------------
 
@@ -222,84 +231,64 @@ class Trainer:
             profile_steps: tuple[int, int] | None = None) -> dict:
     """Trains until the global step reaches `max_steps`; returns the last step's values.
 
-    `on_step(step, values)` is called after every step (values: numpy scalars).
-    `profile_steps=(A, B)` captures a TensorFlow profile of global steps A..B into
-    <logdir>/train (TensorBoard's profile tab).
+    Each step: run it and check it (a non-finite loss or update stops the run before
+    anything of it is saved), then, each at its own interval of task.train and at
+    max_steps, write summaries, log a progress line, save a checkpoint; evaluate at
+    eval_interval_steps (not at max_steps: evaluating the final state is the caller's).
+
+    Args:
+      max_steps: the global step to train up to (a run restored at or past it trains
+        nothing).
+      eval_fn: called every task.train.eval_interval_steps steps (when that is set).
+      on_step: `on_step(step, values)` is called after every step (values: numpy
+        scalars, the loss among them).
+      profile_steps: `(A, B)` captures a TensorFlow profile of global steps A..B into
+        <logdir>/train (TensorBoard's profile tab).
+
+    Returns:
+      The last step's values ({} when there was nothing to train).
+
+    Raises:
+      NonFiniteLossError, NonFiniteUpdateError: a step's loss, gradient norm or update
+        was not finite; the last checkpoint on disk is the last good state.
+      TrainingInterrupted: `stop_requested` was set; raised after the step in flight.
+      SummaryWriteError: summaries could not be written.
+      CheckpointMismatchError: the newest checkpoint is not this model's.
+      checkpoints.CheckpointError: no checkpoint on disk can be read, or a save failed.
     """
     train_p = self.params.task.train
     found = self.checkpoints.restore_newest()
-    if found.step is not None:
-      start = int(self.global_step.numpy())
-      self.log(f"Resuming from checkpoint {found.path} at step {start}")
-    else:
-      start = 0
-      self.log("No checkpoint found; starting from step 0")
+    start = self._start_step(found)
     if start >= max_steps:
       self.log(f"Global step {start} >= max_steps {max_steps}; nothing to train")
       return {}
-
-    batch_size = self.train_input.params.batch_size
     step_fn = self._build_train_step()
-    # The run is checked: from here on it writes.
-    os.makedirs(self.train_dir, exist_ok=True)
-    self.checkpoints.repair(found)
-    logdirs.write_params(self.logdir, self.params, start)
-    writer = tf.summary.create_file_writer(self.train_dir)
-    with self._summary_errors(self.train_dir), writer.as_default():
-      tf.summary.text("params", "```\n" + self.params.to_text() + "```", step=start)
-
-    values: dict = {}
-    step = start
-    window_start, window_steps = time.perf_counter(), 0
-    run_start = time.perf_counter()
+    writer = self._start_writing(found, start)  # the run is checked: from here on it writes
+    progress = _Progress(start, max_steps, self.train_input.params.batch_size)
     profiler = _StepProfiler(profile_steps, self.train_dir, self.log, start, max_steps)
+    values: dict = {}
     try:
       for batch in self.train_iterator:
-        profiler.before(step + 1)
-        outputs, timestamps = step_fn(batch)
-        values = {k: v.numpy() for k, v in outputs.items()}
-        profiler.after(step + 1)
-        step += 1  # the global step this update would make (as the progress lines count)
-        if not values["finite"]:
-          last = self.checkpoints.latest or "none"
-          raise NonFiniteLossError(
-              f"non-finite loss ({values['loss']}) or gradient norm ({values['grad_norm']}) "
-              f"at step {step}; stopped without applying it. Last good checkpoint: {last}")
-        if not values["update_finite"]:
-          self._stop_non_finite_update(step, values)
+        step = progress.step + 1  # the global step this update makes (as progress lines count)
+        values, timestamps = self._run_checked_step(step_fn, batch, step, profiler)
+        progress.step = step
         if step == start + 1:
           # The first call also builds the executable graph and warms the cells up.
-          self.log(f"First step done in {time.perf_counter() - run_start:.1f} s")
+          self.log(f"First step done in {progress.seconds_since_start():.1f} s")
         if on_step is not None:
           on_step(step, values)
-        window_steps += 1
-        elapsed = time.perf_counter() - window_start
-        examples_per_sec = window_steps * batch_size / max(elapsed, 1e-9)
-        if step % train_p.summary_interval_steps == 0 or step == max_steps:
-          with self._summary_errors(self.train_dir), writer.as_default():
-            for name, value in values.items():
-              if name not in ("finite", "update_finite"):
-                tf.summary.scalar(name, value, step=step)
-            tf.summary.scalar("examples_per_sec", examples_per_sec, step=step)
-            if timestamps:
-              self._write_timeline(timestamps, step)
-        if step % train_p.log_interval_steps == 0 or step == max_steps:
-          steps_per_sec = (step - start) / max(time.perf_counter() - run_start, 1e-9)
-          self.log(f"step {step}/{max_steps}  loss {values['loss']:.4f}  "
-                   f"examples/sec {examples_per_sec:.1f}  "
-                   f"eta {_format_eta((max_steps - step) / steps_per_sec)}")
-          window_start, window_steps = time.perf_counter(), 0
-        if step % train_p.save_interval_steps == 0 or step == max_steps:
+        examples_per_sec = progress.count_step()
+        if progress.due(train_p.summary_interval_steps):
+          self._write_summaries(writer, step, values, examples_per_sec, timestamps)
+        if progress.due(train_p.log_interval_steps):
+          self._log_progress(progress, values, examples_per_sec)
+        if progress.due(train_p.save_interval_steps):
           self.save()
-        if (eval_fn is not None and train_p.eval_interval_steps
-            and step % train_p.eval_interval_steps == 0 and step != max_steps):
+        if eval_fn is not None and progress.due_before_the_end(train_p.eval_interval_steps):
           eval_fn()
         if step >= max_steps:
           break
-        if self.stop_requested.is_set():
-          raise TrainingInterrupted(
-              f"interrupted at step {step}; the last checkpoint is "
-              f"{self.checkpoints.latest or 'none'}: rerun the same command to resume from it")
+        self._stop_if_requested(step)
     except BaseException:
       # Summaries reach the disk if they can; the error in flight is the one to report.
       with contextlib.suppress(tf.errors.OpError):
@@ -311,6 +300,79 @@ class Trainer:
       writer.flush()
     self.log(f"Saved {self.checkpoints.latest}")
     return values
+
+  def _start_step(self, found: checkpoints.Restored) -> int:
+    """The global step this run starts from (that of the restored checkpoint, or 0),
+    said in a log line."""
+    if found.step is None:
+      self.log("No checkpoint found; starting from step 0")
+      return 0
+    start = int(self.global_step.numpy())
+    self.log(f"Resuming from checkpoint {found.path} at step {start}")
+    return start
+
+  def _start_writing(self, found: checkpoints.Restored, start: int) -> tf.summary.SummaryWriter:
+    """The first writes of a checked run: the checkpoint directory repaired (see
+    CheckpointStore.repair), params.txt, and the params as a text summary at step
+    `start`; returns the writer of <logdir>/train's summaries."""
+    os.makedirs(self.train_dir, exist_ok=True)
+    self.checkpoints.repair(found)
+    logdirs.write_params(self.logdir, self.params, start)
+    writer = tf.summary.create_file_writer(self.train_dir)
+    with self._summary_errors(self.train_dir), writer.as_default():
+      tf.summary.text("params", "```\n" + self.params.to_text() + "```", step=start)
+    return writer
+
+  def _run_checked_step(self, step_fn: Callable, batch: Any, step: int,
+                        profiler: _StepProfiler) -> tuple[dict, list[tf.Tensor]]:
+    """Runs the training step that makes global step `step` (profiled if asked for).
+
+    Returns:
+      (values, timestamps): the step's values as numpy scalars, and the timeline
+      timestamps it fetched (empty when not pipelined).
+
+    Raises:
+      NonFiniteLossError: the loss or gradient norm was not finite (nothing was updated).
+      NonFiniteUpdateError: the update made a variable non-finite (nothing is saved).
+    """
+    profiler.before(step)
+    outputs, timestamps = step_fn(batch)
+    values = {k: v.numpy() for k, v in outputs.items()}
+    profiler.after(step)
+    if not values["finite"]:
+      last = self.checkpoints.latest or "none"
+      raise NonFiniteLossError(
+          f"non-finite loss ({values['loss']}) or gradient norm ({values['grad_norm']}) "
+          f"at step {step}; stopped without applying it. Last good checkpoint: {last}")
+    if not values["update_finite"]:
+      self._stop_non_finite_update(step, values)
+    return values, timestamps
+
+  def _write_summaries(self, writer: tf.summary.SummaryWriter, step: int, values: dict,
+                       examples_per_sec: float, timestamps: list[tf.Tensor]) -> None:
+    """Writes the step's values (all but its finiteness flags), examples/sec and, for
+    a pipelined model, its measured timeline."""
+    with self._summary_errors(self.train_dir), writer.as_default():
+      for name, value in values.items():
+        if name not in ("finite", "update_finite"):
+          tf.summary.scalar(name, value, step=step)
+      tf.summary.scalar("examples_per_sec", examples_per_sec, step=step)
+      if timestamps:
+        self._write_timeline(timestamps, step)
+
+  def _log_progress(self, progress: _Progress, values: dict, examples_per_sec: float) -> None:
+    """Logs the progress line (step, loss, examples/sec, ETA) and starts a new window
+    for examples/sec."""
+    self.log(f"step {progress.step}/{progress.max_steps}  loss {values['loss']:.4f}  "
+             f"examples/sec {examples_per_sec:.1f}  eta {_format_eta(progress.eta_seconds())}")
+    progress.start_window()
+
+  def _stop_if_requested(self, step: int) -> None:
+    """Raises TrainingInterrupted if `stop_requested` is set (after step `step`)."""
+    if self.stop_requested.is_set():
+      raise TrainingInterrupted(
+          f"interrupted at step {step}; the last checkpoint is "
+          f"{self.checkpoints.latest or 'none'}: rerun the same command to resume from it")
 
   def _stop_non_finite_update(self, step: int, values: dict) -> None:
     """Raises NonFiniteUpdateError naming the variables the update of `step` broke;
@@ -396,6 +458,43 @@ class Trainer:
     self.log(f"eval at step {step}: {shown}")
     return results
 
+
+class _Progress:
+  """Where one `Trainer.train` call is: the global step it has reached, the cadence of
+  what is done at intervals, examples/sec over the steps since the last progress line
+  (the window) and the ETA from the rate since the run started."""
+
+  def __init__(self, start: int, max_steps: int, batch_size: int):
+    self.start, self.max_steps, self.batch_size = start, max_steps, batch_size
+    self.step = start
+    self.window_start, self.window_steps = time.perf_counter(), 0
+    self.run_start = time.perf_counter()
+
+  def due(self, interval: int) -> bool:
+    """Whether something done every `interval` steps is due now: at its interval and at
+    max_steps."""
+    return self.step % interval == 0 or self.step == self.max_steps
+
+  def due_before_the_end(self, interval: int) -> bool:
+    """Like `due`, but never at max_steps; an `interval` of 0 means never."""
+    return bool(interval) and self.step % interval == 0 and self.step != self.max_steps
+
+  def seconds_since_start(self) -> float:
+    return time.perf_counter() - self.run_start
+
+  def count_step(self) -> float:
+    """Counts a step done in the window; returns examples/sec over the window."""
+    self.window_steps += 1
+    elapsed = time.perf_counter() - self.window_start
+    return self.window_steps * self.batch_size / max(elapsed, 1e-9)
+
+  def start_window(self) -> None:
+    self.window_start, self.window_steps = time.perf_counter(), 0
+
+  def eta_seconds(self) -> float:
+    """Seconds to max_steps at the rate since the run started."""
+    steps_per_sec = (self.step - self.start) / max(self.seconds_since_start(), 1e-9)
+    return (self.max_steps - self.step) / steps_per_sec
 
 
 class _StepProfiler:

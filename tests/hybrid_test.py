@@ -195,7 +195,7 @@ def test_the_trainer_names_a_bad_replica_count(tmp_path):
   with pytest.raises(hybrid.HybridError, match="num_replicas must be >= 1, got 0"):
     demo_trainer(tmp_path, "task.pipeline.num_replicas=0")
   with pytest.raises(hybrid.HybridError, match="3 replicas × 2 cells need 6 devices; 4 given"):
-    demo_trainer(tmp_path, "task.pipeline.num_replicas=3")
+    demo_trainer(tmp_path, "task.pipeline.num_replicas=3;train_input.batch_size=30")
 
 
 @pytest.mark.parametrize("overrides, message", [

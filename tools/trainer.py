@@ -2,7 +2,9 @@
 
   python tools/trainer.py --model=demo.TinyConvNet --logdir=/tmp/run --max_steps=200
 
-Modes: train, eval, train_and_eval, inspect_params, inspect_model, list_models.
+Modes: train, eval, train_and_eval, inspect_params, inspect_model, list_models, plan.
+plan measures (or reads from --cost_cache) the per-layer costs and prints the best plans
+for --devices and --device_memory, last a JSON line with the best plan's --params_override.
 Exit codes: 0 success; 2 bad input (unknown model, a param file that does not load,
 bad override, unwritable logdir, bad device or cluster spec, missing TFDS data, a
 checkpoint of another model, params its checkpoints cannot follow), reported before
@@ -14,15 +16,22 @@ is kept and a rerun with the same logdir resumes); 130 interrupted (Ctrl-C).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import sys
 import threading
 import time
+from typing import TYPE_CHECKING
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from absl import app, flags, logging  # noqa: E402
+
+if TYPE_CHECKING:
+  from lingvo_gpipe.core.hyperparams import Params
+  from lingvo_gpipe.runtime.watchdog import WorkerWatchdog
+  from lingvo_gpipe.trainer import Trainer
 
 MODES = ("train", "eval", "train_and_eval", "inspect_params", "inspect_model", "list_models",
          "plan")
@@ -59,9 +68,19 @@ class UsageFailure(Exception):
   """Bad input: reported on stderr with exit code 2."""
 
 
-# The trainer being run, for the Ctrl-C handler (which runs in the main thread while
-# _run runs in another).
-_current: dict = {}
+@dataclasses.dataclass
+class RunState:
+  """What the Ctrl-C handler (in the main thread) needs of the run in the trainer thread.
+
+  `_run_interruptibly` makes one and hands it down to `_run`; `_train_or_eval` sets
+  `trainer` once it is built.
+  """
+  trainer: Trainer | None = None
+
+  def request_stop(self) -> None:
+    """Asks the training loop, if one is built, to stop after the step in flight."""
+    if self.trainer is not None:
+      self.trainer.stop_requested.set()
 
 
 @contextlib.contextmanager
@@ -149,20 +168,27 @@ def _plan(params, num_devices: int) -> int:
 
   import tensorflow as tf
 
-  from lingvo_gpipe.pipeline import planner
+  from lingvo_gpipe.pipeline import layer_profiler, planner
   from lingvo_gpipe.tasks.base_task import probe_main_stack
 
   try:
     budget = planner.parse_bytes(FLAGS.device_memory) * 0.9
   except ValueError as e:
     raise UsageFailure(f"--device_memory: {e}") from None
-  specs, layer_params = probe_main_stack(params.task, params.train_input)
-  batch_size = tf.nest.flatten(specs)[0].shape[0]
-  key = [FLAGS.model, params.task.to_text(), specs, platform.node(), tf.__version__]
-  measure = lambda: planner.measure_layer_costs(layer_params, specs)  # noqa: E731
-  print(f"Costs of the {len(layer_params)} layers at batch {batch_size} ...", flush=True)
-  costs = (planner.cached_layer_costs(os.path.expanduser(FLAGS.cost_cache), key, measure)
-           if FLAGS.cost_cache else measure())
+  cache_path = os.path.expanduser(FLAGS.cost_cache)
+  try:
+    if cache_path:
+      layer_profiler.check_cache_path(cache_path)  # before the model is probed
+    specs, layer_params = probe_main_stack(params.task, params.train_input)
+    batch_size = tf.nest.flatten(specs)[0].shape[0]
+    key = [FLAGS.model, params.task.to_text(), specs, platform.node(), tf.__version__]
+    measure = lambda: layer_profiler.measure_layer_costs(layer_params, specs)  # noqa: E731
+    print(f"Costs of the {len(layer_params)} layers at batch {batch_size} ...", flush=True)
+    costs = (layer_profiler.cached_layer_costs(
+        cache_path, key, measure, warn=lambda text: print(text, file=sys.stderr, flush=True))
+        if cache_path else measure())
+  except layer_profiler.CostCacheError as e:
+    raise UsageFailure(f"--cost_cache: {e}") from None
   slot_factor = planner.slot_factor(params.task.train.optimizer)
   machine = planner.Machine(num_devices, budget, slot_factor)
   start = time.perf_counter()
@@ -213,42 +239,28 @@ def _watch_workers(addresses: list[str]):
   return WorkerWatchdog(addresses, on_failure).start()
 
 
-def _run() -> int:
-  from lingvo_gpipe import model_registry
-  from lingvo_gpipe.runtime import cluster
-  from lingvo_gpipe.runtime.devices import DeviceSpecError, configure_devices
+def _run(state: RunState) -> int:
+  """Does what --mode asks: the steps below in order, each mode ending at its own.
 
-  watchdog = None
-  try:
-    model_registry.load_param_files(FLAGS.params_path)
-  except (FileNotFoundError, model_registry.ParamFileError) as e:
-    raise UsageFailure(f"--params_path: {e}") from None
+  Args:
+    state: where the trainer, once built, is left for the Ctrl-C handler.
+
+  Returns:
+    The exit code (0).
+
+  Raises:
+    UsageFailure: bad input, reported before anything is written (exit code 2).
+    trainer.TrainerError: a run that failed (exit code 1).
+  """
+  _load_param_files()
   if FLAGS.mode == "list_models":
-    listed = model_registry.keys()
-    width = max(map(len, listed))
-    print("\n".join(f"{key.ljust(width)}  {model_registry.describe(key)}" for key in listed))
+    _list_models()
     return 0
   params = _model_params()
   if FLAGS.mode == "inspect_params":
     print(params.to_text(), end="")
     return 0
-  try:
-    if FLAGS.cluster_spec:
-      spec = (cluster.cluster_spec_from_tf_config() if FLAGS.cluster_spec == "tf_config"
-              else cluster.parse_cluster_spec(FLAGS.cluster_spec))
-      cluster.wait_for_servers(spec.get("worker", []), timeout_s=60.0,
-                               log=lambda line: print(line, flush=True))
-      spec.setdefault("client", [f"localhost:{cluster.free_port()}"])
-      devices = cluster.connect_to_cluster(spec)
-      print(f"Joined cluster; cells go to {', '.join(devices)}")
-      print(cluster.exposure_warning(spec["client"][0].rpartition(":")[2]), file=sys.stderr,
-            flush=True)
-      watchdog = _watch_workers(spec.get("worker", []))
-    else:
-      devices = configure_devices(FLAGS.devices)
-  except DeviceSpecError as e:
-    flag = "--cluster_spec" if FLAGS.cluster_spec else "--devices"
-    raise UsageFailure(f"{flag}: {e}") from None
+  devices, watchdog = _devices()
   if FLAGS.mode == "inspect_model":
     with _bad_params_are_usage_errors():
       _inspect_model(params)
@@ -256,7 +268,80 @@ def _run() -> int:
   if FLAGS.mode == "plan":
     with _bad_params_are_usage_errors():
       return _plan(params, len(devices))
+  return _run_in_logdir(params, watchdog, state)
 
+
+def _load_param_files() -> None:
+  """Registers the built-in models and those of --params_path and $LINGVO_GPIPE_PARAMS_PATH."""
+  from lingvo_gpipe import model_registry
+
+  try:
+    model_registry.load_param_files(FLAGS.params_path)
+  except (FileNotFoundError, model_registry.ParamFileError) as e:
+    raise UsageFailure(f"--params_path: {e}") from None
+
+
+def _list_models() -> None:
+  from lingvo_gpipe import model_registry
+
+  listed = model_registry.keys()
+  width = max(map(len, listed))
+  print("\n".join(f"{key.ljust(width)}  {model_registry.describe(key)}" for key in listed))
+
+
+def _devices() -> tuple[list[str], WorkerWatchdog | None]:
+  """The devices the cells go to, from --cluster_spec or else --devices, and the
+  watchdog of the cluster's workers (None without a cluster)."""
+  from lingvo_gpipe.runtime.devices import DeviceSpecError, configure_devices
+
+  try:
+    if FLAGS.cluster_spec:
+      return _join_cluster()
+    return configure_devices(FLAGS.devices), None
+  except DeviceSpecError as e:
+    flag = "--cluster_spec" if FLAGS.cluster_spec else "--devices"
+    raise UsageFailure(f"{flag}: {e}") from None
+
+
+def _join_cluster() -> tuple[list[str], WorkerWatchdog]:
+  """Waits for --cluster_spec's servers, joins them as the client and starts watching
+  the workers; returns the cells' devices and the watchdog."""
+  from lingvo_gpipe.runtime import cluster
+
+  spec = (cluster.cluster_spec_from_tf_config() if FLAGS.cluster_spec == "tf_config"
+          else cluster.parse_cluster_spec(FLAGS.cluster_spec))
+  cluster.wait_for_servers(spec.get("worker", []), timeout_s=60.0,
+                           log=lambda line: print(line, flush=True))
+  spec.setdefault("client", [f"localhost:{cluster.free_port()}"])
+  devices = cluster.connect_to_cluster(spec)
+  print(f"Joined cluster; cells go to {', '.join(devices)}")
+  print(cluster.exposure_warning(spec["client"][0].rpartition(":")[2]), file=sys.stderr,
+        flush=True)
+  return devices, _watch_workers(spec.get("worker", []))
+
+
+def _run_in_logdir(params: Params, watchdog: WorkerWatchdog | None, state: RunState) -> int:
+  """--mode train, eval or train_and_eval: checks the flags and the logdir, then runs
+  the mode holding the logdir's lock; refused before the run wrote, it lets the lock go."""
+  from lingvo_gpipe import logdirs
+
+  profile_steps = _check_logdir_flags(params)
+  # One trainer per logdir; eval only reads checkpoints and may run beside it.
+  lock = logdirs.LogdirLock(FLAGS.logdir) if FLAGS.mode != "eval" else None
+  try:
+    if lock is not None:
+      lock.acquire()
+      _note_changed_params(params)
+    return _train_or_eval(params, profile_steps, watchdog, state)
+  except (logdirs.LogdirError, UsageFailure) as e:  # refused before the run wrote
+    if lock is not None:
+      lock.release(remove_if_unused=True)
+    raise e if isinstance(e, UsageFailure) else UsageFailure(str(e)) from None
+
+
+def _check_logdir_flags(params: Params) -> tuple[int, int] | None:
+  """Refuses (UsageFailure) a run without --logdir or one it cannot write, eval of a
+  model without eval_input, and a bad --profile_steps, which it returns parsed."""
   from lingvo_gpipe import logdirs
   from lingvo_gpipe import trainer as trainer_lib
 
@@ -272,20 +357,18 @@ def _run() -> int:
     logdirs.check_writable(FLAGS.logdir, with_eval=FLAGS.mode != "train")
   except logdirs.LogdirError as e:
     raise UsageFailure(str(e)) from None
-  # One trainer per logdir; eval only reads checkpoints and may run beside it.
-  lock = logdirs.LogdirLock(FLAGS.logdir) if FLAGS.mode != "eval" else None
-  try:
-    if lock is not None:
-      lock.acquire()
-    changed = logdirs.check_resumable(FLAGS.logdir, params) if lock is not None else []
-    if changed:
-      print(f"Note: params that differ from {os.path.join(FLAGS.logdir, 'params.txt')} "
-            f"(fine for its checkpoints): {logdirs.ParamsChange.describe(changed)}")
-    return _train_or_eval(params, profile_steps, watchdog)
-  except (logdirs.LogdirError, UsageFailure) as e:  # refused before the run wrote
-    if lock is not None:
-      lock.release(remove_if_unused=True)
-    raise e if isinstance(e, UsageFailure) else UsageFailure(str(e)) from None
+  return profile_steps
+
+
+def _note_changed_params(params: Params) -> None:
+  """Refuses (logdirs.LogdirError) params the logdir's checkpoints cannot follow, and
+  notes those that differ from its params.txt but are fine for them."""
+  from lingvo_gpipe import logdirs
+
+  changed = logdirs.check_resumable(FLAGS.logdir, params)
+  if changed:
+    print(f"Note: params that differ from {os.path.join(FLAGS.logdir, 'params.txt')} "
+          f"(fine for its checkpoints): {logdirs.ParamsChange.describe(changed)}")
 
 
 def _tensorboard_command() -> str:
@@ -295,8 +378,10 @@ def _tensorboard_command() -> str:
   return beside if os.path.exists(beside) else "tensorboard"
 
 
-def _train_or_eval(params, profile_steps, watchdog) -> int:
-  """Builds the trainer and runs --mode (train, eval or train_and_eval) in the logdir."""
+def _train_or_eval(params: Params, profile_steps: tuple[int, int] | None,
+                   watchdog: WorkerWatchdog | None, state: RunState) -> int:
+  """Builds the trainer (left in `state` for the Ctrl-C handler) and runs --mode
+  (train, eval or train_and_eval) in the logdir; returns the exit code (0)."""
   import tensorflow as tf
 
   from lingvo_gpipe import checkpoints, logdirs
@@ -304,7 +389,7 @@ def _train_or_eval(params, profile_steps, watchdog) -> int:
 
   with _bad_params_are_usage_errors():
     trainer = trainer_lib.Trainer(params, FLAGS.logdir)
-  _current["trainer"] = trainer
+  state.trainer = trainer
   try:
     if FLAGS.mode == "eval":
       if trainer.restore_latest() is None:
@@ -343,15 +428,25 @@ def _run_interruptibly() -> int:
   TensorFlow call does not run Python's signal handler until the call returns: never,
   for a step waiting on a frozen worker). Ctrl-C asks the loop to stop after the step in
   flight (it flushes its summaries), waits up to 2 s for it, then exits with code 130;
-  an interrupted save leaves only a ckpt-N_temp/ directory, removed at the next start."""
+  an interrupted save leaves only a ckpt-N_temp/ directory, removed at the next start.
+  The handler finds the trainer in the RunState this hands down to _run.
+
+  Returns:
+    _run's exit code.
+
+  Raises:
+    Whatever _run raised (UsageFailure, trainer.TrainerError, a bug's exception),
+    re-raised in the main thread.
+  """
   outcome: dict = {}
+  state = RunState()
   # An Event, not Thread.join: a join interrupted by KeyboardInterrupt leaves the thread
   # looking finished (Python 3.11), and the second wait would not wait.
   done = threading.Event()
 
   def target() -> None:
     try:
-      outcome["code"] = _run()
+      outcome["code"] = _run(state)
     except BaseException as e:  # noqa: BLE001 - re-raised in the main thread
       outcome["error"] = e
     finally:
@@ -362,9 +457,7 @@ def _run_interruptibly() -> int:
     while not done.wait(0.2):
       pass
   except KeyboardInterrupt:
-    trainer = _current.get("trainer")
-    if trainer is not None:
-      trainer.stop_requested.set()
+    state.request_stop()
     with contextlib.suppress(KeyboardInterrupt):
       done.wait(2.0)
     latest = _latest_checkpoint()
