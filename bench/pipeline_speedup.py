@@ -24,11 +24,20 @@ configuration with `PipeliningLayer.weight_gradient_group` G ∈ --weight_gradie
 (default 1 and M: weight gradients per micro-batch, or over all M at once; zb_h1 runs
 at G=1 only, it places one W per backward itself).
 
-The headline is **`speedup_vs_best_single`**: what a user would run instead of a
-2-stage pipeline is one device on the whole batch at its fastest M (splitting a batch
-costs a single device time too), so each K=2 row is compared with the fastest K=1
-step among K=1 at M=1 and K=1 at the row's M (every G), all measured in the same
-alternation as the row. `speedup` is the older K=1 ÷ K=2 at the same M and G.
+Each K>1 configuration runs with every recompute policy of --recompute (default
+always and never; rows without re-materialization end in `_never`).
+
+The headline is **`speedup_vs_plain_single`**: what a user whose model fits one
+device runs instead of a 2-stage pipeline is the plain model on one device: the same
+layers as one `layers.Sequential`, a `tf.function` of GradientTape and SGD with no
+pipeline code (no micro-batches, no re-materialization, no loop; `make_plain_step`),
+on worker 0 with the same thread settings. Each K=2 row is divided into it, measured
+in the same alternation; the JSON's `speedup_vs_plain_single_<model>` is the best K=2
+row. **`engine_overhead_k1_m1_<model>`** is what the engine itself costs: ours at K=1,
+M=1, recompute='never' ÷ plain TensorFlow (median over the M runs). The older
+`speedup_vs_best_single` compares with the fastest of our own K=1 runs, which
+re-materialize (a handicapped baseline, kept for comparison with earlier tables), and
+`speedup` is K=1 ÷ K=2 at the same M and G.
 
 The step is the trainer's
 (`train_step.TrainStep`): it records the measured schedule (timeline.py), and the
@@ -83,17 +92,58 @@ def model_layers(name: str):
           (tf.random.stateless_normal([16, 64, 512], seed=[1, 2]), tf.zeros([16, 64])))
 
 
+PLAIN = ("plain",)  # the runner key of plain TensorFlow on one worker
+
+
 def make_step(model_name: str, num_cells: int, num_micro_batches: int, devices: list[str],
-              schedule: str = "gpipe", weight_gradient_group: int = 1):
+              schedule: str = "gpipe", weight_gradient_group: int = 1,
+              recompute: str = "always"):
   """A traced, warmed-up training step of `model_name` on `num_cells` workers
   (interleaved_1f1b: two cells on each)."""
   virtual_stages = 2 if schedule == "interleaved_1f1b" else 1
   return _make_step(model_name, num_cells * virtual_stages, num_micro_batches,
-                    devices[:num_cells], schedule, weight_gradient_group, virtual_stages)
+                    devices[:num_cells], schedule, weight_gradient_group, virtual_stages,
+                    recompute)
+
+
+def make_plain_step(model_name: str, device: str):
+  """What a user whose model fits one device runs instead: the same layers as one
+  `layers.Sequential` on `device`, a `tf.function` of GradientTape and plain SGD
+  (`assign_sub`), no pipeline code at all (no micro-batches, no re-materialization,
+  no loop, no timeline). run() → (seconds, None)."""
+  import tensorflow as tf
+
+  from lingvo_gpipe.core import base_layer, layers
+
+  with tf.device(device):
+    stack, inputs = model_layers(model_name)
+    model = layers.Sequential.Params().set(name=model_name, layers=stack,
+                                           random_seed=1).instantiate()
+  variables = model.trainable_variables
+
+  @tf.function
+  def step(inputs):
+    with tf.device(device):  # the backward too: a tape's gradient ops get no device
+      with tf.GradientTape() as tape:
+        with base_layer.step_context(training=True):
+          out = tf.nest.flatten(model(*inputs))[0]
+          loss = tf.reduce_mean(tf.square(out))
+      for v, g in zip(variables, tape.gradient(loss, variables)):
+        v.assign_sub(1e-4 * g)
+      return loss
+
+  def run() -> tuple[float, None]:
+    start = time.perf_counter()
+    step(inputs).numpy()
+    return time.perf_counter() - start, None
+
+  run()  # trace and warm up
+  return run
 
 
 def _make_step(model_name: str, num_cells: int, num_micro_batches: int, devices: list[str],
-               schedule: str, weight_gradient_group: int, virtual_stages: int):
+               schedule: str, weight_gradient_group: int, virtual_stages: int,
+               recompute: str):
   """A traced, warmed-up training step of `model_name`: run() → (seconds, measured
   schedule); run.graph_def is the traced step's GraphDef, its function library holding
   the cells' forward and backward bodies."""
@@ -108,7 +158,7 @@ def _make_step(model_name: str, num_cells: int, num_micro_batches: int, devices:
     stack, inputs = model_layers(model_name)
   model = gpipe.PipeliningLayer.Params().set(
       name=model_name, layers=stack, num_cells=num_cells, num_micro_batches=num_micro_batches,
-      devices=devices, recompute="always", schedule=schedule,
+      devices=devices, recompute=recompute, schedule=schedule,
       virtual_stages=virtual_stages, weight_gradient_group=weight_gradient_group,
       random_seed=1).instantiate()
 
@@ -144,9 +194,10 @@ def _groups(spec: str, m: int) -> list[int]:
   return sorted(set(groups))
 
 
-def _config_name(model_name: str, k: int, m: int, schedule: str, group: int) -> str:
+def _config_name(model_name: str, k: int, m: int, schedule: str, group: int,
+                 recompute: str = "always") -> str:
   return (f"{model_name}_k{k}_m{m}" + (f"_{schedule}" if schedule != "gpipe" else "")
-          + (f"_g{group}" if group > 1 else ""))
+          + (f"_g{group}" if group > 1 else "") + ("_never" if recompute == "never" else ""))
 
 
 def _weight_share(measured) -> float:
@@ -168,9 +219,12 @@ def main() -> None:
   parser.add_argument("--models", default="mlp,transformer")
   parser.add_argument("--schedules", default="gpipe,1f1b,zb_h1,interleaved_1f1b",
                       help="schedules of the K>1 runs")
+  parser.add_argument("--recompute", default="always,never",
+                      help="recompute policies of the K>1 runs")
   args = parser.parse_args()
   micro_batches = [int(m) for m in args.micro_batches.split(",")]
   worker_counts = [k for k in (2, 4, 8) if k <= args.max_workers]
+  policies = args.recompute.split(",")
 
   from lingvo_gpipe.runtime.local_workers import local_cluster
 
@@ -179,23 +233,29 @@ def main() -> None:
 
     results: dict = {}
     m8_over_m1: dict = {}  # K=1 step at M=8 (per G) ÷ at M=1, measured side by side
+    overheads: dict = {}   # per model: ours K=1, M=1, recompute never ÷ plain TF, per M run
     for model_name in args.models.split(","):
       for m in micro_batches:
-        # Single-device runs a user could pick instead (K=1 at M=1, and at this M with
-        # each G) and the K>1 runs, both schedules, alternate step by step: the machine
-        # drifts, so every ratio compares steps measured side by side.
-        runners = {(1, "gpipe", 1, 1): make_step(model_name, 1, 1, devices)}
+        # What a user could run instead (plain TensorFlow on one device; ours on one
+        # device at M=1 without and with re-materialization, and at this M with each
+        # G) and the K>1 runs, alternate step by step: the machine drifts, so every
+        # ratio compares steps measured side by side.
+        runners = {PLAIN: make_plain_step(model_name, devices[0]),
+                   (1, "gpipe", 1, 1, "always"): make_step(model_name, 1, 1, devices),
+                   (1, "gpipe", 1, 1, "never"): make_step(model_name, 1, 1, devices,
+                                                          recompute="never")}
         for group in _groups(args.weight_gradient_groups, m):
-          runners[(1, "gpipe", group, m)] = make_step(model_name, 1, m, devices,
-                                                      weight_gradient_group=group)
+          runners[(1, "gpipe", group, m, "always")] = make_step(
+              model_name, 1, m, devices, weight_gradient_group=group)
           for k in worker_counts:
             for schedule in args.schedules.split(","):
               if schedule == "zb_h1" and group > 1:
                 continue
               if schedule == "interleaved_1f1b" and m % k:
                 continue
-              runners[(k, schedule, group, m)] = make_step(model_name, k, m, devices,
-                                                           schedule, group)
+              for policy in policies:
+                runners[(k, schedule, group, m, policy)] = make_step(
+                    model_name, k, m, devices, schedule, group, policy)
         times: dict = {key: [] for key in runners}
         schedules: dict = {key: [] for key in runners}
         for _ in range(args.steps):
@@ -204,8 +264,14 @@ def main() -> None:
             times[key].append(seconds)
             schedules[key].append(measured)
         medians = {key: statistics.median(v) for key, v in times.items()}
-        single = {_config_name(model_name, 1, m_run, "gpipe", group): t
-                  for (k, _, group, m_run), t in medians.items() if k == 1}
+        plain = medians.pop(PLAIN)
+        results.setdefault(f"{model_name}_plain", {"step_seconds": round(plain, 4)})
+        print(f"{model_name + '_plain':30s} {plain:.4f} s (plain TensorFlow, one worker)",
+              flush=True)
+        overheads.setdefault(model_name, []).append(
+            medians[(1, "gpipe", 1, 1, "never")] / plain)
+        single = {_config_name(model_name, 1, m_run, "gpipe", group, policy): t
+                  for (k, _, group, m_run, policy), t in medians.items() if k == 1}
         best_name = min(single, key=single.get)
         for name, step_1 in single.items():
           results.setdefault(name, {"step_seconds": round(step_1, 4)})
@@ -215,21 +281,23 @@ def main() -> None:
           for group in _groups(args.weight_gradient_groups, m):
             m8_over_m1[f"{model_name}_k1_m8" + (f"_g{group}" if group > 1 else "")] = round(
                 single[_config_name(model_name, 1, 8, "gpipe", group)] / one, 3)
-        for (k, schedule, group, _), step_k in medians.items():
+        for (k, schedule, group, _, policy), step_k in medians.items():
           if k == 1:
             continue
-          name = _config_name(model_name, k, m, schedule, group)
-          base = medians[(1, "gpipe", group, m)]
-          runs = schedules[(k, schedule, group, m)]
+          name = _config_name(model_name, k, m, schedule, group, policy)
+          base = medians[(1, "gpipe", group, m, "always")]
+          runs = schedules[(k, schedule, group, m, policy)]
           num_cells = runs[0].num_cells
           busy = [statistics.median(s.busy_fractions()[c] for s in runs)
                   for c in range(num_cells)]
           bubble = statistics.median(s.bubble() for s in runs)
-          plan = runners[(k, schedule, group, m)].plan
+          plan = runners[(k, schedule, group, m, policy)].plan
           planned = statistics.median(s.summary(plan)["pipeline/bubble_planned"] for s in runs)
           results[name] = {"step_seconds_k1": round(base, 4),
                            f"step_seconds_k{k}": round(step_k, 4),
+                           "step_seconds_plain": round(plain, 4),
                            "speedup": round(base / step_k, 3),
+                           "speedup_vs_plain_single": round(plain / step_k, 3),
                            "best_single": best_name,
                            "speedup_vs_best_single": round(single[best_name] / step_k, 3),
                            "bubble_bound": round(k * m / (m + k - 1), 3),
@@ -241,7 +309,8 @@ def main() -> None:
             results[name]["weight_share"] = round(
                 statistics.median(_weight_share(s) for s in runs), 3)
           print(f"{name:30s} K=1 {base:.4f} s  K={k} {step_k:.4f} s  "
-                f"speedup {base / step_k:.2f}  (bound {k * m / (m + k - 1):.2f})  "
+                f"vs plain {plain / step_k:.2f}  speedup {base / step_k:.2f}  "
+                f"(bound {k * m / (m + k - 1):.2f})  "
                 f"vs best single ({best_name}) {single[best_name] / step_k:.2f}  "
                 f"bubble {bubble:.3f} (plan {planned:.3f}, GPipe theory "
                 f"{(k - 1) / (m + k - 1):.3f})", flush=True)
@@ -253,6 +322,14 @@ def main() -> None:
         "results": results,
     }
     for model_name in args.models.split(","):
+      summary[f"engine_overhead_k1_m1_{model_name}"] = round(
+          statistics.median(overheads[model_name]), 3)
+      pipelined = {name: r["speedup_vs_plain_single"] for name, r in results.items()
+                   if name.startswith(f"{model_name}_k2_") and "speedup_vs_plain_single" in r}
+      if pipelined:
+        best = max(pipelined, key=pipelined.get)
+        summary[f"speedup_vs_plain_single_{model_name}"] = pipelined[best]
+        summary[f"speedup_vs_plain_single_{model_name}_config"] = best
       for name, result in results.items():
         if name.startswith(f"{model_name}_k2_m8") and "speedup_vs_best_single" in result:
           summary[f"speedup_vs_best_single_{name}"] = result["speedup_vs_best_single"]

@@ -13,6 +13,8 @@ import os
 import tempfile
 import time
 
+from numerics import relative_difference
+
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 
@@ -61,8 +63,7 @@ def main() -> None:
 
       loss, grads = run()
       got = [loss.numpy()] + [g.numpy() for g in grads]
-      worst[schedule] = max(float(np.max(np.abs(g - w)) / max(np.max(np.abs(w)), 1e-12))
-                            for g, w in zip(got, want))
+      worst[schedule] = max(relative_difference(g, w) for g, w in zip(got, want))
     # Worker 1's memory log sees a 4 MiB variable created there.
     log = memory_log_path(log_dir, 1)
     time.sleep(1.0)

@@ -11,10 +11,11 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import tensorflow as tf
 from conftest import REPO, run_trainer
-from numerics import assert_close
+from numerics import REORDERED, assert_close
 
 from lingvo_gpipe.runtime import cluster
 from lingvo_gpipe.runtime.devices import DeviceSpecError
@@ -32,8 +33,11 @@ def test_two_worker_processes_give_the_unpartitioned_gradients():
       "/job:worker/replica:0/task:0", "/job:worker/replica:0/task:1"] * 2
   assert {"/job:worker/replica:0/task:0/device:CPU:0",
           "/job:worker/replica:0/task:1/device:CPU:0"} == set(report["variable_devices"])
-  assert report["max_relative_difference"] == {
-      name: pytest.approx(0, abs=1e-5) for name in ("gpipe", "1f1b", "zb_h1", "interleaved_1f1b")}
+  # in units of each reference's largest element (tests/numerics.py)
+  assert sorted(report["max_relative_difference"]) == sorted(
+      ("gpipe", "1f1b", "zb_h1", "interleaved_1f1b"))
+  for name, worst in report["max_relative_difference"].items():
+    assert worst <= REORDERED * np.finfo(np.float32).eps, name
   before, after = report["memory_before"], report["memory_after"]
   assert before["device"] == "CPU:0"
   # The pipeline's step ran there, so the peak exceeds what stays allocated.

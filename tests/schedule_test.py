@@ -315,3 +315,49 @@ def test_cells_sharing_a_device_run_in_simulated_start_order_and_never_overlap()
     assert all(later[0] >= earlier[1] for earlier, later in zip(spans, spans[1:]))
   with pytest.raises(ScheduleError, match="cells share devices"):
     schedule.PipelineSchedule("custom", 2, 1, plan.actions[:2], device_of=(0, 0))
+
+
+# torch.distributed.pipelining's Schedule1F1B for 2 stages and 3 micro-batches,
+# written out by hand in its compact form.
+TORCH_1F1B_2X3 = "0F0,0F1,0B0,0F2,0B1,0B2\n1F0,1B0,1F1,1B1,1F2,1B2\n"
+
+
+def test_a_torch_action_list_reads_as_our_schedule_and_writes_back():
+  read = schedule.from_csv("torch_1f1b", TORCH_1F1B_2X3)
+  assert read.actions == schedule.one_f_one_b(2, 3).actions
+  assert read.to_csv() == TORCH_1F1B_2X3
+  zb = schedule.zero_bubble_h1(2, 3, weight_cells=[0, 1])  # cell 1's W lag one backward
+  assert zb.device_action_lists() == [
+      ["0F0", "0F1", "0I0", "0W0", "0F2", "0I1", "0W1", "0I2", "0W2"],
+      ["1F0", "1I0", "1F1", "1I1", "1W0", "1F2", "1I2", "1W1", "1W2"]]
+
+
+@pytest.mark.parametrize("plan", [
+    schedule.gpipe(3, 4), schedule.one_f_one_b(4, 8),
+    schedule.zero_bubble_h1(4, 8, weight_cells=[0, 1, 2]),
+    schedule.interleaved_1f1b(4, 4, virtual_stages=2),
+    schedule.one_f_one_b(2, 4).on_devices([0, 0])])
+def test_device_action_lists_round_trip(plan):
+  read = schedule.from_csv(plan.name, plan.to_csv())
+  assert (read.actions, read.device_of, read.device_orders) == (
+      plan.actions, plan.device_of, plan.device_orders)
+
+
+def test_grouped_weight_gradients_are_written_one_per_micro_batch():
+  grouped = schedule.one_f_one_b(2, 4).with_weight_gradients(2, [0])
+  assert grouped.device_action_lists()[0][-3:] == ["0I3", "0W2", "0W3"]
+  read = schedule.from_csv("grouped", grouped.to_csv())
+  assert [len(g) for g in read.weight_groups(0).values()] == [1, 1, 1, 1]
+
+
+@pytest.mark.parametrize("text, message", [
+    ("0F0,0B0\n1F0,XX,1B0\n", r"line 2: bad action 'XX'; write <cell><F\|I\|B\|W><micro-batch>"),
+    ("0F0,1F0,0B0,1B0\n1F0\n", r"line 2: '1F0': cell 1 is on line 1 already"),
+    ("0F0,0B0\n2F0,2B0\n", r"the cells are \[0, 2\]; number them 0..1"),
+    ("0F0,0I0\n", r"cell 0 runs FI: a cell either runs whole backwards \(B\) or splits"),
+    ("0F0,0B0,0W0\n", r"cell 0 runs BFW"),
+    ("0B0,0F0\n", r"cell 0 runs B0 before F0"),
+])
+def test_a_malformed_action_list_is_named(text, message):
+  with pytest.raises(ScheduleError, match=message):
+    schedule.from_csv("custom", text)

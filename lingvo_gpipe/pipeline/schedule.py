@@ -57,11 +57,15 @@ micro-batch on a device's layers; the bubble, `bubble`, is idle / (M(F+B+W) + id
 
 from __future__ import annotations
 
+import csv
 import dataclasses
+import re
 from collections.abc import Sequence
 from typing import Any
 
 from lingvo_gpipe.core.hyperparams import ParamsError
+
+_COMPACT_ACTION = re.compile(r"(\d+)([FBIW])(\d+)")
 
 FORWARD, BACKWARD, WEIGHT_GRADIENT = "forward", "backward", "weight_gradient"
 _LETTERS = {FORWARD: "F", BACKWARD: "B", WEIGHT_GRADIENT: "W"}
@@ -417,6 +421,29 @@ class PipelineSchedule:
   def __str__(self) -> str:
     return "\n".join(f"cell {k}: {' '.join(map(str, a))}" for k, a in enumerate(self.actions))
 
+  def device_action_lists(self) -> list[list[str]]:
+    """Each device's actions in torch.distributed.pipelining's compact form: cell
+    (torch's stage), then F, I (the input-gradient backward of a cell that defers its
+    weight gradients), B (a whole backward) or W, then the micro-batch: '0F0', '1I3',
+    '0W2'. A W covering several backwards (weight_gradient_group > 1) is written as
+    one W per micro-batch, which is what torch's W means."""
+    rows = []
+    for order in self.device_orders:
+      row = []
+      for k, action in order:
+        if action.phase == WEIGHT_GRADIENT:
+          row += [f"{k}W{m}" for m in self.weight_groups(k)[action.micro_batch]]
+        else:
+          letter = "I" if action.phase == BACKWARD and self.defers(k) else str(action)[0]
+          row.append(f"{k}{letter}{action.micro_batch}")
+      rows.append(row)
+    return rows
+
+  def to_csv(self) -> str:
+    """device_action_lists, one device per line, comma-separated (torch's
+    `_dump_csv` layout)."""
+    return "".join(",".join(row) + "\n" for row in self.device_action_lists())
+
 
 def gpipe(num_cells: int, num_micro_batches: int) -> PipelineSchedule:
   """Fill-drain: every cell runs F0..F(M−1), then B(M−1)..B0 (the newest first, whose
@@ -558,3 +585,53 @@ def from_lists(name: str, actions: Sequence[Sequence[str]]) -> PipelineSchedule:
     parsed.append(tuple(row))
   num_micro = 1 + max((a.micro_batch for row in parsed for a in row), default=-1)
   return PipelineSchedule(name, len(parsed), num_micro, tuple(parsed))
+
+
+def from_device_lists(name: str, rows: Sequence[Sequence[str]]) -> PipelineSchedule:
+  """A schedule from each device's actions in torch.distributed.pipelining's compact
+  form (`PipelineSchedule.device_action_lists`): row d is device d's order. Cells run
+  on the device whose row holds them; a cell's I actions (input gradients) need its W
+  actions, whose order must follow its backwards' (a W here covers the backwards
+  since the previous W, up to its own). Validated like every schedule.
+
+  Raises:
+    ScheduleError: naming the line (device) and the entry at fault.
+  """
+  device_of: dict[int, int] = {}
+  letters: dict[int, set[str]] = {}
+  orders = []
+  for d, row in enumerate(rows):
+    order = []
+    for text in (entry.strip() for entry in row):
+      if not text:
+        continue
+      match = _COMPACT_ACTION.fullmatch(text)
+      if match is None:
+        raise ScheduleError(f"{name}: line {d + 1}: bad action {text!r}; write "
+                            "<cell><F|I|B|W><micro-batch>, e.g. 0F0 or 1I3")
+      k, letter, m = int(match[1]), match[2], int(match[3])
+      if device_of.setdefault(k, d) != d:
+        raise ScheduleError(f"{name}: line {d + 1}: {text!r}: cell {k} is on line "
+                            f"{device_of[k] + 1} already; a cell runs on one device")
+      letters.setdefault(k, set()).add(letter)
+      phase = {"F": FORWARD, "B": BACKWARD, "I": BACKWARD, "W": WEIGHT_GRADIENT}[letter]
+      order.append((k, Action(phase, m)))
+    orders.append(tuple(order))
+  num_cells = len(device_of)
+  if sorted(device_of) != list(range(num_cells)):
+    raise ScheduleError(f"{name}: the cells are {sorted(device_of)}; number them "
+                        f"0..{num_cells - 1}")
+  for k, used in sorted(letters.items()):
+    if "B" in used and used & {"I", "W"} or ("I" in used) != ("W" in used):
+      raise ScheduleError(f"{name}: cell {k} runs {''.join(sorted(used))}: a cell either "
+                          "runs whole backwards (B) or splits them (I and W)")
+  actions = tuple(tuple(a for order in orders for c, a in order if c == k)
+                  for k in range(num_cells))
+  num_micro = 1 + max((a.micro_batch for cell in actions for a in cell), default=-1)
+  return PipelineSchedule(name, num_cells, num_micro, actions,
+                          tuple(device_of[k] for k in range(num_cells)), tuple(orders))
+
+
+def from_csv(name: str, text: str) -> PipelineSchedule:
+  """from_device_lists of CSV text, one device per line (torch's `_load_csv` layout)."""
+  return from_device_lists(name, list(csv.reader(text.splitlines())))
