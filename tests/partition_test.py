@@ -76,8 +76,8 @@ def test_bad_requests_are_named():
 
 
 def test_the_band_search_is_exact_when_one_layer_dominates_or_costs_are_zero():
-  """Costs that make the band's first limit too narrow (a huge layer) or empty (all
-  zero): the split is still the brute-force optimum."""
+  """Costs where the band is odd (one huge layer; all zero, where the first limit is
+  0): the split is still the brute-force optimum."""
   for costs, num_cells in [([1, 1, 1, 1, 100, 1, 1, 1], 3), ([0, 0, 0, 0], 2),
                            ([0, 0, 5, 0, 0], 4), ([3, 0, 0, 0, 0, 0, 0, 3], 2)]:
     cells = partition.balance(costs, num_cells)
@@ -118,7 +118,41 @@ def test_per_cell_times_and_a_start_dependent_fit_against_brute_force():
         best_value)
 
 
-def test_large_partition_is_fast_and_exact_against_a_dp():
+def test_a_fit_that_forces_long_cells_widens_the_band_until_a_split_is_found():
+  """Unit costs, K=4 over 8 layers: the first limit is twice 2; a fit that makes the
+  first cell five layers long needs a cell of 5, beyond it."""
+  def fits(k, starts, ends):
+    return (k != 0) | (ends - starts == 5)
+
+  assert partition.min_bottleneck_split(np.ones(8), 4, fits) == (5, 6, 7, 8)
+  assert partition.min_bottleneck_split(np.ones(8), 4, lambda k, s, e: e - s > 2) is None
+
+
+def test_among_equal_bottlenecks_the_least_total_time_wins():
+  """A layer costs 3 in cells 0 and 1 and 2 in the last (as in a planner's last cell
+  that does not re-materialize): (2, 4, 5) and (1, 2, 5) both have bottleneck 6, the
+  second costs 12 in all against 14."""
+  times = np.array([[3.0] * 5, [3.0] * 5, [2.0] * 5])
+  assert partition.min_bottleneck_split(times, 3) == (1, 2, 5)
+
+
+@pytest.mark.parametrize("times, num_cells, message", [
+    ([1.0, float("nan")], 1, "finite and >= 0"), ([1.0, float("inf")], 1, "finite"),
+    ([1.0, -1.0], 2, "finite and >= 0"), ([1.0, 2.0], 3, "cannot cut 2 layers into 3"),
+    ([1.0, 2.0], 0, "into 0 cells"), ([[1.0, 2.0]] * 3, 2, r"shape \[3, 2\]")])
+def test_the_solver_refuses_what_it_cannot_solve(times, num_cells, message):
+  with pytest.raises(partition.PartitionError, match=message):
+    partition.min_bottleneck_split(times, num_cells)
+
+
+def test_memory_that_is_not_a_size_is_refused():
+  with pytest.raises(partition.PartitionError, match="finite values >= 0"):
+    partition.balance([1, 1], 1, memory=[1, float("nan")], memory_cap=5)
+  with pytest.raises(partition.PartitionError, match="cap must be > 0, got nan"):
+    partition.balance([1, 1], 1, memory=[1, 1], memory_cap=float("nan"))
+
+
+def test_large_partition_is_exact_against_a_dp():
   rng = np.random.RandomState(7)
   costs = rng.exponential(size=300)
   cells = partition.balance(costs, 16)

@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from lingvo_gpipe.pipeline import layer_profiler, planner
+from lingvo_gpipe.pipeline import layer_profiler, planner, schedule
 from lingvo_gpipe.pipeline.layer_profiler import LayerCost
 from lingvo_gpipe.pipeline.planner import Machine
 
@@ -78,8 +78,12 @@ def test_the_split_is_the_brute_force_optimum_under_a_memory_cap(seed, num_cells
 @pytest.mark.parametrize("seed", range(4))
 def test_the_search_is_the_brute_force_best_of_every_plan(seed):
   """Every (R, K, split, M, recompute, schedule) on 4 devices with batch 8, each
-  predicted: the search returns the fastest that fits, with the budget set between
-  the smallest and the largest need so that it binds."""
+  predicted, the budget set between the smallest and the largest need so that it
+  binds. Per configuration the planner takes the split the partitioner's objective
+  picks (the least bottleneck, then the least total time; not necessarily the fastest
+  simulated step), then the fastest configuration: written out here by enumeration.
+  `predict` itself is checked against the paper's closed forms
+  (test_prediction_of_equal_cells_is_the_papers_formula)."""
   costs = table(seed, num_layers=5)
   needs = []
   candidates = []
@@ -97,7 +101,8 @@ def test_the_search_is_the_brute_force_best_of_every_plan(seed):
   machine = Machine(4, budget)
   got = planner.plan(costs, machine, 8, top=1)[0]
   # Brute force: per (R, K, M, recompute, schedule) the least-bottleneck split that
-  # fits (the partitioner's objective), then the fastest of those.
+  # fits, the least total time among those (the partitioner's objective), then the
+  # fastest of those.
   best_per_config = {}
   for p in candidates:
     if max(p.peak_bytes) > budget:
@@ -106,9 +111,9 @@ def test_the_search_is_the_brute_force_best_of_every_plan(seed):
     bounds = list(zip([0, *p.splits[:-1]], p.splits))
     forward, backward = planner.cell_times(costs, bounds, 8 // p.num_replicas //
                                            p.num_micro_batches, p.recompute)
-    bottleneck = max(f + b for f, b in zip(forward, backward))
-    if key not in best_per_config or bottleneck < best_per_config[key][0] - 1e-12:
-      best_per_config[key] = (bottleneck, p)
+    value = (max(f + b for f, b in zip(forward, backward)), sum(forward) + sum(backward))
+    if key not in best_per_config or value < best_per_config[key][0]:
+      best_per_config[key] = (value, p)
   want = min((p for _, p in best_per_config.values()), key=lambda p: p.step_s)
   assert got.step_s == pytest.approx(want.step_s)
   assert max(got.peak_bytes) <= budget
@@ -118,7 +123,7 @@ def test_the_search_is_the_brute_force_best_of_every_plan(seed):
 
 
 @pytest.mark.parametrize("schedule_name", ["gpipe", "1f1b"])
-@pytest.mark.parametrize("recompute", ["always", "never"])
+@pytest.mark.parametrize("recompute", ["always", "except_last", "never"])
 @pytest.mark.parametrize("replicas, num_cells, num_micro", [(1, 1, 1), (1, 3, 4), (2, 2, 2),
                                                             (1, 4, 8)])
 def test_prediction_of_equal_cells_is_the_papers_formula(schedule_name, recompute, replicas,
@@ -145,13 +150,16 @@ def test_prediction_of_equal_cells_is_the_papers_formula(schedule_name, recomput
   want_step = (num_micro + num_cells - 1) * (f + b) + 2 * num_micro * 1e-4
   if replicas > 1:
     want_step += 2 * (replicas - 1) / replicas * (len(costs) * 1000 / num_cells) / 1e6
-  assert got.step_s == pytest.approx(want_step, rel=1e-9)
-  assert got.bubble == pytest.approx((num_cells - 1) / (num_micro + num_cells - 1), rel=1e-9)
+  if recompute != "except_last":  # (its cells are unequal: no closed form here)
+    assert got.step_s == pytest.approx(want_step, rel=1e-9)
+    assert got.bubble == pytest.approx((num_cells - 1) / (num_micro + num_cells - 1),
+                                       rel=1e-9)
   weights = per_cell * 1000 * (2 + 2.0)
   kept = per_cell * 300 * scale
   for k, peak in enumerate(got.peak_bytes):
     held = num_micro if schedule_name == "gpipe" else min(num_cells - k, num_micro)
-    activations = held * 64 * scale + kept if recompute == "always" else held * kept
+    remat = recompute == "always" or (recompute == "except_last" and k < num_cells - 1)
+    activations = held * 64 * scale + kept if remat else held * kept
     assert peak == pytest.approx(weights + activations, rel=1e-9), k
 
 
@@ -230,7 +238,7 @@ def test_a_cost_cache_that_is_not_one_is_measured_around_and_left_as_it_was(tmp_
   (key,) = stored
   calls = []
   bad_entries = [[{"forward_s": "fast"}], "x", [], [dict(stored[key][0], batch=2.5)],
-                 [dict(stored[key][0], kept_bytes=-1)]]
+                 [dict(stored[key][0], kept_bytes=-1)], [dict(stored[key][0], batch=0)]]
   for i, bad in enumerate(bad_entries):
     path.write_text(json.dumps({key: bad}))
     got = layer_profiler.cached_layer_costs(
@@ -240,10 +248,38 @@ def test_a_cost_cache_that_is_not_one_is_measured_around_and_left_as_it_was(tmp_
     assert json.loads(path.read_text())[key] == stored[key]
 
 
+def test_a_cache_in_folders_yet_to_be_made_is_saved_and_checked_for_its_layer_count(
+    tmp_path):
+  costs = table(0, num_layers=3)
+  path = tmp_path / "not" / "yet" / "costs.json"
+  calls = []
+
+  def measure():
+    calls.append(1)
+    return costs
+
+  assert layer_profiler.cached_layer_costs(str(path), ["m"], measure, num_layers=3) == costs
+  assert path.exists()
+  assert layer_profiler.cached_layer_costs(str(path), ["m"], measure, num_layers=3) == costs
+  assert len(calls) == 1
+  warnings = []
+  layer_profiler.cached_layer_costs(str(path), ["m"], measure, warnings.append, num_layers=4)
+  assert len(calls) == 2 and "3 records for 4 layers" in warnings[-1]
+
+
+def test_the_planner_plans_the_schedules_it_models_and_no_duplicate_plans():
+  assert set(planner.MODELLED) <= set(schedule.SCHEDULES)
+  assert planner.SCHEDULES == ("gpipe", "1f1b")
+  plans = planner.plan(table(2), Machine(1, np.inf), 8, top=100)
+  assert all(p.num_cells == 1 for p in plans)
+  keys = [(p.num_micro_batches, p.recompute, p.schedule) for p in plans]
+  assert len(keys) == len(set(keys)) and "except_last" not in {p.recompute for p in plans}
+
+
 def test_a_cost_cache_path_that_can_never_be_one_is_refused_before_measuring(tmp_path):
   a_file = tmp_path / "file"
   a_file.write_text("")
-  for path, why in [(tmp_path, "is a directory"), (a_file / "costs.json", "cannot be written")]:
+  for path, why in [(tmp_path, "is a directory"), (a_file / "costs.json", "is not a folder")]:
     with pytest.raises(layer_profiler.CostCacheError, match=why):
       layer_profiler.cached_layer_costs(str(path), ["m"], lambda: pytest.fail("measured"))
 

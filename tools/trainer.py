@@ -185,8 +185,8 @@ def _plan(params, num_devices: int) -> int:
     measure = lambda: layer_profiler.measure_layer_costs(layer_params, specs)  # noqa: E731
     print(f"Costs of the {len(layer_params)} layers at batch {batch_size} ...", flush=True)
     costs = (layer_profiler.cached_layer_costs(
-        cache_path, key, measure, warn=lambda text: print(text, file=sys.stderr, flush=True))
-        if cache_path else measure())
+        cache_path, key, measure, warn=lambda text: print(text, file=sys.stderr, flush=True),
+        num_layers=len(layer_params)) if cache_path else measure())
   except layer_profiler.CostCacheError as e:
     raise UsageFailure(f"--cost_cache: {e}") from None
   slot_factor = planner.slot_factor(params.task.train.optimizer)

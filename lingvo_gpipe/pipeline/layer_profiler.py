@@ -10,9 +10,9 @@ passes between them (`tf_internals.forward_backward_pair`), not guessed.
 `cached_layer_costs` keeps measured records in a JSON file keyed by what they depend
 on (model, input specs, host, TensorFlow version), so a plan is redone quickly. A cache
 is only ever a shortcut: a file that cannot be read as one is reported and measured
-around (never overwritten, since it may be the user's file given by mistake); a path
-that can never hold one (a directory, an unwritable folder) is refused before anything
-is measured.
+around (never overwritten, since it may be the user's file given by mistake); a
+directory is refused, and so is a cache that would have to be written where it
+cannot be (checked before measuring; a read-only cache that holds the costs is read).
 """
 
 from __future__ import annotations
@@ -59,8 +59,8 @@ def random_like(spec: tf.TensorSpec) -> tf.Tensor:
   return tf.zeros(spec.shape, spec.dtype)
 
 
-def measure_layer_costs(layer_params: Sequence[Any], input_specs: Any, steps: int = 5
-                        ) -> list[LayerCost]:
+def measure_layer_costs(layer_params: Sequence[Any], input_specs: Any, steps: int = 5,
+                        count_kept: bool = True) -> list[LayerCost]:
   """Each layer built and run alone on the default device, in training.
 
   Args:
@@ -68,6 +68,9 @@ def measure_layer_costs(layer_params: Sequence[Any], input_specs: Any, steps: in
     input_specs: nested tf.TensorSpec of the first layer's input, batch first; each
       later layer gets the previous one's real output.
     steps: timed runs per layer after one warm-up; the median is kept.
+    count_kept: count what TensorFlow keeps for the backward (a trace of the layer's
+      forward/backward pair; the partitioner, which only needs seconds, skips it and
+      gets kept_bytes 0).
 
   Returns:
     One LayerCost per layer: median forward and forward+backward seconds, the bytes of
@@ -98,7 +101,7 @@ def measure_layer_costs(layer_params: Sequence[Any], input_specs: Any, steps: in
     both_s = _median_seconds(forward_backward, flat, steps)
     costs.append(LayerCost(forward_s, max(both_s - forward_s, 0.0),
                            _nbytes(layer.trainable_variables), _nbytes(flat),
-                           _kept_bytes(call, flat), batch))
+                           _kept_bytes(call, flat) if count_kept else 0, batch))
     inputs = tf.nest.pack_sequence_as(structure["out"], list(outputs))
   return costs
 
@@ -145,18 +148,26 @@ def _median_seconds(fn: Callable, args: Sequence[Any], steps: int) -> float:
 
 
 def check_cache_path(path: str) -> None:
-  """Raises CostCacheError when `path` can never hold a cache: a directory, or a file
-  that cannot be created or replaced in its folder. Called before measuring."""
+  """Raises CostCacheError when `path` can never hold a cache: a directory, or a path
+  under something that is not a folder. Called before the model is even probed."""
   if os.path.isdir(path):
     raise CostCacheError(f"cost cache {path!r} is a directory; give a file path (e.g. "
                          f"{os.path.join(path, 'layer_costs.json')!r}) or '' for none")
-  folder = _first_existing_folder(os.path.dirname(os.path.abspath(path)))
-  if not os.path.isdir(folder) or not os.access(folder, os.W_OK | os.X_OK):
-    raise CostCacheError(f"cost cache {path!r} cannot be written ({folder!r} is not a "
-                         "writable folder); give another path or '' for none")
+  folder = _first_existing(os.path.dirname(os.path.abspath(path)))
+  if not os.path.isdir(folder):
+    raise CostCacheError(f"cost cache {path!r} cannot be created: {folder!r} is not a "
+                         "folder; give another path or '' for none")
 
 
-def _first_existing_folder(folder: str) -> str:
+def _check_writable(path: str) -> None:
+  """Raises CostCacheError when the cache file cannot be created or replaced."""
+  folder = _first_existing(os.path.dirname(os.path.abspath(path)))
+  if not os.access(folder, os.W_OK | os.X_OK):
+    raise CostCacheError(f"cost cache {path!r} cannot be written ({folder!r} is not "
+                         "writable); give another path or '' for none")
+
+
+def _first_existing(folder: str) -> str:
   while not os.path.exists(folder):
     folder = os.path.dirname(folder)
   return folder
@@ -164,16 +175,20 @@ def _first_existing_folder(folder: str) -> str:
 
 def cached_layer_costs(path: str, key_parts: Sequence[Any],
                        measure: Callable[[], list[LayerCost]],
-                       warn: Callable[[str], None] = print) -> list[LayerCost]:
+                       warn: Callable[[str], None] = print,
+                       num_layers: int | None = None) -> list[LayerCost]:
   """The costs stored in the JSON file `path` under the key of `key_parts`, or
-  `measure()`'s, stored there (written whole to a temporary file, then renamed).
+  `measure()`'s, stored there (folders made as needed; written whole to a temporary
+  file, then renamed).
 
   A file that is not a cache (not JSON, not an object) is left as it is: `warn` says
   so and the costs are measured without being stored. An entry that is not a list of
-  LayerCost records (another version's, or edited) is measured again and replaced.
+  `num_layers` LayerCost records (another version's, or edited) is measured again and
+  replaced.
 
   Raises:
-    CostCacheError: `path` can never hold a cache (check_cache_path).
+    CostCacheError: `path` can never hold a cache (check_cache_path), or the costs
+      must be measured and stored where nothing can be written (before measuring).
   """
   check_cache_path(path)
   key = hashlib.sha256(json.dumps([str(k) for k in key_parts]).encode()).hexdigest()[:16]
@@ -184,13 +199,15 @@ def cached_layer_costs(path: str, key_parts: Sequence[Any],
     return measure()
   if key in stored:
     try:
-      return [LayerCost(**entry) for entry in _checked_entries(stored[key])]
+      return [LayerCost(**entry) for entry in _checked_entries(stored[key], num_layers)]
     except (TypeError, ValueError) as e:
       warn(f"warning: cost cache {path}: the entry for this model is not usable ({e}); "
            "measuring again")
+  _check_writable(path)
   costs = measure()
   stored[key] = [dataclasses.asdict(c) for c in costs]
   try:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path + ".tmp", "w") as f:
       json.dump(stored, f)
     os.replace(path + ".tmp", path)
@@ -213,10 +230,13 @@ def _read_cache(path: str) -> tuple[dict, str | None]:
   return stored, None
 
 
-def _checked_entries(entries: Any) -> list[dict]:
-  """entries, if they are LayerCost records with numbers ≥ 0 of the right kinds."""
+def _checked_entries(entries: Any, num_layers: int | None) -> list[dict]:
+  """entries, if they are `num_layers` LayerCost records with numbers ≥ 0 of the
+  right kinds (batch ≥ 1)."""
   if not isinstance(entries, list) or not entries:
     raise ValueError("not a non-empty list")
+  if num_layers is not None and len(entries) != num_layers:
+    raise ValueError(f"{len(entries)} records for {num_layers} layers")
   fields = {f.name: f.type for f in dataclasses.fields(LayerCost)}
   for entry in entries:
     if not isinstance(entry, dict) or set(entry) != set(fields):
@@ -227,4 +247,6 @@ def _checked_entries(entries: Any) -> list[dict]:
       if isinstance(value, bool) or not isinstance(value, kind) or not value >= 0 \
           or not np.isfinite(value):
         raise ValueError(f"{name}={value!r} is not a number >= 0 of type {fields[name]}")
+    if entry["batch"] < 1:
+      raise ValueError(f"batch={entry['batch']} is not >= 1")
   return entries

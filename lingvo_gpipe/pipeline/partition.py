@@ -8,9 +8,10 @@ solver, used by the partitioner (`balance`) and the planner (`planner.best_split
   best[k][e] = min over s of max(best[k−1][s], time of layers [s, e) in cell k−1)
                over the starts s whose cell k−1 = [s, e) fits
 
-by dynamic programming over (cells, ends). A cell that takes longer than a limit is
-never tried: the limit starts at twice the lower bound max(total / K, largest layer)
-and doubles until a split is found, so each cell's pass covers a band of starts
+by dynamic programming over (cells, ends), then once more for the least total time
+among the splits with that bottleneck. A cell that takes longer than a limit is never
+tried: the limit starts at twice a lower bound, max(total / K, largest layer), and
+doubles until a split is found, so each cell's pass covers a band of starts
 (O(K·L·W), W the most layers under the limit) instead of all O(L²) pairs; the result
 is exact whenever it is within the limit, which the search guarantees. The 1663-layer
 Transformer on 128 cells takes 0.25 s. Whether a cell fits is any predicate of (k,
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -54,40 +56,67 @@ def min_bottleneck_split(layer_times: np.ndarray | Sequence[float], num_cells: i
                          fits: CellFits | None = None) -> tuple[int, ...] | None:
   """The split into `num_cells` non-empty contiguous cells with the least largest cell
   time whose every cell fits; None when no split fits. Exact (module docstring).
+  Among the splits with that bottleneck, the one with the least total time (a layer
+  may cost more in one cell than in another: the planner's re-materialized cells).
 
   Args:
-    layer_times: [L] each layer's time, or [K, L] its time in each cell k (a layer
-      costs more in a re-materialized cell), all ≥ 0.
+    layer_times: [L] each layer's time, or [K, L] its time in each cell k, all finite
+      and ≥ 0.
     num_cells: K, 1 ≤ K ≤ L.
     fits: whether cell k of layers [start, end) fits, elementwise for integer arrays
       of starts and ends that broadcast together (CellFits); None: every cell fits.
 
   Returns:
-    The cells' end indices (increasing, the last L); ties go to the earliest cuts.
+    The cells' end indices (increasing, the last L). Remaining ties go to the split
+    whose cells start latest.
+
+  Raises:
+    PartitionError: times that are not finite and ≥ 0, or K outside 1..L.
   """
   times = np.asarray(layer_times, dtype=np.float64)
-  times = np.broadcast_to(times, (num_cells, times.shape[-1]))
+  num_layers = times.shape[-1] if times.ndim else 0
+  if not 1 <= num_cells <= num_layers:
+    raise PartitionError(f"cannot cut {num_layers} layers into {num_cells} cells "
+                         f"(1..{num_layers})")
+  if times.ndim not in (1, 2) or (times.ndim == 2 and times.shape[0] != num_cells):
+    raise PartitionError(f"layer times of shape {list(times.shape)}: give [L] or "
+                         f"[K={num_cells}, L]")
+  if not np.all(np.isfinite(times)) or np.any(times < 0):
+    raise PartitionError("layer times must be finite and >= 0")
+  times = np.broadcast_to(times, (num_cells, num_layers))
   prefixes = np.concatenate([np.zeros((num_cells, 1)), np.cumsum(times, axis=1)], axis=1)
   most = float(prefixes[:, -1].max())
-  # No split beats this bound; a cell never needs to take longer than the bound allows.
-  bound = max(float(prefixes[:, -1].min()) / num_cells, float(times.min(axis=0).max()))
-  limit = 2.0 * bound if bound > 0 else most
+  # A first limit on a cell's time: no split can do better than its largest layer
+  # taken at its cheapest, nor than the cheapest row's total over K cells.
+  limit = 2.0 * max(float(prefixes[:, -1].min()) / num_cells, float(times.min(axis=0).max()))
   while True:
-    splits = _split_within(prefixes, fits, limit)
-    if splits is not None or limit >= most:
-      return splits
+    found = _split_within(prefixes, fits, limit, _BOTTLENECK)
+    if found is not None:
+      bottleneck, _ = found
+      return _split_within(prefixes, fits, bottleneck, _TOTAL)[1]
+    if limit >= most:
+      return None
     limit = min(2.0 * limit, most) if limit > 0 else most
 
 
-def _split_within(prefixes: np.ndarray, fits: CellFits | None, limit: float
-                  ) -> tuple[int, ...] | None:
-  """min_bottleneck_split among the splits whose every cell takes ≤ limit: a cell
-  ending at e starts within the band of the W starts before e (W: the most layers any
-  cell of time ≤ limit spans), so each cell costs O(W·L), not O(L²). The optimum is
-  exact whenever it is ≤ limit, since every cell of a better split lies in the band."""
+# How cells combine into a split's value: the largest cell time, or their sum.
+_BOTTLENECK, _TOTAL = np.maximum, np.add
+
+
+def _split_within(prefixes: np.ndarray, fits: CellFits | None, limit: float,
+                  combine: Any) -> tuple[float, tuple[int, ...]] | None:
+  """(value, split) of the best split whose every cell takes ≤ limit and fits, its
+  value the cells' times combined by `combine` (_BOTTLENECK or _TOTAL); None when
+  there is none. A cell ending at e starts within the band of the W starts before e
+  (W: the most layers any cell of time ≤ limit spans), so each cell costs O(W·L), not
+  O(L²). With _BOTTLENECK the result is the exact optimum whenever that optimum is ≤
+  limit, since every cell of a better split lies in the band."""
   num_cells, num_layers = prefixes.shape[0], prefixes.shape[1] - 1
   ends = np.arange(num_layers + 1)
-  lows = [np.searchsorted(prefix, prefix - limit, side="left") for prefix in prefixes]
+  # The band errs wide (rounding in prefix − limit must not drop a start whose cell
+  # takes exactly `limit`); `run <= limit` below is the test.
+  slack = 1e-9 * (limit + float(prefixes[:, -1].max()))
+  lows = [np.searchsorted(prefix, prefix - limit - slack, side="left") for prefix in prefixes]
   width = max(1, max(int(np.max(ends - low)) for low in lows))
   starts = ends[None, :] - np.arange(1, width + 1)[:, None]  # [W, L + 1]
   in_range = starts >= 0
@@ -100,17 +129,17 @@ def _split_within(prefixes: np.ndarray, fits: CellFits | None, limit: float
     allowed = in_range & (run <= limit)
     if fits is not None:
       allowed &= fits(k, starts, ends[None, :])
-    bottleneck = np.where(allowed, np.maximum(best[starts], run), np.inf)
-    choice = np.argmin(bottleneck, axis=0)
+    value = np.where(allowed, combine(best[starts], run), np.inf)
+    choice = np.argmin(value, axis=0)
     come_from[k] = starts[choice, ends]
-    best = bottleneck[choice, ends]
+    best = value[choice, ends]
   if not np.isfinite(best[num_layers]):
     return None
   splits, end = [], num_layers
   for k in range(num_cells - 1, -1, -1):
     splits.append(end)
     end = int(come_from[k, end])
-  return tuple(reversed(splits))
+  return float(best[num_layers]), tuple(reversed(splits))
 
 
 def _fewest_cells(memory: np.ndarray, cap: float) -> int:
@@ -155,9 +184,14 @@ def balance(costs: Sequence[float], num_cells: int, memory: Sequence[float] | No
     raise PartitionError(f"layer costs must be finite and >= 0, got {list(costs)}")
   mem_arr = (np.zeros(num_layers) if memory is None
              else np.asarray(memory, dtype=np.float64))
+  if mem_arr.shape != (num_layers,) or not np.all(np.isfinite(mem_arr)) or np.any(mem_arr < 0):
+    raise PartitionError(f"layer memory must be {num_layers} finite values >= 0, got "
+                         f"{list(memory)}")
   fits = None
   if memory_cap is not None:
     cap = float(memory_cap)
+    if not cap > 0:  # (nan too)
+      raise PartitionError(f"memory cap must be > 0, got {memory_cap}")
     too_big = [i for i in range(num_layers) if mem_arr[i] > cap]
     if too_big:
       i = too_big[0]

@@ -41,6 +41,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+import tensorflow as tf
 
 from lingvo_gpipe.core.hyperparams import ParamsError
 from lingvo_gpipe.pipeline import partition, schedule
@@ -48,10 +49,11 @@ from lingvo_gpipe.pipeline.layer import RECOMPUTE_POLICIES, recomputes
 from lingvo_gpipe.pipeline.layer_profiler import LayerCost
 
 RECOMPUTE = RECOMPUTE_POLICIES
-# What the memory model above does not cover yet: zb_h1 holds each deferred backward's
-# products until its W, interleaved_1f1b places V cells per device.
-NOT_MODELLED = ("zb_h1", "interleaved_1f1b")
-SCHEDULES = tuple(name for name in schedule.SCHEDULES if name not in NOT_MODELLED)
+# The schedules the model above covers, of schedule.SCHEDULES (a new schedule is not
+# planned until its memory is modelled: zb_h1 holds each deferred backward's products
+# until its W, interleaved_1f1b places V cells per device).
+MODELLED = ("gpipe", "1f1b")
+SCHEDULES = tuple(name for name in schedule.SCHEDULES if name in MODELLED)
 
 
 class PlanError(ParamsError):
@@ -104,9 +106,7 @@ class _MemoryModel:
     self.weights = np.concatenate([[0.0], np.cumsum([c.weight_bytes for c in costs])]) * (
         2.0 + slot_factor)
     self.kept = np.concatenate([[0.0], np.cumsum([c.kept_bytes * scale for c in costs])])
-    # a cell's input is its first layer's; the entry past the last layer is for the
-    # empty cells [L, L) the split solver's arrays may ask about
-    self.inputs = np.array([c.input_bytes * scale for c in costs] + [0.0])
+    self.inputs = np.array([c.input_bytes * scale for c in costs])  # a cell's: its first's
 
   def peak(self, starts: Any, ends: Any, held: int, recompute: bool) -> Any:
     kept = self.kept[ends] - self.kept[starts]
@@ -210,8 +210,6 @@ def parse_bytes(text: str) -> float:
 def slot_factor(optimizer_params: Any) -> float:
   """Optimizer slot elements per weight element (Adam 2, SGD with momentum 1), from a
   1024×1024 variable's slots."""
-  import tensorflow as tf
-
   optimizer = optimizer_params.instantiate()
   probe = tf.Variable(tf.zeros([1024, 1024]))
   shapes = optimizer.slot_shapes(probe)
@@ -235,7 +233,8 @@ def plan(costs: Sequence[LayerCost], machine: Machine, batch_size: int,
     for num_cells in range(1, min(machine.num_devices // replicas, len(costs)) + 1):
       counts = micro_batch_counts or _divisors(per_replica)
       for m in [m for m in counts if per_replica % m == 0]:
-        for recompute in RECOMPUTE:
+        # one cell is its last: except_last is never there
+        for recompute in [r for r in RECOMPUTE if num_cells > 1 or r != "except_last"]:
           for name in SCHEDULES:
             layout = schedule.make(name, num_cells, m)
             held = [layout.max_in_flight(k) for k in range(num_cells)]
