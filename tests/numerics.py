@@ -23,8 +23,9 @@ comparison of float sums here is absolute and scaled by the reference:
   (`tests/numerics_test.py` shows such breakages fail).
 - TRAINED (1024): results after several optimizer steps, where each step's rounding
   is carried into the next and Adam divides by small second moments (1.2e-4 of scale).
-- A reference computed by another algorithm (numpy's direct convolution against
-  TensorFlow's, a float64 reference) passes its own `ulps`, with the reason beside it.
+- A numpy reference (float64, or a direct convolution against TensorFlow's) is
+  another order too; it is compared at the coarser dtype's eps (float32's for a
+  float32 result), or at the `dtype` a call names with its reason.
 """
 
 from __future__ import annotations

@@ -49,7 +49,9 @@ def test_amoeba_net_tiny_partitioning_keeps_the_loss_curve(tmp_path):
   20 losses, and they fall. (It used to train K=1, M=1 and K=2, M=4 for 200 steps each
   and compare eval accuracy within 2 points: 234 s of the suite; `make train` shows the
   accuracy this model reaches.)"""
-  common = "task.train.save_interval_steps=20;task.pipeline.num_micro_batches=4"
+  # (FLOP-balanced: a measured split would profile each layer at every start)
+  common = ("task.train.save_interval_steps=20;task.pipeline.num_micro_batches=4;"
+            "task.pipeline.partition_cost=flops")
   one_cell, _ = train(model_params("image.AmoebaNetTiny", common + ";task.pipeline.num_cells=1"),
                       tmp_path / "k1", 20)
   two_cells, _ = train(model_params("image.AmoebaNetTiny", common + ";task.pipeline.num_cells=2"),

@@ -216,7 +216,7 @@ class PipeliningLayer(BaseLayer):
                             "which needs eager execution; build the pipeline eagerly, or "
                             "measure first and give the costs (partition_cost='given')")
       return [c.step_s for c in layer_profiler.measure_layer_costs(
-          p.layers, p.input_specs, steps=3, count_kept=False)]
+          p.layers, p.input_specs, steps=3, full=False)]
     from lingvo_gpipe.core import layers as layers_lib
 
     seq = layers_lib.Sequential.Params().set(name="cost_probe", layers=p.layers)

@@ -60,7 +60,7 @@ def random_like(spec: tf.TensorSpec) -> tf.Tensor:
 
 
 def measure_layer_costs(layer_params: Sequence[Any], input_specs: Any, steps: int = 5,
-                        count_kept: bool = True) -> list[LayerCost]:
+                        full: bool = True) -> list[LayerCost]:
   """Each layer built and run alone on the default device, in training.
 
   Args:
@@ -68,9 +68,10 @@ def measure_layer_costs(layer_params: Sequence[Any], input_specs: Any, steps: in
     input_specs: nested tf.TensorSpec of the first layer's input, batch first; each
       later layer gets the previous one's real output.
     steps: timed runs per layer after one warm-up; the median is kept.
-    count_kept: count what TensorFlow keeps for the backward (a trace of the layer's
-      forward/backward pair; the partitioner, which only needs seconds, skips it and
-      gets kept_bytes 0).
+    full: also time the forward alone and count what TensorFlow keeps for the
+      backward (the planner's needs). False (the partitioner's): only forward +
+      backward is timed, recorded as backward_s with forward_s 0 and kept_bytes 0, at
+      half the runs and no extra trace.
 
   Returns:
     One LayerCost per layer: median forward and forward+backward seconds, the bytes of
@@ -97,11 +98,11 @@ def measure_layer_costs(layer_params: Sequence[Any], input_specs: Any, steps: in
 
     outputs = forward(*flat)
     forward_backward(*flat)
-    forward_s = _median_seconds(forward, flat, steps)
+    forward_s = _median_seconds(forward, flat, steps) if full else 0.0
     both_s = _median_seconds(forward_backward, flat, steps)
     costs.append(LayerCost(forward_s, max(both_s - forward_s, 0.0),
                            _nbytes(layer.trainable_variables), _nbytes(flat),
-                           _kept_bytes(call, flat) if count_kept else 0, batch))
+                           _kept_bytes(call, flat) if full else 0, batch))
     inputs = tf.nest.pack_sequence_as(structure["out"], list(outputs))
   return costs
 
