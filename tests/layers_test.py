@@ -150,12 +150,16 @@ def test_dropout_is_reproducible_and_keyed_by_step_and_position():
     assert not np.array_equal(first, other(x).numpy())  # layers draw their own masks
 
 
-def test_position_keyed_uniform_matches_one_long_draw():
+@pytest.mark.parametrize("dtype", [tf.float32, tf.float16, tf.bfloat16, tf.float64])
+def test_position_keyed_uniform_matches_one_long_draw(dtype):
+  """Rows at offsets that start mid-block (3·5 elements a row) equal those rows of the
+  whole draw, for every float dtype (float64 takes two Philox words an element)."""
   seed = tf.constant([3, 4], tf.int64)
-  whole = layers.position_keyed_uniform([10, 3, 5], seed, 0).numpy()
+  whole = layers.position_keyed_uniform([10, 3, 5], seed, 0, dtype).numpy()
   for offset, rows in [(0, 10), (1, 2), (7, 3), (9, 1)]:
-    part = layers.position_keyed_uniform([rows, 3, 5], seed, offset).numpy()
+    part = layers.position_keyed_uniform([rows, 3, 5], seed, offset, dtype).numpy()
     np.testing.assert_array_equal(part, whole[offset:offset + rows])
+  whole = whole.astype(np.float32)
   assert 0.4 < whole.mean() < 0.6 and whole.min() >= 0 and whole.max() < 1
 
 

@@ -329,6 +329,8 @@ class LayerNorm(BaseLayer):
 # The Philox counter layout relied on: tf_internals.py item 9 (and the test it names).
 _PHILOX = 1  # tf.random.Algorithm.PHILOX
 _PHILOX_WORDS_PER_COUNTER = 4  # one counter step yields four 32-bit words
+# 32-bit words one element of a draw takes (tf_internals item 9): two for float64
+_PHILOX_WORDS_PER_ELEMENT = {tf.float64: 2}
 
 
 def position_keyed_uniform(shape: tf.Tensor, seed: tf.Tensor, row_offset: tf.Tensor,
@@ -338,14 +340,16 @@ def position_keyed_uniform(shape: tf.Tensor, seed: tf.Tensor, row_offset: tf.Ten
   The stream for `seed` is what StatelessRandomUniformV2 (Philox) would draw for a
   tensor of unbounded rows; this returns the slice at `row_offset` without drawing
   the rows before it, by starting Philox's counter at the right block (each counter
-  step yields four 32-bit words, one per float32 element). So a batch split into
-  parts at any offsets draws exactly the values of the unsplit batch.
+  step yields four 32-bit words: four float32, float16 or bfloat16 elements, two
+  float64 ones). So a batch split into parts at any offsets draws exactly the values
+  of the unsplit batch.
   """
   shape = tf.cast(shape, tf.int64)
   num = tf.reduce_prod(shape)
   start = tf.cast(row_offset, tf.int64) * tf.reduce_prod(shape[1:])
-  skip = start % _PHILOX_WORDS_PER_COUNTER
-  block = start // _PHILOX_WORDS_PER_COUNTER
+  per_block = _PHILOX_WORDS_PER_COUNTER // _PHILOX_WORDS_PER_ELEMENT.get(tf.as_dtype(dtype), 1)
+  skip = start % per_block
+  block = start // per_block
   key, _ = tf.raw_ops.StatelessRandomGetKeyCounter(seed=seed)
   counter = tf.stack([tf.cast(block, tf.uint64), tf.constant(0, tf.uint64)])
   flat = tf.raw_ops.StatelessRandomUniformV2(shape=tf.reshape(num + skip, [1]), key=key,

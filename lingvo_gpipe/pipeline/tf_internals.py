@@ -76,9 +76,11 @@ test named beside it, then `TENSORFLOW_CHECKED` is updated.
    So the stream of one seed can be started at any element (counter block
    start div 4, then drop start mod 4 elements) without drawing what comes before:
    a micro-batch draws its rows of the whole batch's mask. One word per element holds
-   for float32, float16 and bfloat16 only (float64 takes two). Pinned by
+   for float32, float16 and bfloat16; float64 takes two (two elements per block,
+   which `position_keyed_uniform` counts). Pinned by
    `tests/tf_internals_test.py::test_philox_counter_layout_of_position_keyed_masks`
-   (against Philox computed in numpy).
+   (against Philox computed in numpy) and, per dtype,
+   `tests/layers_test.py::test_position_keyed_uniform_matches_one_long_draw`.
 """
 
 from __future__ import annotations
