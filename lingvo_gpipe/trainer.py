@@ -88,11 +88,10 @@ def parse_profile_steps(text: str) -> tuple[int, int] | None:
 
 def _build_replicas(task_params: Params) -> hybrid.Replicas:
   """The task, once per replica of task.pipeline.num_replicas (replica r's cells on
-  devices r·K … r·K+K−1); built from the same params, the replicas start equal."""
+  devices r·K … r·K+K−1); built from the same params, the replicas start equal.
+  num_replicas >= 1 is check_batch_splits'."""
   pipeline = task_params.pipeline
   num_replicas = pipeline.num_replicas
-  if num_replicas < 1:
-    raise hybrid.HybridError(f"task.pipeline.num_replicas must be >= 1, got {num_replicas}")
   if num_replicas == 1:
     task = task_params.instantiate()
     return hybrid.Replicas([task], [task.input_device])
@@ -467,8 +466,8 @@ class _Progress:
   def __init__(self, start: int, max_steps: int, batch_size: int):
     self.start, self.max_steps, self.batch_size = start, max_steps, batch_size
     self.step = start
-    self.window_start, self.window_steps = time.perf_counter(), 0
     self.run_start = time.perf_counter()
+    self.start_window()
 
   def due(self, interval: int) -> bool:
     """Whether something done every `interval` steps is due now: at its interval and at
@@ -498,7 +497,8 @@ class _Progress:
 
 
 class _StepProfiler:
-  """Starts TensorFlow's profiler before global step `first` and stops it after `last`."""
+  """Starts TensorFlow's profiler before global step steps[0] and stops it after
+  steps[1] (None, or a range outside start+1..max_steps: nothing is profiled)."""
 
   def __init__(self, steps: tuple[int, int] | None, logdir: str,
                log: Callable[[str], None], start: int, max_steps: int):
