@@ -26,10 +26,12 @@ def attention_bias(key_paddings: tf.Tensor | None, query_length: int | tf.Tensor
   """Additive logits bias [B or 1, 1, T, S] from key paddings [B, S] and causality.
 
   key_paddings is 1.0 at padded positions. With `causal`, query t sees keys <= t.
+  The bias is float32 whatever the paddings' dtype (-1e9 is beyond float16's range):
+  the attention's softmax is computed in float32.
   """
   bias = None
   if key_paddings is not None:
-    bias = key_paddings[:, None, None, :] * _MASK_LOGIT
+    bias = tf.cast(key_paddings, tf.float32)[:, None, None, :] * _MASK_LOGIT
   if causal:
     length = layers.shape_list(key_paddings)[1] if key_paddings is not None else query_length
     future = 1.0 - tf.linalg.band_part(tf.ones([query_length, length]), -1, 0)
@@ -43,6 +45,8 @@ class MultiHeadAttention(BaseLayer):
 
   query [B, T, D], memory [B, S, D] (None: self-attention), bias [B|1, 1, T, S]
   → [B, T, D]. Q, K, V and output projections each have D·N·H weights (+ biases).
+  The projections and both products run in the compute dtype; the logits' bias and
+  softmax in float32 (mixed precision keeps the softmax float32).
   """
 
   @classmethod
@@ -87,10 +91,10 @@ class MultiHeadAttention(BaseLayer):
     q = self._split_heads(self.query(query)) * (1.0 / math.sqrt(self.head_dim))
     k = self._split_heads(self.key(memory))
     v = self._split_heads(self.value(memory))
-    logits = tf.matmul(q, k, transpose_b=True)  # [B, N, T, S]
+    logits = layers.at_least_float32(tf.matmul(q, k, transpose_b=True))  # [B, N, T, S]
     if bias is not None:
       logits += tf.cast(bias, logits.dtype)
-    probs = self.atten_dropout(tf.nn.softmax(logits, axis=-1))
+    probs = self.atten_dropout(tf.cast(tf.nn.softmax(logits, axis=-1), v.dtype))
     context = tf.matmul(probs, v)  # [B, N, T, H]
     context = tf.transpose(context, [0, 2, 1, 3])
     b, t = layers.shape_list(context)[:2]

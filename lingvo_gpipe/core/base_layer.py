@@ -87,6 +87,44 @@ def initial_value(init: Params, shape: Sequence[int], dtype: tf.DType,
 
 
 # ---------------------------------------------------------------------------
+# Compute dtypes (mixed precision).
+# ---------------------------------------------------------------------------
+
+# What fprop may compute in. float16 needs loss scaling in training
+# (core/loss_scale.py); bfloat16 has float32's range and needs none.
+FPROP_DTYPES = (tf.float32, tf.bfloat16, tf.float16, tf.float64)
+HALF_DTYPES = (tf.bfloat16, tf.float16)
+
+
+def resolve_fprop_dtype(value: Any, path: str = "") -> tf.DType:
+  """`value` (a tf.DType or its name, e.g. 'bfloat16') as one of FPROP_DTYPES.
+
+  Raises:
+    ParamsError: naming the value and the valid ones.
+  """
+  try:
+    dtype = tf.as_dtype(value)
+  except TypeError:
+    dtype = None
+  if dtype not in FPROP_DTYPES:
+    where = f"{path}: " if path else ""
+    raise hyperparams.ParamsError(
+        f"{where}fprop_dtype {value!r} is not a compute dtype; valid: "
+        f"{[d.name for d in FPROP_DTYPES]} (or None to inherit the parent's)")
+  return dtype
+
+
+def inherit_fprop_dtype(params: InstantiableParams, dtype: tf.DType) -> InstantiableParams:
+  """A copy of a layer's `params` that computes in `dtype` unless it names its own
+  fprop_dtype: what a parent computing in `dtype` builds it with. For code that builds
+  a parent's layers on their own (the partitioner's profile, the planner)."""
+  params = params.copy()
+  if "fprop_dtype" in params and params.fprop_dtype is None:
+    params.fprop_dtype = dtype
+  return params
+
+
+# ---------------------------------------------------------------------------
 # The step context.
 # ---------------------------------------------------------------------------
 
@@ -283,7 +321,14 @@ class BaseLayer(hyperparams.Instantiable, tf.Module):
   def Params(cls) -> InstantiableParams:  # noqa: N802
     p = super().Params()
     p.define("name", cls.__name__.lower(), "Name of this layer; its variables' scope.")
-    p.define("dtype", tf.float32, "Dtype of the variables and the computation.")
+    p.define("dtype", tf.float32, "Dtype of the variables (the master weights), their "
+             "gradients and optimizer slots; also of the computation unless fprop_dtype "
+             "says otherwise.")
+    p.define("fprop_dtype", None, "Compute dtype of fprop (mixed precision): "
+             f"{[d.name for d in FPROP_DTYPES]}, or None to inherit the parent layer's "
+             "(a root layer's: dtype). Variables stay `dtype` and are read cast to it; "
+             "floating inputs are cast to it; the numerically sensitive parts stay "
+             "float32 (see docs/mixed_precision.md).")
     p.define("params_init", weight_init(), "Default initializer of the weights.")
     p.define("random_seed", None,
              "Seed of this layer's initializers and dropout; None inherits the parent's.")
@@ -303,6 +348,8 @@ class BaseLayer(hyperparams.Instantiable, tf.Module):
       self._seed = int(params.random_seed)
     else:
       self._seed = parent._seed if parent is not None else 0
+    self._fprop_dtype = resolve_fprop_dtype(
+        params.fprop_dtype if params.fprop_dtype is not None else params.dtype, self.path)
     self._child_order: tuple[str, ...] = ()
     self._var_names: tuple[str, ...] = ()
     self._var_shapes: tuple[tuple[tuple[int, ...], bool], ...] = ()
@@ -310,6 +357,26 @@ class BaseLayer(hyperparams.Instantiable, tf.Module):
   @property
   def params(self) -> InstantiableParams:
     return self._params
+
+  @property
+  def fprop_dtype(self) -> tf.DType:
+    """The dtype this layer computes in (params.fprop_dtype, inherited; see Params)."""
+    return self._fprop_dtype
+
+  def to_fprop_dtype(self, value: Any) -> Any:
+    """A floating variable or tensor read as this layer's compute dtype (the master
+    weights stay float32; the cast's gradient reaches them in their own dtype);
+    anything else as it is."""
+    if not isinstance(value, (tf.Tensor, tf.Variable)) or not value.dtype.is_floating \
+        or value.dtype == self._fprop_dtype:
+      return value
+    return tf.cast(value, self._fprop_dtype)
+
+  def _inherit(self, params: InstantiableParams, name: str) -> InstantiableParams:
+    """A child's params: `params` renamed `name`, with this layer's compute dtype where
+    they leave fprop_dtype to the parent (so a child's params say what it computes in,
+    and layers of one kind compare equal only when they compute in the same dtype)."""
+    return inherit_fprop_dtype(params, self._fprop_dtype).set(name=name)
 
   @property
   def path(self) -> str:
@@ -337,7 +404,7 @@ class BaseLayer(hyperparams.Instantiable, tf.Module):
     if name in self._child_order or hasattr(self, name):
       raise hyperparams.ParamsError(f"{self.path}: child name {name!r} is already used")
     with self._as_parent():
-      child = params.copy().set(name=name).instantiate()
+      child = self._inherit(params, name).instantiate()
     setattr(self, name, child)
     self._child_order = self._child_order + (name,)
     return child
@@ -360,7 +427,7 @@ class BaseLayer(hyperparams.Instantiable, tf.Module):
         # tf.device(None) would clear an enclosing device scope: the children of a
         # layer built under `with tf.device(d)` stay on d unless given their own.
         with tf.device(device) if device is not None else contextlib.nullcontext():
-          children.append(p.copy().set(name=child_name).instantiate())
+          children.append(self._inherit(p, child_name).instantiate())
     setattr(self, name, children)
     self._child_order = self._child_order + (name,)
     return getattr(self, name)
@@ -420,11 +487,13 @@ class BaseLayer(hyperparams.Instantiable, tf.Module):
   # them made tracing a 32-layer, 8-micro-batch pipeline take minutes.
   @tf.autograph.experimental.do_not_convert
   def __call__(self, *args: Any, **kwargs: Any) -> Any:
-    """Runs fprop in this layer's name scope; numpy array inputs become tensors."""
+    """Runs fprop in this layer's name scope; numpy array inputs become tensors, and
+    floating inputs are cast to the layer's compute dtype (`fprop_dtype`)."""
     args = tf.nest.map_structure(
         lambda x: tf.convert_to_tensor(x) if isinstance(x, np.ndarray) else x, args)
     for on_enter, _ in _CALL_OBSERVERS:
       on_enter(self)
+    args, kwargs = tf.nest.map_structure(self.to_fprop_dtype, (args, kwargs))
     with tf.name_scope(self.name):
       outputs = self.fprop(*args, **kwargs)
     for _, on_exit in _CALL_OBSERVERS:

@@ -48,18 +48,20 @@ def shape_list(x: tf.Tensor) -> list[int | tf.Tensor]:
 
 
 def _matmul(inputs: tf.Tensor, weight: tf.Tensor) -> tf.Tensor:
-  """[n, I] · [I, O]; where the StepContext collects weight products (and the weight
-  is a variable), the product is recorded and no gradient reaches the variable through
-  it: the caller computes that part of the variable's gradient (StepContext)."""
+  """[n, I] · [I, O] in the inputs' dtype (the weight read cast to it: mixed precision
+  keeps float32 master weights). Where the StepContext collects weight products (and
+  the weight is a variable), the product is recorded and no gradient reaches the
+  variable through it: the caller computes that part of the variable's gradient
+  (StepContext), from the recorded inputs, which are in the compute dtype."""
   products = base_layer.current_context().weight_products
   if products is None or not isinstance(weight, tf.Variable) or not weight.trainable:
-    return tf.matmul(inputs, weight)
-  out = tf.matmul(inputs, tf.stop_gradient(weight.read_value()))
+    return tf.matmul(inputs, tf.cast(weight, inputs.dtype))
+  out = tf.matmul(inputs, tf.cast(tf.stop_gradient(weight.read_value()), inputs.dtype))
   return products.record(weight, inputs, out)
 
 
 def project(inputs: tf.Tensor, weight: tf.Tensor) -> tf.Tensor:
-  """[..., I] · [I, O] → [..., O] as one 2-D matmul.
+  """[..., I] · [I, O] → [..., O] as one 2-D matmul, in the inputs' dtype.
 
   Not tf.einsum('...i,io->...o'): TF 2.21's einsum gradient for the weight
   materializes the broadcast product [..., I, O] before reducing it (1 GiB per
@@ -107,7 +109,7 @@ class Linear(BaseLayer):
   def fprop(self, inputs: tf.Tensor) -> tf.Tensor:
     out = project(inputs, self.w)
     if self.params.has_bias:
-      out = out + self.b
+      out = out + self.to_fprop_dtype(self.b)
     return self._act(out)
 
 
@@ -138,9 +140,10 @@ class Conv2D(BaseLayer):
 
   def fprop(self, inputs: tf.Tensor) -> tf.Tensor:
     p = self.params
-    out = tf.nn.conv2d(inputs, self.w, strides=[1, *p.filter_stride, 1], padding=p.padding)
+    out = tf.nn.conv2d(inputs, self.to_fprop_dtype(self.w), strides=[1, *p.filter_stride, 1],
+                       padding=p.padding)
     if p.has_bias:
-      out = out + self.b
+      out = out + self.to_fprop_dtype(self.b)
     return self._act(out)
 
 
@@ -176,11 +179,12 @@ class DepthwiseSeparableConv2D(BaseLayer):
 
   def fprop(self, inputs: tf.Tensor) -> tf.Tensor:
     p = self.params
-    out = tf.nn.separable_conv2d(inputs, self.depthwise_w, self.pointwise_w,
+    out = tf.nn.separable_conv2d(inputs, self.to_fprop_dtype(self.depthwise_w),
+                                 self.to_fprop_dtype(self.pointwise_w),
                                  strides=[1, p.stride, p.stride, 1], padding=p.padding,
                                  dilations=[p.dilation_rate, p.dilation_rate])
     if p.has_bias:
-      out = out + self.b
+      out = out + self.to_fprop_dtype(self.b)
     return self._act(out)
 
 
@@ -253,6 +257,8 @@ class BatchNorm(BaseLayer):
   moving averages are updated once per step by `update_from_stats`, from the
   statistics of all forward passes of the step combined (Chan et al.'s parallel
   variance), i.e. from the whole mini-batch. Variance is the biased (1/n) one.
+  Statistics and normalization are computed in float32 whatever the compute dtype
+  (a bfloat16 sum over a batch loses the small terms); the output is in it.
   """
 
   @classmethod
@@ -278,16 +284,19 @@ class BatchNorm(BaseLayer):
 
   def fprop(self, inputs: tf.Tensor) -> tf.Tensor:
     p = self.params
+    x = at_least_float32(inputs)
     if base_layer.current_context().training:
-      axes = list(range(inputs.shape.rank - 1))
-      mean, variance = tf.nn.moments(inputs, axes=axes)
-      count = tf.cast(tf.reduce_prod(tf.shape(inputs)[:-1]), inputs.dtype)
+      axes = list(range(x.shape.rank - 1))
+      mean, variance = tf.nn.moments(x, axes=axes)
+      count = tf.cast(tf.reduce_prod(tf.shape(x)[:-1]), x.dtype)
       self.report_stats({"count": tf.stop_gradient(count), "mean": tf.stop_gradient(mean),
                          "m2": tf.stop_gradient(variance * count)})
     else:
       mean, variance = self.moving_mean, self.moving_variance
-    return tf.nn.batch_normalization(inputs, mean, variance, self.beta, self.gamma,
-                                     p.epsilon)
+    out = tf.nn.batch_normalization(x, tf.cast(mean, x.dtype), tf.cast(variance, x.dtype),
+                                    tf.cast(self.beta, x.dtype), tf.cast(self.gamma, x.dtype),
+                                    p.epsilon)
+    return tf.cast(out, inputs.dtype)
 
   def update_from_stats(self, stats_list: list[dict]) -> list[Any]:
     counts = tf.stack([s["count"] for s in stats_list])  # [S]
@@ -305,7 +314,9 @@ class BatchNorm(BaseLayer):
 
 
 class LayerNorm(BaseLayer):
-  """Layer normalization over the last axis. [..., dim] → [..., dim]."""
+  """Layer normalization over the last axis. [..., dim] → [..., dim].
+
+  Computed in float32 whatever the compute dtype; the output is in it."""
 
   @classmethod
   def Params(cls):  # noqa: N802
@@ -321,9 +332,17 @@ class LayerNorm(BaseLayer):
     self.create_variable("bias", [self.params.dim], init=weight_init("constant", 0.0))
 
   def fprop(self, inputs: tf.Tensor) -> tf.Tensor:
-    mean, variance = tf.nn.moments(inputs, axes=[-1], keepdims=True)
-    normed = (inputs - mean) * tf.math.rsqrt(variance + self.params.epsilon)
-    return normed * self.scale + self.bias
+    x = at_least_float32(inputs)
+    mean, variance = tf.nn.moments(x, axes=[-1], keepdims=True)
+    normed = (x - mean) * tf.math.rsqrt(variance + self.params.epsilon)
+    out = normed * tf.cast(self.scale, x.dtype) + tf.cast(self.bias, x.dtype)
+    return tf.cast(out, inputs.dtype)
+
+
+def at_least_float32(x: tf.Tensor) -> tf.Tensor:
+  """x in float32 if it is in a half dtype (bfloat16, float16), else as it is: the
+  dtype of the parts of a mixed-precision model that stay float32 (statistics, softmax)."""
+  return tf.cast(x, tf.float32) if x.dtype in base_layer.HALF_DTYPES else x
 
 
 # The Philox counter layout relied on: tf_internals.py item 9 (and the test it names).
@@ -355,6 +374,19 @@ def position_keyed_uniform(shape: tf.Tensor, seed: tf.Tensor, row_offset: tf.Ten
   flat = tf.raw_ops.StatelessRandomUniformV2(shape=tf.reshape(num + skip, [1]), key=key,
                                              counter=counter, alg=_PHILOX, dtype=dtype)
   return tf.reshape(flat[skip:], shape)
+
+
+def keep_mask(shape: tf.Tensor, seed: tf.Tensor, row_offset: Any, keep_prob: Any,
+              dtype: tf.DType) -> tf.Tensor:
+  """1 where an element is kept, 0 where dropped, in `dtype`, of `shape` [R, ...]:
+  rows row_offset .. row_offset+R-1 of the stream of `seed` (position_keyed_uniform).
+
+  The uniform draw is float32 for the half dtypes (float64 for float64), so a
+  bfloat16 model drops exactly the elements its float32 twin drops (a bfloat16
+  uniform has 8 bits: keep_prob would be rounded)."""
+  draw_dtype = tf.float64 if dtype == tf.float64 else tf.float32
+  uniform = position_keyed_uniform(shape, seed, row_offset, dtype=draw_dtype)
+  return tf.cast(uniform < tf.cast(keep_prob, draw_dtype), dtype)
 
 
 def dropout_seed(layer: BaseLayer, purpose: str = "dropout") -> tf.Tensor:
@@ -399,9 +431,8 @@ class Dropout(BaseLayer):
     for axis in broadcast:
       shape[axis] = 1
     row_offset = 0 if 0 in broadcast else ctx.example_offset
-    uniform = position_keyed_uniform(tf.stack(shape), dropout_seed(self), row_offset,
-                                     dtype=inputs.dtype)
-    keep = tf.cast(uniform < p.keep_prob, inputs.dtype)
+    keep = keep_mask(tf.stack(shape), dropout_seed(self), row_offset, p.keep_prob,
+                     inputs.dtype)
     return inputs * keep / p.keep_prob
 
 
@@ -424,7 +455,7 @@ class Embedding(BaseLayer):
     self.create_variable("emb", [p.vocab_size, p.embedding_dim])
 
   def fprop(self, ids: tf.Tensor) -> tf.Tensor:
-    out = tf.gather(self.emb, ids)
+    out = self.to_fprop_dtype(tf.gather(self.emb, ids))  # rows gathered, then cast
     if self.params.scale_sqrt_depth:
       out = out * (self.params.embedding_dim ** 0.5)
     return out
@@ -436,6 +467,7 @@ def softmax_cross_entropy(logits: tf.Tensor, class_ids: tf.Tensor,
 
   With label smoothing ε the target puts 1-ε on the label and ε/C on every class.
   """
+  logits = at_least_float32(logits)  # the loss is float32 whatever the compute dtype
   num_classes = logits.shape[-1]
   targets = tf.one_hot(class_ids, num_classes, dtype=logits.dtype)
   if label_smoothing:
@@ -444,7 +476,10 @@ def softmax_cross_entropy(logits: tf.Tensor, class_ids: tf.Tensor,
 
 
 class Softmax(BaseLayer):
-  """Projection to class logits plus cross-entropy. [..., input_dim] → [..., num_classes]."""
+  """Projection to class logits plus cross-entropy. [..., input_dim] → [..., num_classes].
+
+  The projection runs in the compute dtype; the logits (bias, clipping) and the
+  cross-entropy are float32 whatever it is: the loss and its softmax stay float32."""
 
   @classmethod
   def Params(cls):  # noqa: N802
@@ -466,7 +501,8 @@ class Softmax(BaseLayer):
     self.create_variable("b", [p.num_classes], init=weight_init("constant", 0.0))
 
   def fprop(self, inputs: tf.Tensor) -> tf.Tensor:
-    logits = project(inputs, self.w) + self.b
+    logits = at_least_float32(project(inputs, self.w))
+    logits = logits + tf.cast(self.b, logits.dtype)
     if self.params.logits_abs_max is not None:
       limit = self.params.logits_abs_max
       logits = tf.clip_by_value(logits, -limit, limit)

@@ -254,9 +254,9 @@ class AmoebaCell(BaseLayer):
     keep = drop_path_keep_prob(p.drop_path_keep_prob, p.cell_index, p.num_cells, ctx.step,
                                p.drop_path_burn_in_steps)
     shape = tf.stack([tf.shape(x)[0], 1, 1, 1])
-    uniform = layers.position_keyed_uniform(shape, layers.dropout_seed(self, f"drop_path_{i}"),
-                                            ctx.example_offset, x.dtype)
-    return x * tf.cast(uniform < keep, x.dtype) / tf.cast(keep, x.dtype)
+    keep_mask = layers.keep_mask(shape, layers.dropout_seed(self, f"drop_path_{i}"),
+                                 ctx.example_offset, keep, x.dtype)
+    return x * keep_mask / tf.cast(keep, x.dtype)
 
   def _apply_if_built(self, child_name: str, x: tf.Tensor) -> tf.Tensor:
     """The child `child_name` applied to x; x itself where no such child was needed."""

@@ -139,7 +139,8 @@ class TokenEmbedding(BaseLayer):
 
   def embed(self, ids: tf.Tensor) -> tf.Tensor:
     x = self.emb(ids)
-    x += sinusoid_positions(tf.shape(ids)[1], self.params.embedding_dim)[None]
+    positions = sinusoid_positions(tf.shape(ids)[1], self.params.embedding_dim)  # float32
+    x += tf.cast(positions, x.dtype)[None]
     return self.dropout(x)
 
 

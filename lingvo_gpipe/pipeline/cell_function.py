@@ -343,13 +343,15 @@ class CellFunctions:
 
   def _weight_body(self, sums, inputs, output_grads):
     """sums + the deferred weight products' gradients over a group of micro-batches:
-    inputs[i]ᵀ · output_grads[i] ([n, I]ᵀ·[n, O] → [I, O]) for each product i."""
+    inputs[i]ᵀ · output_grads[i] ([n, I]ᵀ·[n, O] → [I, O]) for each product i, in
+    their (compute) dtype, then added in the variable's (the sums' float32 under
+    mixed precision)."""
     traced = self._traced
     grads: dict[int, tf.Tensor] = {}
     with tf.name_scope(WEIGHT_SCOPE):
       for i, (x, dy) in enumerate(zip(inputs, output_grads)):
-        grad = tf.matmul(x, dy, transpose_a=True)
         v = traced.product_variables[i]
+        grad = tf.cast(tf.matmul(x, dy, transpose_a=True), traced.variables[v].dtype)
         grads[v] = grad if v not in grads else grads[v] + grad
     return _accumulate(traced.layout, sums,
                        [grads.get(v) for v in range(len(traced.variables))])

@@ -216,10 +216,12 @@ class PipeliningLayer(BaseLayer):
                             "which needs eager execution; build the pipeline eagerly, or "
                             "measure first and give the costs (partition_cost='given')")
       return [c.step_s for c in layer_profiler.measure_layer_costs(
-          p.layers, p.input_specs, steps=3, full=False)]
+          [base_layer.inherit_fprop_dtype(lp, self.fprop_dtype) for lp in p.layers],
+          p.input_specs, steps=3, full=False)]
     from lingvo_gpipe.core import layers as layers_lib
 
-    seq = layers_lib.Sequential.Params().set(name="cost_probe", layers=p.layers)
+    seq = layers_lib.Sequential.Params().set(name="cost_probe", layers=p.layers,
+                                             fprop_dtype=self.fprop_dtype)
     specs = p.input_specs if isinstance(p.input_specs, tuple) else (p.input_specs,)
     stats = model_stats.analyze(seq, *specs, max_depth=1)
     return [float(s.flops) for s in stats[1:]]
@@ -324,8 +326,17 @@ class PipeliningLayer(BaseLayer):
     """
     tf_internals.disable_function_specialization()
     sizes, offsets = self._micro_batches(inputs, self.params.num_micro_batches)
+    inputs = self._in_fprop_dtype(inputs)
     return device_loop.run(self.cell_functions(head), self.plan(), inputs, head_inputs, sizes,
                            offsets, self._channel_prefix)
+
+  def _in_fprop_dtype(self, inputs: Any) -> Any:
+    """The pipeline's nested inputs [B, ...] with the floating ones cast to the compute
+    dtype on the first cell's device: the micro-batches are split from them, so they
+    travel to the first cell and wait in its stash in it (half the bytes of float32
+    under mixed precision)."""
+    with tf.device(self.cell_devices[0]):
+      return tf.nest.map_structure(self.to_fprop_dtype, inputs)
 
   def _deferring_cells(self) -> list[int]:
     """The cells that run their weight gradients as W actions: every cell under zb_h1;
@@ -378,6 +389,7 @@ class PipeliningLayer(BaseLayer):
           x = self._function_cache.call_layers(self.cell_layers(k), x)
       return x
     sizes, offsets = self._micro_batches(structure, self.params.num_micro_batches)
+    structure = self._in_fprop_dtype(structure)
     cells = self.cell_functions()
     step = tf.cast(ctx.step, tf.int64)
     outputs = []

@@ -115,7 +115,7 @@ def with_partition_costs(task_params: Params, input_params: Params,
 
 def probe_main_stack(task_params: Params, input_params: Params) -> tuple[Any, list]:
   """(nested tf.TensorSpec of `stack_inputs(batch)` for the batches of `input_params`,
-  the params of the main stack's layers)."""
+  the params of the main stack's layers, each with the compute dtype it inherits)."""
   batch_spec = input_params.instantiate().batch_spec()
   probe = task_params.copy()
   probe.pipeline.set(num_cells=0, splits=[], num_replicas=1)
@@ -125,7 +125,9 @@ def probe_main_stack(task_params: Params, input_params: Params) -> tuple[Any, li
                                   batch_spec)
     specs = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype),
                                   task.stack_inputs(batch))
-    return specs, list(task.main_stack.params.layers)
+    dtype = task.main_stack.fprop_dtype
+    return specs, [base_layer.inherit_fprop_dtype(lp, dtype)
+                   for lp in task.main_stack.params.layers]
 
 
 class BaseTask(base_layer.BaseLayer):
@@ -169,7 +171,7 @@ class BaseTask(base_layer.BaseLayer):
                        f"{params.cls.__name__}, not a Sequential stack of layers")
     pipelined = PipeliningLayer.Params().set(
         name=params.name, layers=params.layers, random_seed=params.random_seed,
-        dtype=params.dtype, params_init=params.params_init)
+        dtype=params.dtype, fprop_dtype=params.fprop_dtype, params_init=params.params_init)
     for key, value in self.params.pipeline.iter_params():
       if key != "num_replicas":  # the trainer's business: it builds one task per replica
         pipelined.set(**{key: value})
