@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from lingvo_gpipe.core import base_layer, variable_chunks
+from lingvo_gpipe.core import base_layer, loss_scale, variable_chunks
 from lingvo_gpipe.pipeline import device_loop, hybrid, timeline
 from lingvo_gpipe.pipeline.device_loop import Metrics
 from lingvo_gpipe.pipeline.layer import PipelineError, PipeliningLayer
@@ -40,8 +40,14 @@ def loss_and_gradients(model: Any, batch: Any, variables: Sequence[tf.Variable]
   pipeline = model.pipeline
   if pipeline is None:
     metrics = model(batch)
-    grads = tf.gradients(metrics["loss"][0], list(variables),
+    loss = metrics["loss"][0]
+    scale = base_layer.current_context().loss_scale
+    if scale is not None:
+      loss = loss * tf.cast(scale, loss.dtype)
+    grads = tf.gradients(loss, list(variables),
                          unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    if scale is not None:
+      grads = loss_scale.scaled_gradients(grads, 1.0 / scale)
     return metrics, grads
   with tf.GradientTape() as tape:
     inputs = model.stack_inputs(batch)
@@ -63,17 +69,20 @@ class TrainStep:
     fn = tf.function(step)
     outputs, timestamps = fn(batch)   # outputs: loss, metrics, learning_rate,
                                       # grad_norm, finite (loss and gradient norm),
-                                      # update_finite (the variables after the update);
+                                      # update_finite (the variables after the update),
+                                      # loss_scale (S of this step, if scaled);
                                       # timestamps: per device, its actions' times
     timeline.MeasuredTimeline.from_fetched([t.numpy() for t in timestamps])
 
   `optimizers[r]` updates replica r's variables (each optimizer's slots live with its
   variables). Replica 0 records the timestamps; `plan` is the schedule its cells were
-  given (None when not pipelined).
+  given (None when not pipelined). `scale`: the run's DynamicLossScale (None: the
+  loss is not scaled).
   """
 
   def __init__(self, replicas: hybrid.Replicas | Any, optimizers: Sequence[Any] | Any,
-               global_step: tf.Variable, input_device: str | None = None):
+               global_step: tf.Variable, input_device: str | None = None,
+               scale: loss_scale.DynamicLossScale | None = None):
     if not isinstance(replicas, hybrid.Replicas):  # one model
       device = input_device or getattr(replicas, "input_device", None)
       replicas = hybrid.Replicas([replicas], [device])
@@ -84,16 +93,18 @@ class TrainStep:
     self.replicas = replicas
     self.optimizers = list(optimizers)
     self.global_step = global_step
+    self.scale = scale
     pipeline = getattr(replicas.replicas[0], "pipeline", None)
     self.plan = pipeline.plan() if pipeline is not None else None
 
   @tf.autograph.experimental.do_not_convert  # plain Python on static values
   def __call__(self, batch: Any) -> tuple[dict[str, tf.Tensor], list[tf.Tensor]]:
     step = self.global_step.read_value()
+    scale = self.scale.scale.read_value() if self.scale is not None else None
     replicas = self.replicas
     per_replica, grads = [], []
     with base_layer.step_context(training=True, step=step, micro_batch=0, layer_stats=[],
-                                 spans=[]) as ctx:
+                                 spans=[], loss_scale=scale) as ctx:
       for r, shard in enumerate(replicas.shard(batch)):
         with replicas.replica_context(r, shard), base_layer.step_context(
             spans=ctx.spans if r == 0 else None):
@@ -120,6 +131,8 @@ class TrainStep:
 
     tf.cond(finite, apply_stats, lambda: tf.constant(False))
     self.global_step.assign_add(tf.cast(finite, tf.int64))
+    if self.scale is not None:
+      self.scale.update(finite)
     # Read after the updates (automatic control dependencies order the calls that
     # take the same variables); where the step was skipped, nothing changed.
     update_finite = tf.logical_or(tf.logical_not(finite),
@@ -128,6 +141,8 @@ class TrainStep:
     out = {name: value for name, (value, _) in metrics.items()}
     out.update(learning_rate=lr, grad_norm=grad_norm, finite=finite,
                update_finite=update_finite)
+    if scale is not None:
+      out["loss_scale"] = scale
     return out, timestamps
 
   def checkpointed_variables(self) -> list[tf.Variable]:

@@ -13,7 +13,10 @@ One training step is `train_step.TrainStep` (traced once): the pipelined (or pla
 forward and backward → (with R replicas: gradients averaged across replicas) →
 optimizer update on each variable's device → batch-norm moving statistics from the
 whole batch → global step + 1. If the loss or the gradient norm is not finite,
-nothing is updated and the Python loop stops with NonFiniteLossError; if they were
+nothing is updated and the Python loop stops with NonFiniteLossError, except where
+the loss is scaled (float16, core/loss_scale.py) and only the gradient overflowed:
+then the step is skipped (the global step stays), the scale halves and training goes
+on, until the scale reaches its minimum; if they were
 finite but the update made a variable non-finite (a learning rate far too large), the
 loop stops with NonFiniteUpdateError before anything of that step is saved. Either
 way the last checkpoint on disk is the last good state.
@@ -33,10 +36,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import tensorflow as tf
 
 from lingvo_gpipe import checkpoints, logdirs, train_step
-from lingvo_gpipe.core import base_layer
+from lingvo_gpipe.core import base_layer, loss_scale
 from lingvo_gpipe.core.hyperparams import Params
 from lingvo_gpipe.pipeline import hybrid, schedule_chart, tf_internals, timeline
 from lingvo_gpipe.pipeline.layer import PipelineError, requested_cells
@@ -162,10 +166,16 @@ class Trainer:
     for optimizer, variables in zip(self.optimizers, self.replicas.trainable_variables):
       optimizer.create_slots(variables)
     self.global_step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step")
-    self.train_step = train_step.TrainStep(self.replicas, self.optimizers, self.global_step)
+    # The dynamic loss scale where a layer computes in float16 (None otherwise): saved
+    # with the run only then, so float32 and bfloat16 checkpoints are as before.
+    self.loss_scale = loss_scale.make(train_p.loss_scale, self.task)
+    self.train_step = train_step.TrainStep(self.replicas, self.optimizers, self.global_step,
+                                           scale=self.loss_scale)
+    scaled = {"loss_scale": self.loss_scale} if self.loss_scale is not None else {}
     self.checkpoint = tf.train.Checkpoint(task=self.task, optimizer=self.optimizers[0],
                                           global_step=self.global_step,
-                                          train_input_position=self.train_iterator)
+                                          train_input_position=self.train_iterator,
+                                          **scaled)
     self.checkpoint_options = checkpoints.io_options()  # files only on this host
     self.checkpoints = checkpoints.CheckpointStore(
         self.checkpoint, self.train_dir, train_p.max_checkpoints_to_keep, self.restore,
@@ -269,7 +279,11 @@ class Trainer:
     try:
       for batch in self.train_iterator:
         step = progress.step + 1  # the global step this update makes (as progress lines count)
-        values, timestamps = self._run_checked_step(step_fn, batch, step, profiler)
+        checked = self._run_checked_step(step_fn, batch, step, profiler)
+        if checked is None:  # skipped (a loss-scaled gradient overflowed): same step again
+          self._stop_if_requested(progress.step)
+          continue
+        values, timestamps = checked
         progress.step = step
         if step == start + 1:
           # The first call also builds the executable graph and warms the cells up.
@@ -323,12 +337,13 @@ class Trainer:
     return writer
 
   def _run_checked_step(self, step_fn: Callable, batch: Any, step: int,
-                        profiler: _StepProfiler) -> tuple[dict, list[tf.Tensor]]:
+                        profiler: _StepProfiler) -> tuple[dict, list[tf.Tensor]] | None:
     """Runs the training step that makes global step `step` (profiled if asked for).
 
     Returns:
       (values, timestamps): the step's values as numpy scalars, and the timeline
-      timestamps it fetched (empty when not pipelined).
+      timestamps it fetched (empty when not pipelined); None when the step was
+      skipped because its loss-scaled gradient overflowed (the scale has halved).
 
     Raises:
       NonFiniteLossError: the loss or gradient norm was not finite (nothing was updated).
@@ -338,6 +353,8 @@ class Trainer:
     outputs, timestamps = step_fn(batch)
     values = {k: v.numpy() for k, v in outputs.items()}
     profiler.after(step)
+    if not values["finite"] and self._overflow_skipped(step, values):
+      return None
     if not values["finite"]:
       last = self.checkpoints.latest or "none"
       raise NonFiniteLossError(
@@ -346,6 +363,18 @@ class Trainer:
     if not values["update_finite"]:
       self._stop_non_finite_update(step, values)
     return values, timestamps
+
+  def _overflow_skipped(self, step: int, values: dict) -> bool:
+    """Whether a non-finite step is one dynamic loss scaling skips (said in a log
+    line): the loss finite, the gradient not, at a scale above its minimum."""
+    if "loss_scale" not in values or not np.isfinite(values["loss"]):
+      return False
+    used = float(values["loss_scale"])
+    if used <= self.loss_scale.params.min_scale:
+      return False
+    self.log(f"step {step}: gradient overflow at loss scale {used:g}; update skipped, "
+             f"loss scale now {float(self.loss_scale.scale.numpy()):g}")
+    return True
 
   def _write_summaries(self, writer: tf.summary.SummaryWriter, step: int, values: dict,
                        examples_per_sec: float, timestamps: list[tf.Tensor]) -> None:

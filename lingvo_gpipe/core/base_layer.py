@@ -151,6 +151,8 @@ class StepContext:
       it, so that the caller computes that part of W's gradient itself (a pipeline's
       backward pass computes it over several micro-batches at once); None (the
       default): an ordinary product.
+    loss_scale: S, a float32 scalar: the backward of the loss is seeded with S
+      (core/loss_scale.py) and the summed gradients are divided by it; None: 1.
   """
   training: bool = False
   step: Any = 0
@@ -159,6 +161,7 @@ class StepContext:
   layer_stats: list | None = None
   spans: list | None = None
   weight_products: WeightProducts | None = None
+  loss_scale: Any = None
 
 
 @dataclasses.dataclass(frozen=True)

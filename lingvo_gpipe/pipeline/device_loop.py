@@ -308,12 +308,14 @@ class StepInputs:
   inputs: the pipeline's flat batch [B, ...] (cell 0 slices its micro-batches from
   it); head_inputs: the head's flat batch [B, ...] (the last cell's); step: the
   global step, int64 []; base_offset: the batch's first example's position (r·B on
-  replica r; it keys dropout with each micro-batch's offset).
+  replica r; it keys dropout with each micro-batch's offset); loss_scale: S, float32
+  [] (the last cell seeds each backward with S·w_m), or None (1).
   """
   inputs: list[tf.Tensor]
   head_inputs: list[tf.Tensor]
   step: tf.Tensor
   base_offset: Any
+  loss_scale: tf.Tensor | None = None
 
 
 class CellState(NamedTuple):
@@ -455,6 +457,8 @@ class CellLoop:
       loss_index, weight_index = sig.loss_positions()
       weight = state.outputs[weight_index].read(row.micro_batch)
       loss_spec = sig.outputs[loss_index]
+      if self.step_inputs.loss_scale is not None:
+        weight = weight * tf.cast(self.step_inputs.loss_scale, weight.dtype)
       seeds = [tf.cast(weight, loss_spec.dtype)]
     else:
       seeds = list(args.received)
@@ -614,7 +618,7 @@ def run(cells: Sequence[CellFunctions], plan: PipelineSchedule, inputs: Any, hea
   signatures = _trace(cells, inputs, head_inputs, class_sizes)
   links = channels.links(link_prefix, [cell.device for cell in cells])
   step_inputs = StepInputs(tf.nest.flatten(inputs), tf.nest.flatten(head_inputs), step,
-                           ctx.example_offset)
+                           ctx.example_offset, ctx.loss_scale)
   finals: dict[int, CellState] = {}
   for d in range(len(plan.device_orders)):
     table = action_table(plan, d, shape_class, offsets, len(class_sizes))
@@ -625,7 +629,8 @@ def run(cells: Sequence[CellFunctions], plan: PipelineSchedule, inputs: Any, hea
     _record_times(ctx.spans, loop.device, times, table)
   _report_stats(cells, signatures, finals, ctx.layer_stats)
   metrics = _metrics(cells[-1], signatures[-1][0], finals[len(cells) - 1])
-  variables, gradients = _mean_gradients(cells, signatures, finals, metrics["loss"][1])
+  variables, gradients = _mean_gradients(cells, signatures, finals, metrics["loss"][1],
+                                         ctx.loss_scale)
   return StepGradients(metrics, variables, gradients)
 
 
@@ -709,13 +714,17 @@ def _metrics(last: CellFunctions, sig: CallSignature, final: CellState) -> Metri
 
 
 def _mean_gradients(cells: Sequence[CellFunctions], signatures: list[list[CallSignature]],
-                    finals: dict[int, CellState], loss_weight: tf.Tensor
+                    finals: dict[int, CellState], loss_weight: tf.Tensor,
+                    loss_scale: tf.Tensor | None = None
                     ) -> tuple[list[tf.Variable], list[tf.Tensor]]:
   """The cells' summed gradients (each backward seeded with its micro-batch's loss
-  weight) divided by Σ w_m, the whole batch's `loss_weight`: the gradient of the
-  weighted mean loss. One per variable, in first-use order; a variable two cells
-  share (tied weights) gets the sum of theirs."""
+  weight, times the loss scale S if there is one) divided by Σ w_m, the whole batch's
+  `loss_weight`, and by S: the gradient of the weighted mean loss. One per variable,
+  in first-use order; a variable two cells share (tied weights) gets the sum of
+  theirs."""
   with tf.device(cells[-1].device):
+    if loss_scale is not None:
+      loss_weight = loss_weight * tf.cast(loss_scale, loss_weight.dtype)
     inverse_weight = tf.math.divide_no_nan(1.0, loss_weight)
   variables: list[tf.Variable] = []
   gradients: list[tf.Tensor] = []

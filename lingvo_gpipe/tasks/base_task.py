@@ -24,7 +24,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from lingvo_gpipe.core import base_layer, layers, optimizers
+from lingvo_gpipe.core import base_layer, layers, loss_scale, optimizers
 from lingvo_gpipe.core.hyperparams import InstantiableParams, Params, ParamsError
 from lingvo_gpipe.pipeline import layer_profiler
 from lingvo_gpipe.pipeline.layer import (
@@ -44,6 +44,8 @@ def train_params() -> Params:
   p.define("max_steps", 1000, "Train until the global step reaches this.")
   p.define("save_interval_steps", 100, "Write a checkpoint every this many steps.")
   p.define("max_checkpoints_to_keep", 5, "Older checkpoints are deleted.")
+  p.define("loss_scale", loss_scale.loss_scale_params(), "Dynamic loss scaling (on by "
+           "default where a layer computes in float16; core/loss_scale.py).")
   p.define("summary_interval_steps", 10, "Write TensorBoard scalars every this many steps.")
   p.define("log_interval_steps", 10, "Print progress every this many steps.")
   p.define("eval_interval_steps", 0,
@@ -79,6 +81,7 @@ def check_train_params(p: Params) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
       meaning = " (0: only at the end)" if key == "eval_interval_steps" else ""
       raise ParamsError(f"task.train.{key} must be an int >= {minimum}{meaning}, got {value!r}")
+  loss_scale.check_loss_scale_params(p.loss_scale)
 
 
 def with_partition_costs(task_params: Params, input_params: Params,
