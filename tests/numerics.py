@@ -28,7 +28,8 @@ comparison of float sums here is absolute and scaled by the reference:
   run) stay within REORDERED: seen at most 5 ulps.
 - A numpy reference (float64, or a direct convolution against TensorFlow's) is
   another order too; it is compared at the coarser dtype's eps (float32's for a
-  float32 result), or at the `dtype` a call names with its reason.
+  float32 result), or at the `dtype` a call names with its reason (bfloat16's eps is
+  2^-7, float16's 2^-10: a mixed-precision result is compared at its compute dtype's).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import ml_dtypes  # bfloat16 for numpy (installed with TensorFlow)
 import numpy as np
 
 REORDERED = 64
@@ -86,12 +88,18 @@ def _scale(want: np.ndarray) -> float:
 
 
 def _eps(dtype: Any, *arrays: np.ndarray) -> float:
-  """eps of dtype, else the largest eps of the arrays' float dtypes (float32's when
-  none is a float)."""
+  """eps of dtype (a numpy dtype, or a name such as 'bfloat16'), else the largest eps
+  of the arrays' float dtypes (float32's when none is a float)."""
   if dtype is not None:
-    return float(np.finfo(np.dtype(dtype)).eps)
-  floats = [np.finfo(a.dtype).eps for a in arrays if a.dtype.kind == "f"]
+    return float(ml_dtypes.finfo(np.dtype(getattr(ml_dtypes, str(dtype), dtype))).eps)
+  floats = [ml_dtypes.finfo(a.dtype).eps for a in arrays if _is_float(a.dtype)]
   return float(max(floats)) if floats else float(np.finfo(np.float32).eps)
+
+
+def _is_float(dtype: np.dtype) -> bool:
+  """numpy's floats and ml_dtypes' (bfloat16: TensorFlow's .numpy() of a bfloat16
+  tensor), which numpy counts as kind 'V'."""
+  return dtype.kind == "f" or dtype == ml_dtypes.bfloat16
 
 
 def _log_observed(ulps: float) -> None:

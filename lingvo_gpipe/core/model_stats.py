@@ -108,6 +108,7 @@ class LayerStats:
   flops: int
   output_shapes: Any = None  # nested lists of ints, as the layer's outputs are nested
   layer: Any = None  # the layer object, built in the scratch graph (no real variables)
+  fprop_dtype: str = "float32"  # what the layer computes in (BaseLayer.fprop_dtype)
 
 
 def analyze(params: InstantiableParams, *input_specs: Any,
@@ -174,6 +175,7 @@ def analyze(params: InstantiableParams, *input_specs: Any,
         output_shapes=None if outputs is None else tf.nest.map_structure(
             lambda t: t.shape.as_list(), outputs),
         layer=layer,
+        fprop_dtype=layer.fprop_dtype.name,
     ))
   return stats
 
@@ -188,16 +190,17 @@ def human_count(n: float) -> str:
 
 
 def format_table(stats: Sequence[LayerStats]) -> str:
-  """A readable table: one row per layer, indented by depth."""
-  rows = [("layer", "class", "output shape", "params", "FLOPs")]
+  """A readable table: one row per layer, indented by depth, with the dtype it
+  computes in (its variables are float32 whatever that is)."""
+  rows = [("layer", "class", "output shape", "compute", "params", "FLOPs")]
   for s in stats:
     rows.append(("  " * s.depth + s.path.rsplit("/", 1)[-1], s.layer_class,
                  str(s.output_shapes) if s.output_shapes is not None else "-",
-                 f"{s.num_params:,}", human_count(s.flops)))
+                 s.fprop_dtype, f"{s.num_params:,}", human_count(s.flops)))
   widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
   lines = []
   for n, row in enumerate(rows):
-    cells = [c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))]
+    cells = [c.ljust(w) if i < 4 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))]
     lines.append("  ".join(cells).rstrip())
     if n == 0:
       lines.append("  ".join("-" * w for w in widths))

@@ -75,8 +75,9 @@ def measure_layer_costs(layer_params: Sequence[Any], input_specs: Any, steps: in
 
   Returns:
     One LayerCost per layer: median forward and forward+backward seconds, the bytes of
-    its trainable weights and of its input, and the bytes TensorFlow keeps of its
-    forward for the backward.
+    its trainable weights (float32 master weights whatever the compute dtype) and of
+    its input, and the bytes TensorFlow keeps of its forward for the backward (both in
+    the layer's compute dtype, `fprop_dtype`).
   """
   inputs = tf.nest.map_structure(random_like, input_specs)
   batch = tf.nest.flatten(input_specs)[0].shape[0]
@@ -85,7 +86,9 @@ def measure_layer_costs(layer_params: Sequence[Any], input_specs: Any, steps: in
     layer = p.copy().instantiate()
     structure: dict[str, Any] = {}
     call = _flat_call(layer, inputs, structure)
-    flat = tf.nest.flatten(inputs)
+    # In the layer's compute dtype, as a pipeline hands them over and keeps them (a
+    # first layer's float32 images are cast before the micro-batches are split).
+    flat = [layer.to_fprop_dtype(t) for t in tf.nest.flatten(inputs)]
     forward = tf.function(call, autograph=False)
 
     @tf.function(autograph=False)
