@@ -28,11 +28,18 @@ Memory comes from the BFC allocator's counts (`pipeline/memory.py`); all logical
 devices share that one allocator, so K>1 figures are the total over the K devices.
 Measured on the second step so tracing and slot creation are not counted.
 
+`--dtypes float32,bfloat16` runs every configuration in each compute dtype
+(`fprop_dtype`: float32 master weights, activations, hand-offs and stash in the
+dtype) and reports bfloat16 ÷ float32 for the activation bytes, the bytes handed off
+between cells per step (from the traced cells' output specs: M micro-batches, each
+forward hand-off and its gradient back) and the step time.
+
 The paper's bound for the same L, K, M: naive activations grow as N·L, GPipe's as
 N + (L/K)·(N/M) per device, so the ratio is L / (1 + L/(K·M)) for one device's share.
 
   python bench/remat_memory.py            # L=32, d=256, hidden 1024, 32×128 tokens
   python bench/remat_memory.py --layers 8 --seq 32 --configs gpipe_k4_m16_never,1f1b_k4_m16_never
+  python bench/remat_memory.py --dtypes float32,bfloat16 --configs naive,gpipe_k4_m8
 
 The last line printed is one JSON object with the figures.
 """
@@ -92,18 +99,19 @@ def build(args, config: tuple, devices: list[str]):
   blocks = [layers.FeedForwardBlock.Params().set(
       name=f"block{i}", input_dim=args.dim, hidden_dim=args.hidden) for i in range(args.layers)]
   if num_cells is None:
-    return layers.Sequential.Params().set(name="stack", layers=blocks,
-                                          random_seed=1).instantiate()
+    return layers.Sequential.Params().set(name="stack", layers=blocks, random_seed=1,
+                                          fprop_dtype=args.dtype).instantiate()
   return PipeliningLayer.Params().set(
-      name="stack", layers=blocks, random_seed=1, num_cells=num_cells,
+      name="stack", layers=blocks, random_seed=1, num_cells=num_cells, fprop_dtype=args.dtype,
       num_micro_batches=micro_batches, devices=devices[:num_cells // virtual_stages],
       schedule=schedule, virtual_stages=virtual_stages, recompute=recompute,
       weight_gradient_group=weight_gradient_group).instantiate()
 
 
 def mean_square(outputs, _):
-  """Loss: the mean square of the outputs, per example weighted by the examples."""
-  return {"loss": (tf.reduce_mean(tf.square(outputs)),
+  """Loss: the mean square of the outputs (in float32), per example weighted by the
+  examples."""
+  return {"loss": (tf.reduce_mean(tf.square(tf.cast(outputs, tf.float32))),
                    tf.cast(tf.shape(outputs)[0], tf.float32))}
 
 
@@ -118,7 +126,23 @@ def _trained_step(args, config: tuple, devices: list[str]):
   with tf.device(devices[0]):
     batch = {"inputs": tf.random.stateless_normal([args.batch, args.seq, args.dim],
                                                   seed=[1, 2])}
-  return step, batch, variables
+  return step, batch, variables, model
+
+
+def handoff_bytes(model) -> int:
+  """Bytes a training step hands from cell to cell: per micro-batch, each cell but the
+  last sends its floating outputs forward and receives their gradients back (from
+  the traced cells' signatures: one per micro-batch shape)."""
+  pipeline = model.pipeline
+  if pipeline is None:
+    return 0
+  sizes = pipeline.params.num_micro_batches
+  total = 0
+  for cell in pipeline.cell_functions(model.head)[:-1]:
+    signature = next(iter(cell._signatures.values()))  # noqa: SLF001 (equal micro-batches)
+    total += 2 * sum(spec.shape.num_elements() * spec.dtype.size
+                     for spec in signature.outputs if spec.dtype.is_floating)
+  return total * sizes
 
 
 def measure_on_workers(args, name: str) -> dict:
@@ -131,7 +155,7 @@ def measure_on_workers(args, name: str) -> dict:
   num_workers = config[0] // (config[5] if len(config) > 5 else 1)
   with tempfile.TemporaryDirectory() as log_dir:
     with local_cluster(num_workers, memory_log_dir=log_dir) as (devices, _):
-      step, batch, variables = _trained_step(args, config, devices)
+      step, batch, variables, _ = _trained_step(args, config, devices)
       step(batch)[0]["loss"].numpy()  # trace, warm up
       start = time.perf_counter()
       step(batch)[0]["loss"].numpy()
@@ -147,7 +171,7 @@ def measure_in_child(args, name: str) -> dict:
   """measure_on_workers in a child process (joining a cluster is once per process)."""
   command = [sys.executable, os.path.abspath(__file__), "--child", name,
              f"--layers={args.layers}", f"--dim={args.dim}", f"--hidden={args.hidden}",
-             f"--batch={args.batch}", f"--seq={args.seq}"]
+             f"--batch={args.batch}", f"--seq={args.seq}", f"--dtypes={args.dtype}"]
   result = subprocess.run(command, capture_output=True, text=True, timeout=1800)
   if result.returncode != 0:
     raise RuntimeError(f"{name} failed:\n{result.stderr[-3000:]}")
@@ -155,12 +179,20 @@ def measure_in_child(args, name: str) -> dict:
 
 
 def measure(args, config: tuple, devices: list[str]) -> dict:
-  step, batch, variables = _trained_step(args, config, devices)
+  step, batch, variables, model = _trained_step(args, config, devices)
   step(batch)[0]["loss"].numpy()  # trace, warm up
   start = time.perf_counter()
   result = memory.step_activation_bytes(lambda: step(batch)[0]["loss"].numpy())
   result["step_seconds"] = round(time.perf_counter() - start, 3)
+  # The step time again, as the median of 3 (the first includes the memory probe's).
+  times = []
+  for _ in range(3):
+    start = time.perf_counter()
+    step(batch)[0]["loss"].numpy()
+    times.append(time.perf_counter() - start)
+  result["median_step_seconds"] = round(sorted(times)[1], 3)
   result["weight_bytes"] = sum(v.shape.num_elements() * v.dtype.size for v in variables)
+  result["handoff_bytes"] = handoff_bytes(model)
   return result
 
 
@@ -173,10 +205,18 @@ def main() -> None:
   parser.add_argument("--seq", type=int, default=128)
   parser.add_argument("--configs", default=",".join(list(CONFIGS)[:12]),
                       help=f"comma-separated subset of {list(CONFIGS)}")
+  parser.add_argument("--dtypes", default="float32",
+                      help="comma-separated compute dtypes (fprop_dtype) to run each "
+                      "configuration in: float32, bfloat16, float16")
   parser.add_argument("--per_worker", action="store_true",
                       help="each configuration on loopback workers, one peak per worker")
   parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
   args = parser.parse_args()
+  dtypes = args.dtypes.split(",")
+  bad = [d for d in dtypes if d not in ("float32", "bfloat16", "float16")]
+  if bad:
+    parser.error(f"unknown --dtypes {bad}; valid: float32, bfloat16, float16")
+  args.dtype = dtypes[0]
   names = args.configs.split(",")
   unknown = [n for n in names + ([args.child] if args.child else []) if n not in CONFIGS]
   if unknown:
@@ -185,13 +225,15 @@ def main() -> None:
     print(json.dumps(measure_on_workers(args, args.child)))
     return
   if args.per_worker:
+    if len(dtypes) > 1:
+      parser.error("--per_worker runs one --dtypes at a time")
     per_worker = {}
     for name in names:
       per_worker[name] = measure_in_child(args, name)
       peaks = per_worker[name]["peak_bytes_per_worker"]
       print(f"{name:32s} peak per worker " + " ".join(f"{p / 2**20:8.1f} MiB" for p in peaks)
             + f"   step {per_worker[name]['step_seconds']:.2f} s", flush=True)
-    summary = {"bench": "remat_memory", "mode": "per_worker",
+    summary = {"bench": "remat_memory", "mode": "per_worker", "dtype": args.dtype,
                "machine": f"{platform.machine()} {os.cpu_count()} cores, TF {tf.__version__}",
                "layers": args.layers, "dim": args.dim, "hidden": args.hidden,
                "tokens_per_batch": args.batch * args.seq,
@@ -207,21 +249,39 @@ def main() -> None:
     return
   devices = configure_devices("cpu:4")
 
-  results = {}
-  for name in names:
-    results[name] = measure(args, CONFIGS[name], devices)
-    r = results[name]
-    print(f"{name:24s} activations {r['activation_bytes'] / 2**20:9.1f} MiB   "
-          f"peak {r['peak_bytes'] / 2**20:9.1f} MiB   step {r['step_seconds']:.2f} s", flush=True)
+  by_dtype = {}
+  for dtype in dtypes:
+    args.dtype = dtype
+    by_dtype[dtype] = {}
+    for name in names:
+      by_dtype[dtype][name] = r = measure(args, CONFIGS[name], devices)
+      print(f"{dtype:9s} {name:32s} activations {r['activation_bytes'] / 2**20:9.1f} MiB   "
+            f"peak {r['peak_bytes'] / 2**20:9.1f} MiB   hand-offs "
+            f"{r['handoff_bytes'] / 2**20:7.1f} MiB   step {r['median_step_seconds']:.2f} s",
+            flush=True)
+  results = by_dtype[dtypes[0]]
 
   summary = {
       "bench": "remat_memory",
       "machine": f"{platform.machine()} {os.cpu_count()} cores, TF {tf.__version__}",
       "layers": args.layers, "dim": args.dim, "hidden": args.hidden,
       "tokens_per_batch": args.batch * args.seq,
+      "dtype": dtypes[0],
       "activation_bytes": {n: r["activation_bytes"] for n, r in results.items()},
       "step_seconds": {n: r["step_seconds"] for n, r in results.items()},
   }
+  for dtype in dtypes[1:]:  # each other dtype against the first (float32)
+    other = by_dtype[dtype]
+    summary[f"{dtype}_activation_bytes"] = {n: r["activation_bytes"] for n, r in other.items()}
+    for r in list(other.values()) + list(results.values()):
+      # What the step allocates besides its float32 gradient buffers (the sums, weight-
+      # sized in every dtype by design): the part mixed precision can halve.
+      r["activations_less_gradients"] = r["activation_bytes"] - r["weight_bytes"]
+    for figure, key in (("activations", "activation_bytes"),
+                        ("activations_less_gradients", "activations_less_gradients"),
+                        ("handoff", "handoff_bytes"), ("step", "median_step_seconds")):
+      summary[f"{dtype}_over_{dtypes[0]}_{figure}"] = {
+          n: round(other[n][key] / results[n][key], 3) for n in names if results[n][key]}
   if "naive" in results and "gpipe_k1_m8" in results:
     summary["activation_memory_ratio"] = round(
         results["naive"]["activation_bytes"] / results["gpipe_k1_m8"]["activation_bytes"], 3)

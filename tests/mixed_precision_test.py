@@ -109,6 +109,32 @@ def test_each_layer_computes_in_the_dtype_against_a_float32_twin(dtype):
                  err_msg=type(half).__name__)
 
 
+@pytest.mark.parametrize("dtype", HALF)
+def test_half_layer_norm_gradient_equals_tensorflows_of_the_float32_arithmetic(dtype):
+  """The written-out gradient of a half-dtype layer norm (it keeps no float32 copies)
+  against TensorFlow's gradient of the same arithmetic in float32 from the same
+  half-dtype input: dx in the dtype, dscale and dbias float32 (float32's bound)."""
+  x = tf.cast(tf.random.stateless_normal([3, 5, 16], [7, 8]) * 3.0 + 1.0, dtype)
+  dy = tf.cast(tf.random.stateless_normal([3, 5, 16], [9, 10]), dtype)
+  scale = tf.random.stateless_normal([16], [1, 1]) + 1.0
+  bias = tf.random.stateless_normal([16], [2, 2])
+  with tf.GradientTape() as tape:
+    tape.watch([x, scale, bias])
+    got = layers.half_layer_norm(x, scale, bias, 1e-6)
+  got_grads = tape.gradient(got, [x, scale, bias], output_gradients=dy)
+  with tf.GradientTape() as tape:
+    x32 = tf.cast(x, tf.float32)
+    tape.watch([x32, scale, bias])
+    mean, variance = tf.nn.moments(x32, axes=[-1], keepdims=True)
+    want = (x32 - mean) * tf.math.rsqrt(variance + 1e-6) * scale + bias
+  want_grads = tape.gradient(want, [x32, scale, bias], output_gradients=tf.cast(dy, tf.float32))
+  assert got.dtype == tf.as_dtype(dtype) and got_grads[0].dtype == tf.as_dtype(dtype)
+  assert_close(tf.cast(got, tf.float32), tf.cast(tf.cast(want, dtype), tf.float32),
+               ulps=1, dtype=dtype)
+  assert_close(tf.cast(got_grads[0], tf.float32), want_grads[0], ulps=1, dtype=dtype)
+  assert_all_close(got_grads[1:], want_grads[1:], dtype=np.float32)
+
+
 def test_dropout_drops_what_float32_drops():
   """Masks are drawn in float32 whatever the dtype: a bfloat16 model drops exactly the
   elements its float32 twin drops."""

@@ -55,9 +55,30 @@ def _matmul(inputs: tf.Tensor, weight: tf.Tensor) -> tf.Tensor:
   (StepContext), from the recorded inputs, which are in the compute dtype."""
   products = base_layer.current_context().weight_products
   if products is None or not isinstance(weight, tf.Variable) or not weight.trainable:
-    return tf.matmul(inputs, tf.cast(weight, inputs.dtype))
-  out = tf.matmul(inputs, tf.cast(tf.stop_gradient(weight.read_value()), inputs.dtype))
+    return _matmul_cast(inputs, weight)
+  out = _matmul_cast(inputs, tf.stop_gradient(weight.read_value()))
   return products.record(weight, inputs, out)
+
+
+def _matmul_cast(inputs: tf.Tensor, weight: Any) -> tf.Tensor:
+  """inputs [n, I] · weight [I, O] cast to the inputs' dtype. Where that is a cast
+  (mixed precision), the gradient is written out so that the backward casts the
+  weight again instead of keeping the cast copy: TensorFlow's gradient of the
+  matmul kept every layer's half-dtype weight copy per micro-batch in flight (with
+  recompute='never', 32 MiB a micro-batch for bench/remat_memory.py's 32 blocks)."""
+  weight = tf.convert_to_tensor(weight)
+  if weight.dtype == inputs.dtype:
+    return tf.matmul(inputs, weight)
+
+  @tf.custom_gradient
+  def matmul(x, w):
+    def grad(dy):
+      dx = tf.matmul(dy, tf.cast(w, x.dtype), transpose_b=True)
+      return dx, tf.cast(tf.matmul(x, dy, transpose_a=True), w.dtype)
+
+    return tf.matmul(x, tf.cast(w, x.dtype)), grad
+
+  return matmul(inputs, weight)
 
 
 def project(inputs: tf.Tensor, weight: tf.Tensor) -> tf.Tensor:
@@ -316,7 +337,10 @@ class BatchNorm(BaseLayer):
 class LayerNorm(BaseLayer):
   """Layer normalization over the last axis. [..., dim] → [..., dim].
 
-  Computed in float32 whatever the compute dtype; the output is in it."""
+  Computed in float32 whatever the compute dtype; the output is in it. In a half
+  dtype its gradient is written out (`half_layer_norm`) so that the backward keeps
+  only the half-dtype input, not float32 copies of it: what a fused layer-norm
+  kernel does, and what lets mixed precision halve a pre-norm block's activations."""
 
   @classmethod
   def Params(cls):  # noqa: N802
@@ -332,11 +356,53 @@ class LayerNorm(BaseLayer):
     self.create_variable("bias", [self.params.dim], init=weight_init("constant", 0.0))
 
   def fprop(self, inputs: tf.Tensor) -> tf.Tensor:
-    x = at_least_float32(inputs)
-    mean, variance = tf.nn.moments(x, axes=[-1], keepdims=True)
-    normed = (x - mean) * tf.math.rsqrt(variance + self.params.epsilon)
-    out = normed * tf.cast(self.scale, x.dtype) + tf.cast(self.bias, x.dtype)
-    return tf.cast(out, inputs.dtype)
+    if inputs.dtype in base_layer.HALF_DTYPES:
+      return half_layer_norm(inputs, tf.convert_to_tensor(self.scale),
+                             tf.convert_to_tensor(self.bias), self.params.epsilon)
+    mean, variance = tf.nn.moments(inputs, axes=[-1], keepdims=True)
+    normed = (inputs - mean) * tf.math.rsqrt(variance + self.params.epsilon)
+    return normed * tf.cast(self.scale, inputs.dtype) + tf.cast(self.bias, inputs.dtype)
+
+
+def _normalized(x: tf.Tensor, epsilon: float) -> tuple[tf.Tensor, tf.Tensor]:
+  """x [..., D] in float32 → ((x − mean) · rstd [..., D], rstd [..., 1]), statistics
+  over the last axis in float32."""
+  x = tf.cast(x, tf.float32)
+  mean, variance = tf.nn.moments(x, axes=[-1], keepdims=True)
+  rstd = tf.math.rsqrt(variance + epsilon)
+  return (x - mean) * rstd, rstd
+
+
+def half_layer_norm(x: tf.Tensor, scale: tf.Tensor, bias: tf.Tensor,
+                    epsilon: float) -> tf.Tensor:
+  """Layer norm of x [..., D] in a half dtype with float32 statistics and arithmetic;
+  scale, bias [D] float32 → [..., D] in x's dtype.
+
+  The backward recomputes the normalized input from x instead of keeping float32
+  copies (TensorFlow's own gradient of the float32 arithmetic would keep x, x − mean
+  and the normalized x in float32: 3 float32 tensors of x's size per layer norm):
+    n = (x − mean)·rstd,  dn = dy·scale
+    dx = rstd · (dn − mean(dn) − n · mean(dn · n)),  dscale = Σ dy·n,  dbias = Σ dy
+  (sums over every axis but the last). Equal to TensorFlow's gradient of the same
+  float32 arithmetic (`tests/mixed_precision_test.py`)."""
+
+  @tf.custom_gradient
+  def norm(x, scale, bias):
+    normed, _ = _normalized(x, epsilon)
+
+    def grad(dy):
+      normed, rstd = _normalized(x, epsilon)
+      dy = tf.cast(dy, tf.float32)
+      batch_axes = list(range(dy.shape.rank - 1))
+      dnormed = dy * scale
+      dx = rstd * (dnormed - tf.reduce_mean(dnormed, axis=-1, keepdims=True)
+                   - normed * tf.reduce_mean(dnormed * normed, axis=-1, keepdims=True))
+      return (tf.cast(dx, x.dtype), tf.reduce_sum(dy * normed, axis=batch_axes),
+              tf.reduce_sum(dy, axis=batch_axes))
+
+    return tf.cast(normed * scale + bias, x.dtype), grad
+
+  return norm(x, scale, bias)
 
 
 def at_least_float32(x: tf.Tensor) -> tf.Tensor:
