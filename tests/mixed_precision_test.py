@@ -4,7 +4,7 @@ trainer, and dynamic loss scaling, each against a reference computed another way
 import numpy as np
 import pytest
 import tensorflow as tf
-from gpipe_test import BATCH, DIM, STEP, inputs, pair_layers
+from gpipe_test import STEP, inputs, pair_layers
 from numerics import assert_all_close, assert_close
 
 from lingvo_gpipe import model_registry, train_step, trainer
@@ -37,11 +37,11 @@ def build(dtype, **pipeline):
                           fprop_dtype=dtype, **pipeline).instantiate()
 
 
-def step_loss_and_grads(model, scale=None):
+def step_loss_and_grads(model, scale=None, head=loss_head):
   """One training step's loss and gradients through TrainStep's path (the pipeline's
   schedule, or tf.gradients of the whole batch), with loss scale `scale`."""
   x, skip, target = inputs()
-  wrapped = train_step.StackWithLoss(model, loss_head)
+  wrapped = train_step.StackWithLoss(model, head)
 
   @tf.function
   def step():
@@ -278,17 +278,7 @@ def test_float16_gradients_underflow_without_a_loss_scale(cpu_devices):
 
   def grads(dtype, scale=None):
     model = build(dtype, num_cells=2, num_micro_batches=2, devices=cpu_devices)
-    x, skip, target = inputs()
-    wrapped = train_step.StackWithLoss(model, tiny_head)
-
-    @tf.function
-    def step():
-      with base_layer.step_context(training=True, step=tf.constant(STEP, tf.int64),
-                                   loss_scale=scale):
-        return train_step.loss_and_gradients(
-            wrapped, {"inputs": (x, skip), "target": target}, model.trainable_variables)[1]
-
-    return [g.numpy() for g in step()]
+    return step_loss_and_grads(model, scale, tiny_head)[1]
 
   want = grads("float32")
   unscaled = grads("float16")
