@@ -3,7 +3,8 @@
 Starts two tools/worker.py servers on loopback, places a pipeline on them with each
 schedule (two cells; interleaved: four, two per worker), and prints one JSON line: the
 largest relative difference between its loss and gradients and those of the same
-layers run unpartitioned in this process, and worker 1's device memory
+layers run unpartitioned in this process (also with fprop_dtype='bfloat16': bfloat16
+hand-offs between the processes), and worker 1's device memory
 (tools/worker.py --memory_log) before and after a 4 MiB variable
 is created there.
 """
@@ -37,22 +38,29 @@ def main() -> None:
     x = tf.constant(np.random.RandomState(0).randn(10, 16), tf.float32)
 
     def head(outputs, _):
-      per_example = tf.reduce_sum(tf.square(outputs), axis=-1)
+      per_example = tf.reduce_sum(tf.square(tf.cast(outputs, tf.float32)), axis=-1)
       return {"loss": (tf.reduce_mean(per_example), tf.cast(tf.size(per_example), tf.float32))}
 
-    local = layers.Sequential.Params().set(name="s", layers=stack, random_seed=3).instantiate()
-    with tf.GradientTape() as tape:
-      with base_layer.step_context(training=True, step=tf.constant(4, tf.int64)):
-        loss = head(local(x), None)["loss"][0]
-    want = [loss.numpy()] + [g.numpy() for g in tape.gradient(loss, local.trainable_variables)]
+    def unpartitioned(dtype):
+      local = layers.Sequential.Params().set(name="s", layers=stack, random_seed=3,
+                                             fprop_dtype=dtype).instantiate()
+      with tf.GradientTape() as tape:
+        with base_layer.step_context(training=True, step=tf.constant(4, tf.int64)):
+          loss = head(local(x), None)["loss"][0]
+      return [loss.numpy()] + [g.numpy() for g in tape.gradient(loss,
+                                                                local.trainable_variables)]
 
+    wants = {"float32": unpartitioned("float32"), "bfloat16": unpartitioned("bfloat16")}
     worst = {}
-    for schedule in ("gpipe", "1f1b", "zb_h1", "interleaved_1f1b"):
+    # (interleaved last: the report names the devices of the last pipeline built)
+    for schedule in ("gpipe", "1f1b", "1f1b/bfloat16", "zb_h1", "interleaved_1f1b"):
+      schedule, _, dtype = schedule.partition("/")
       interleaved = schedule == "interleaved_1f1b"  # 4 cells, 2 on each worker
       remote = gpipe.PipeliningLayer.Params().set(
           name="s", layers=stack, random_seed=3, num_cells=4 if interleaved else 2,
           virtual_stages=2 if interleaved else 1, num_micro_batches=4,
-          devices=devices, schedule=schedule).instantiate()
+          devices=devices, schedule=schedule, fprop_dtype=dtype or "float32").instantiate()
+      want = wants[dtype or "float32"]
 
       @tf.function
       def run(model=remote):
@@ -63,7 +71,8 @@ def main() -> None:
 
       loss, grads = run()
       got = [loss.numpy()] + [g.numpy() for g in grads]
-      worst[schedule] = max(relative_difference(g, w) for g, w in zip(got, want))
+      worst[f"{schedule}/{dtype}" if dtype else schedule] = max(
+          relative_difference(g, w) for g, w in zip(got, want))
     # Worker 1's memory log sees a 4 MiB variable created there.
     log = memory_log_path(log_dir, 1)
     time.sleep(1.0)

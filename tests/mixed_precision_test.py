@@ -5,19 +5,13 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from gpipe_test import STEP, inputs, pair_layers
-from numerics import assert_all_close, assert_close
+from numerics import HALF_REORDERED, assert_all_close, assert_close
 
 from lingvo_gpipe import model_registry, train_step, trainer
 from lingvo_gpipe.core import base_layer, hyperparams, layers, loss_scale
 from lingvo_gpipe.pipeline.layer import PipeliningLayer
 
 HALF = ["bfloat16", "float16"]
-# An unpartitioned model in a half dtype rounds each product over the whole batch to
-# that dtype once; the pipeline rounds per micro-batch and sums in float32. Seen: at
-# most 3.9 units of the dtype's eps of the largest gradient element (both dtypes), so
-# 16 leaves a margin of 4. A micro-batch left out moves gradients by ~1/M of their scale:
-# 30 units of bfloat16's eps at M = 4, 250 of float16's.
-HALF_REORDERED = 16
 
 
 def loss_of(outputs, target):
@@ -312,11 +306,13 @@ def test_bad_loss_scale_params_are_named(settings, message):
     loss_scale.check_loss_scale_params(params)
 
 
-def lm_trainer(logdir, overrides: str, logs: list | None = None):
+def make_trainer(logdir, overrides: str, logs: list | None = None,
+                 model: str = "lm.TransformerTiny"):
   model_registry.load_param_files()
-  params = model_registry.get_params("lm.TransformerTiny")
+  params = model_registry.get_params(model)
   for key, value in hyperparams.parse_overrides(
-      "task.pipeline.num_micro_batches=2;task.train.save_interval_steps=2;" + overrides):
+      "task.pipeline.num_cells=2;task.pipeline.num_micro_batches=2;"
+      "task.train.save_interval_steps=2;" + overrides):
     params.set_from_text(key, value)
   log = logs.append if logs is not None else (lambda _: None)
   return trainer.Trainer(params.freeze(), str(logdir), log=log)
@@ -328,7 +324,7 @@ def test_float16_overflow_skips_the_step_halves_the_scale_and_resumes_it(tmp_pat
   gradients fit; the checkpoint holds only finite values and the scale; a resumed
   run restores the scale and the good-step count."""
   logs: list = []
-  run = lm_trainer(tmp_path, "task.fprop_dtype='float16';"
+  run = make_trainer(tmp_path, "task.fprop_dtype='float16';"
                    "task.train.loss_scale.initial_scale=1099511627776.0", logs)
   run.train(2)
   skips = [line for line in logs if "gradient overflow" in line]
@@ -343,7 +339,7 @@ def test_float16_overflow_skips_the_step_halves_the_scale_and_resumes_it(tmp_pat
   assert len(floats) > 20
   for name in floats:
     assert np.all(np.isfinite(reader.get_tensor(name))), name
-  resumed = lm_trainer(tmp_path, "task.fprop_dtype='float16'")
+  resumed = make_trainer(tmp_path, "task.fprop_dtype='float16'")
   assert resumed.restore_latest() == 2
   assert float(resumed.loss_scale.scale.numpy()) == scale
   assert int(resumed.loss_scale.good_steps.numpy()) == int(run.loss_scale.good_steps.numpy())
@@ -352,7 +348,41 @@ def test_float16_overflow_skips_the_step_halves_the_scale_and_resumes_it(tmp_pat
 def test_bfloat16_and_float32_runs_have_no_loss_scale(tmp_path):
   """auto: no scale without a float16 layer (checkpoints as before)."""
   for dtype in ("bfloat16", "float32"):
-    run = lm_trainer(tmp_path / dtype, f"task.fprop_dtype='{dtype}'")
+    run = make_trainer(tmp_path / dtype, f"task.fprop_dtype='{dtype}'")
     assert run.loss_scale is None
-  forced = lm_trainer(tmp_path / "forced", "task.train.loss_scale.mode='dynamic'")
+  forced = make_trainer(tmp_path / "forced", "task.train.loss_scale.mode='dynamic'")
   assert forced.loss_scale is not None
+
+
+def test_data_and_pipeline_parallel_in_bfloat16_equal_one_pipeline(tmp_path):
+  """TinyConvNet (convolutions, batch norm) in bfloat16 through the trainer: R=2 ×
+  (K=2, M=2) makes R=1 × (K=2, M=4)'s micro-batches of the same 32 examples, so its
+  first loss and the weights, slots and batch-norm statistics after one step equal
+  R=1's (float32 sums all-reduced instead of summed: float32's bound)."""
+  common = "task.fprop_dtype='bfloat16';"
+  single = make_trainer(tmp_path / "r1", common + "task.pipeline.num_micro_batches=4",
+                        model="demo.TinyConvNet")
+  replicated = make_trainer(tmp_path / "r2", common + "task.pipeline.num_replicas=2",
+                            model="demo.TinyConvNet")
+  losses = [run.train(1)["loss"] for run in (single, replicated)]
+  assert_close(losses[1], losses[0])
+  want = single.train_step.checkpointed_variables()
+  got = replicated.train_step.checkpointed_variables()
+  assert [v.name for v in got] == [v.name for v in want]
+  assert_all_close([v.numpy() for v in got], [v.numpy() for v in want])
+
+
+def test_the_profile_counts_inputs_in_the_compute_dtype():
+  """The partitioner's and planner's costs (layer_profiler): a bfloat16 layer's input
+  is counted at half float32's bytes (the pipeline casts it before it is stashed), its
+  weights at float32's (master weights), and it keeps fewer bytes for its backward."""
+  from lingvo_gpipe.pipeline import layer_profiler
+
+  spec = tf.TensorSpec([16, 64], tf.float32)
+  costs = {dtype: layer_profiler.measure_layer_costs(
+      [layers.Linear.Params().set(name="fc", input_dim=64, output_dim=64, activation="TANH",
+                                  fprop_dtype=dtype)], spec, steps=1)[0]
+      for dtype in ("float32", "bfloat16")}
+  assert costs["bfloat16"].input_bytes * 2 == costs["float32"].input_bytes
+  assert costs["bfloat16"].weight_bytes == costs["float32"].weight_bytes
+  assert costs["bfloat16"].kept_bytes < costs["float32"].kept_bytes

@@ -26,6 +26,13 @@ comparison of float sums here is absolute and scaled by the reference:
   rounding is carried into the next and Adam divides by small second moments (1.2e-4
   of scale, the old rtol of those tests). A few steps (two Adam steps, a resumed
   run) stay within REORDERED: seen at most 5 ulps.
+- HALF_REORDERED (16), in units of a half compute dtype's eps (bfloat16 2^-7, float16
+  2^-10; docs/mixed_precision.md): a model computing in it against the same model
+  unpartitioned in it. The unpartitioned model rounds each product over the whole
+  batch to the dtype once, the pipeline once per micro-batch and sums them in float32.
+  Seen: at most 3.9 units of the largest gradient element, both dtypes, so 16 leaves
+  a margin of 4; a micro-batch left out moves gradients by ~1/M of their scale (30
+  units of bfloat16's eps at M = 4, 250 of float16's).
 - A numpy reference (float64, or a direct convolution against TensorFlow's) is
   another order too; it is compared at the coarser dtype's eps (float32's for a
   float32 result), or at the `dtype` a call names with its reason (bfloat16's eps is
@@ -42,6 +49,7 @@ import numpy as np
 
 REORDERED = 64
 TRAINED = 1024
+HALF_REORDERED = 16
 
 
 def tolerance(want: Any, ulps: float = REORDERED, dtype: Any = None) -> float:

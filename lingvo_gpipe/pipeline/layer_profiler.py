@@ -117,7 +117,20 @@ def _kept_bytes(call: Callable, flat: Sequence[tf.Tensor]) -> int:
   concrete = tf.function(call, autograph=False).get_concrete_function(
       *[tf.TensorSpec(t.shape, t.dtype) for t in flat])
   pair = tf_internals.forward_backward_pair(concrete)
-  return _nbytes([concrete.graph.outputs[i] for i in pair.kept_positions])
+  kept = {}  # each buffer once: a tensor and its identities share one
+  for i in pair.kept_positions:
+    source = _aliased_source(concrete.graph.outputs[i])
+    kept[(source.op.name, source.value_index)] = source
+  return _nbytes(list(kept.values()))
+
+
+def _aliased_source(t: tf.Tensor) -> tf.Tensor:
+  """The tensor whose buffer `t` is: through Identity and IdentityN (which forward
+  their inputs' buffers; tf.custom_gradient wraps its inputs and outputs in one, so
+  its kept inputs appear twice)."""
+  while t.op.type in ("Identity", "IdentityN"):
+    t = t.op.inputs[t.value_index]
+  return t
 
 
 def _nbytes(tensors: Sequence[Any]) -> int:
