@@ -108,7 +108,7 @@ def test_layers_that_differ_in_a_param_trace_apart(cpu_devices):
 # cell's flat running sums (a call per chunk of variables of one shape).
 LOOP_STATE_OPS = {"Identity", "Const", "TensorListSetItem", "other call"}
 CALL_OPS = {"PartitionedCall", "StatefulPartitionedCall"}
-CHUNK_FUNCTIONS = ("_flatten_chunk", "_unflatten_chunk")  # variable_chunks.FlatLayout
+CHUNK_FUNCTIONS = ("_add_rows", "_unstack_rows")  # variable_chunks.StackedLayout
 
 
 def library_ops(num_layers: int, share: bool = True) -> tuple[int, collections.Counter]:

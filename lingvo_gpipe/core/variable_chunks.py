@@ -13,8 +13,9 @@ tracing grows with the kinds of variable, the graph by one call per chunk.
   chunks(variables)                  → [[positions], ...]
   global_norm(tensors, variables)    → √(Σ ‖t‖²), each chunk summed on its device
   all_finite(variables)              → whether every floating variable is finite
-  FlatLayout(variables)              → one tensor per variable ⇄ one flat vector per
-                                       dtype (a pipeline cell's running gradient sums)
+  StackedLayout(variables)           → one tensor per variable ⇄ one stacked tensor
+                                       per shape and dtype, added to in place (a
+                                       pipeline cell's running gradient sums)
 """
 
 from __future__ import annotations
@@ -89,64 +90,66 @@ def all_finite(variables: Sequence[tf.Variable]) -> tf.Tensor:
 
 
 @tf.function(autograph=False)  # inlined where called: a cell's backward runs it per action
-def _flatten_chunk(tensors: list[Any], shape: tuple[int, ...], dtype: tf.DType) -> tf.Tensor:
-  return tf.concat([tf.reshape(tf.zeros(shape, dtype) if t is None else t, [-1])
-                    for t in tensors], axis=0)
+def _add_rows(stacked: tf.Tensor, tensors: list[Any], shape: tuple[int, ...]) -> tf.Tensor:
+  """stacked [n, *shape] + tensors (n of `shape`, None: nothing): one copy of
+  `stacked`, then each tensor added into its row of the copy in place, the last row
+  first (tf.raw_ops.InplaceAdd writes into its input's buffer whoever else holds it:
+  tf_internals item 10; the copy is held by nothing else)."""
+  if all(t is None for t in tensors):
+    return stacked
+  stacked = tf.raw_ops.DeepCopy(x=stacked)
+  for row in reversed(range(len(tensors))):
+    if tensors[row] is not None:
+      stacked = tf.raw_ops.InplaceAdd(x=stacked, i=[row],
+                                      v=tf.reshape(tensors[row], [1, *shape]))
+  return stacked
 
 
 @tf.function(autograph=False)
-def _unflatten_chunk(flat: tf.Tensor, shape: tuple[int, ...], count: int) -> list[tf.Tensor]:
-  return [tf.reshape(part, shape) for part in tf.split(flat, count)]
+def _unstack_rows(stacked: tf.Tensor) -> list[tf.Tensor]:
+  return tf.unstack(stacked)
 
 
-class FlatLayout:
-  """Where each of `variables`' tensors (e.g. gradients) lives in flat vectors, one per
-  dtype: a pipeline's device loop carries each cell's running gradient sums as these few
-  vectors instead of one loop variable per variable (whose plumbing through the loop
-  and its branches was most of the cost of tracing a deep cell). Packing and
-  unpacking is one traced call per chunk of variables of one shape and dtype.
+class StackedLayout:
+  """Where each of `variables`' tensors (a cell's running gradient sums) lives: one
+  tensor [n, *shape] per shape and dtype, row i the i-th variable of that shape. A
+  pipeline's device loop carries a cell's sums as these few tensors instead of one
+  loop variable per variable (whose plumbing through the loop and its branches was
+  most of the cost of tracing a deep cell).
 
-  dtypes: the vectors' dtypes, in first-seen order; specs(): their TensorSpecs.
+  `add` copies a stacked tensor once, then adds each gradient into its row of the copy
+  in place (tf.raw_ops.InplaceAdd), the variables' rows in reverse order, as a
+  backward makes their gradients, so each gradient is freed once added. Packed into
+  one flat vector per dtype (`s + concat(gradients)`), the end of every backward held
+  all its gradients, their packed copy and the sums at once, about three
+  weight-sized buffers, which set the peak of re-materialized steps
+  (docs/benchmarks.md, "Mixed precision").
   """
 
   def __init__(self, variables: Sequence[tf.Variable]):
     self.shapes = [tuple(v.shape.as_list()) for v in variables]
-    self.dtypes: list[tf.DType] = []
-    sizes: list[int] = []
-    # per chunk: (positions, vector index, offset, elements per variable)
-    self._chunks: list[tuple[list[int], int, int, int]] = []
-    for positions in chunks(variables, by_device=False):
-      dtype = variables[positions[0]].dtype
-      if dtype not in self.dtypes:
-        self.dtypes.append(dtype)
-        sizes.append(0)
-      vector = self.dtypes.index(dtype)
-      elements = math.prod(self.shapes[positions[0]])
-      self._chunks.append((positions, vector, sizes[vector], elements))
-      sizes[vector] += elements * len(positions)
-    self._sizes = sizes
+    groups: dict[tuple, list[int]] = {}
+    for i, v in enumerate(variables):
+      groups.setdefault((self.shapes[i], v.dtype), []).append(i)
+    # per group: (positions, shape, dtype)
+    self._groups = [(positions, shape, dtype) for (shape, dtype), positions in groups.items()]
 
   def specs(self) -> list[tf.TensorSpec]:
-    return [tf.TensorSpec([n], d) for n, d in zip(self._sizes, self.dtypes)]
+    return [tf.TensorSpec([len(positions), *shape], dtype)
+            for positions, shape, dtype in self._groups]
 
   def zeros(self) -> list[tf.Tensor]:
-    return [tf.zeros([n], d) for n, d in zip(self._sizes, self.dtypes)]
+    return [tf.zeros(spec.shape, spec.dtype) for spec in self.specs()]
 
-  def flatten(self, tensors: Sequence[Any]) -> list[tf.Tensor]:
-    """One tensor (or None: zeros) per variable → the flat vectors."""
-    parts: list[list[tf.Tensor]] = [[] for _ in self.dtypes]
-    for positions, vector, _, _ in self._chunks:  # (in offset order per vector)
-      parts[vector].append(_flatten_chunk([tensors[i] for i in positions],
-                                          self.shapes[positions[0]], self.dtypes[vector]))
-    return [p[0] if len(p) == 1 else tf.concat(p, axis=0) for p in parts]
+  def add(self, stacked: Sequence[tf.Tensor], tensors: Sequence[Any]) -> list[tf.Tensor]:
+    """stacked + one tensor (or None: nothing) per variable (`stacked` unchanged)."""
+    return [_add_rows(s, [tensors[i] for i in positions], shape)
+            for s, (positions, shape, _) in zip(stacked, self._groups)]
 
-  def unflatten(self, vectors: Sequence[tf.Tensor]) -> list[tf.Tensor]:
-    """The flat vectors → one tensor per variable."""
+  def unstack(self, stacked: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+    """The stacked tensors → one tensor per variable."""
     out: list[Any] = [None] * len(self.shapes)
-    for positions, vector, offset, elements in self._chunks:
-      size = elements * len(positions)
-      parts = _unflatten_chunk(vectors[vector][offset:offset + size],
-                               self.shapes[positions[0]], len(positions))
-      for i, part in zip(positions, parts):
+    for s, (positions, _, _) in zip(stacked, self._groups):
+      for i, part in zip(positions, _unstack_rows(s)):
         out[i] = part
     return out

@@ -12,9 +12,9 @@ head) in `tf.function`s:
         a re-materialized cell with deferred weight gradients: weight_gradient_group
         G > 1, or the zb_h1 schedule; the backward then leaves them out)
 
-`sums` are the cell's running gradient sums as a few flat vectors, one per dtype
-(`variable_chunks.FlatLayout` of the variables the cell reads): its device's loop
-carries them instead of one loop variable per variable.
+`sums` are the cell's running gradient sums as a few stacked tensors, one per shape
+and dtype (`variable_chunks.StackedLayout` of the variables the cell reads), added to
+in place: its device's loop carries them instead of one loop variable per variable.
 
 Each is traced once per distinct micro-batch shape (an uneven split has two) by
 `CellFunctions.signature`, which returns what tracing found as a frozen
@@ -89,13 +89,12 @@ def _dense(g: Any) -> Any:
   return tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
 
 
-def _accumulate(layout: variable_chunks.FlatLayout, sums: Sequence[tf.Tensor],
+def _accumulate(layout: variable_chunks.StackedLayout, sums: Sequence[tf.Tensor],
                 grads: Sequence[Any]) -> list[tf.Tensor]:
-  """sums (the flat vectors of `layout`) + grads (one per variable; None adds
+  """sums (the stacked tensors of `layout`) + grads (one per variable; None adds
   nothing)."""
   with tf.name_scope(ACCUMULATE_SCOPE):
-    flat = layout.flatten([None if g is None else _dense(g) for g in grads])
-    return [s + f for s, f in zip(sums, flat)]
+    return layout.add(sums, [None if g is None else _dense(g) for g in grads])
 
 
 def _zeros_for_none(grads: Sequence[Any], like: Sequence[tf.Tensor]) -> list[tf.Tensor]:
@@ -132,8 +131,8 @@ class CallSignature:
   output_structure: the nest the layers (and the head) return, `outputs` flattened
   from it; stats_structure: per layer that reported batch statistics, the layer and
   the nest of its statistics, `stats` flattened from them; variables: the variables
-  the cell reads, in the order of its gradient sums; layout: those sums as flat
-  vectors, one per dtype. These four are the same for every shape of one cell
+  the cell reads, in the order of its gradient sums; layout: those sums as stacked
+  tensors, one per shape and dtype. These four are the same for every shape of one cell
   (traces that disagree raise).
   """
   inputs: tuple[tf.TensorSpec, ...]
@@ -144,7 +143,7 @@ class CallSignature:
   output_structure: Any
   stats_structure: tuple[tuple[BaseLayer, Any], ...]
   variables: tuple[tf.Variable, ...]
-  layout: variable_chunks.FlatLayout
+  layout: variable_chunks.StackedLayout
   pair: tf_internals.ForwardBackwardPair | None = None
   # Deferred weight products (cells with W actions): per product, its inputs
   # [n, I] and output gradient [n, O].
@@ -191,8 +190,8 @@ class _Traced:
   output_structure: Any = None
   stats_structure: tuple[tuple[BaseLayer, Any], ...] = ()
   variables: list[tf.Variable] | None = None
-  # The running gradient sums of `variables` as flat vectors, one per dtype.
-  layout: variable_chunks.FlatLayout | None = None
+  # The running gradient sums of `variables` as stacked tensors, one per shape and dtype.
+  layout: variable_chunks.StackedLayout | None = None
   # Per deferred weight product (in the order the layers make them): the position of
   # its variable in `variables`.
   product_variables: list[int] | None = None
@@ -373,7 +372,7 @@ class CellFunctions:
     variables = list(watched)
     if traced.variables is None:
       traced.variables = variables
-      traced.layout = variable_chunks.FlatLayout(variables)
+      traced.layout = variable_chunks.StackedLayout(variables)
     elif [v.ref() for v in variables] != [v.ref() for v in traced.variables]:
       raise RuntimeError(
           f"cell {self.index}: a second trace read other variables "
@@ -462,7 +461,7 @@ class CellFunctions:
 
     output_grads: one per differentiable output (the loss weight on the last cell).
     Returns the gradients of the floating inputs (an empty list when the cell needs
-    none), `sums` (sig.layout's flat vectors) plus this call's variable gradients,
+    none), `sums` (sig.layout's stacked tensors) plus this call's variable gradients,
     and per deferred weight product its inputs [n, I] and output gradient [n, O]
     (empty lists unless weight gradients are deferred).
     """

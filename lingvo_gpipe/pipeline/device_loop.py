@@ -321,7 +321,7 @@ class StepInputs:
 class CellState(NamedTuple):
   """One cell's part of its device's loop state (loop variables; tf.nest takes a
   NamedTuple apart field by field)."""
-  sums: list[tf.Tensor]                # the running gradient sums (sig.layout's vectors)
+  sums: list[tf.Tensor]                # the running gradient sums (sig.layout's tensors)
   stash: list[list[tf.TensorArray]]    # per shape class, per saved spec: the stash slots
   outputs: list[tf.TensorArray]        # last cell: per flat output (metrics), M elements
   stats: list[tf.TensorArray]          # per flat statistic, M elements
@@ -733,7 +733,7 @@ def _mean_gradients(cells: Sequence[CellFunctions], signatures: list[list[CallSi
     sig = signatures[k][0]
     with tf.device(cell.device):
       scale = tf.identity(inverse_weight)
-      sums = sig.layout.unflatten([s * tf.cast(scale, s.dtype) for s in finals[k].sums])
+      sums = sig.layout.unstack([s * tf.cast(scale, s.dtype) for s in finals[k].sums])
     for v, g in zip(sig.variables, sums):
       if v.ref() in position:  # a variable shared by two cells (tied weights)
         gradients[position[v.ref()]] += g

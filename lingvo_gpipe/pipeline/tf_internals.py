@@ -81,6 +81,16 @@ test named beside it, then `TENSORFLOW_CHECKED` is updated.
    `tests/tf_internals_test.py::test_philox_counter_layout_of_position_keyed_masks`
    (against Philox computed in numpy) and, per dtype,
    `tests/layers_test.py::test_position_keyed_uniform_matches_one_long_draw`.
+10. `tf.raw_ops.InplaceAdd(x, i, v)` (a raw op; the public `inplace_add` wrappers
+    copy first) writes v into rows i of x's own buffer and returns that buffer, whoever
+    else holds x; `tf.raw_ops.DeepCopy` makes a buffer nothing else holds. A cell's
+    gradient sums (`variable_chunks.StackedLayout`) copy once per backward, then add
+    each gradient into its row of the copy in place, so a backward never holds all its
+    gradients packed beside the sums (a weight-sized buffer or two less at its end;
+    docs/benchmarks.md). If InplaceAdd copied, every add would copy a whole stack;
+    if DeepCopy were folded away, the sums would be written into a buffer a later
+    step reads. Pinned by `tests/tf_internals_test.py::test_inplace_add_writes_into_its_input`
+    and the equivalence grid of `tests/gpipe_test.py` (two training steps included).
 """
 
 from __future__ import annotations
