@@ -21,7 +21,6 @@ tracing grows with the kinds of variable, the graph by one call per chunk.
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Sequence
 from typing import Any
 
