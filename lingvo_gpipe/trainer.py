@@ -183,6 +183,9 @@ class Trainer:
     # Set from another thread (tools/trainer.py's Ctrl-C handler): the loop stops
     # after the step in flight.
     self.stop_requested = threading.Event()
+    # Wall seconds of each step this trainer ran (the first includes building its
+    # graph): what a plan's predicted step is compared with.
+    self.step_seconds: list[float] = []
 
   # -- checkpoints -----------------------------------------------------------------
 
@@ -350,8 +353,10 @@ class Trainer:
       NonFiniteUpdateError: the update made a variable non-finite (nothing is saved).
     """
     profiler.before(step)
+    start = time.perf_counter()
     outputs, timestamps = step_fn(batch)
     values = {k: v.numpy() for k, v in outputs.items()}
+    self.step_seconds.append(time.perf_counter() - start)
     profiler.after(step)
     if not values["finite"] and self._overflow_skipped(step, values):
       return None

@@ -3,8 +3,12 @@
   python tools/trainer.py --model=demo.TinyConvNet --logdir=/tmp/run --max_steps=200
 
 Modes: train, eval, train_and_eval, inspect_params, inspect_model, list_models, plan.
-plan measures (or reads from --cost_cache) the per-layer costs and prints the best plans
-for --devices and --device_memory, last a JSON line with the best plan's --params_override.
+plan measures (or reads from --cost_cache) the per-layer costs and the machine's figures,
+prints the best plans for --devices and --device_memory and what the model's own
+configuration would take (and whether it fits), last a JSON line with the best plan's
+--params_override. In train modes, --plan=auto trains with the best plan, --plan=check
+with the params as given; both predict the step and per-device peak, and write them
+beside the measured ones when training ends (log, TensorBoard, train/plan_check.json).
 Exit codes: 0 success; 2 bad input (unknown model, a param file that does not load,
 bad override, unwritable logdir, bad device or cluster spec, missing TFDS data, a
 checkpoint of another model, params its checkpoints cannot follow), reported before
@@ -30,6 +34,7 @@ from absl import app, flags, logging  # noqa: E402
 
 if TYPE_CHECKING:
   from lingvo_gpipe.core.hyperparams import Params
+  from lingvo_gpipe.planning import Planned
   from lingvo_gpipe.runtime.watchdog import WorkerWatchdog
   from lingvo_gpipe.trainer import Trainer
 
@@ -55,11 +60,17 @@ flags.DEFINE_integer("inspect_depth", 3, "Layer depth shown by --mode=inspect_mo
 flags.DEFINE_string("profile_steps", "", "A,B: capture a TensorFlow profile of global steps "
                     "A..B into <logdir>/train/plugins/profile (TensorBoard's profile tab), "
                     "e.g. 10,12.")
-flags.DEFINE_string("device_memory", "16GB", "--mode=plan: each device's memory budget "
-                    "(e.g. 16GB, 512MiB); plans keep 10% of it free.")
-flags.DEFINE_string("cost_cache", "~/.cache/lingvo_gpipe/layer_costs.json", "--mode=plan: "
-                    "the file measured per-layer costs are kept in (a plan is redone "
-                    "quickly once they are there); empty: measure every time.")
+flags.DEFINE_enum("plan", "", ["", "auto", "check"], "Train modes: 'auto' trains with the "
+                  "best plan for the devices and --device_memory (replacing task.pipeline's "
+                  "cells, splits, micro-batches, recompute, schedule, replicas); 'check' "
+                  "with the params as given. Both log the predicted step and per-device "
+                  "peak and, when training ends, the measured ones beside them.")
+flags.DEFINE_string("device_memory", "16GB", "--mode=plan and --plan: each device's memory "
+                    "budget (e.g. 16GB, 512MiB); plans keep 10% of it free.")
+flags.DEFINE_string("cost_cache", "~/.cache/lingvo_gpipe/layer_costs.json", "--mode=plan and "
+                    "--plan: the file measured per-layer costs and machine figures are kept "
+                    "in (a plan is redone quickly once they are there); empty: measure "
+                    "every time.")
 flags.DEFINE_string("data_dir", None, "Prepared TFDS data for the model's TFDS inputs "
                     "(sets train_input.data_dir and eval_input.data_dir).")
 
@@ -76,6 +87,8 @@ class RunState:
   `trainer` once it is built.
   """
   trainer: Trainer | None = None
+  planned: Planned | None = None  # --plan: the prediction to compare the run with
+  devices: tuple[str, ...] = ()
 
   def request_stop(self) -> None:
     """Asks the training loop, if one is built, to stop after the step in flight."""
@@ -160,51 +173,112 @@ def _inspect_model(params) -> None:
   print(json.dumps(summary))
 
 
-def _plan(params, num_devices: int) -> int:
-  """--mode=plan: measures (or reads from --cost_cache) each layer's costs, prints the
-  best plans for the devices and --device_memory, and last one JSON line with the
-  best plan's --params_override."""
-  import platform
-
-  import tensorflow as tf
-
+def _plan_setting(devices: list[str]):
+  """planning.Setting of --device_memory (less a 10% margin), --cost_cache and the
+  devices (UsageFailure on a bad budget or cache path)."""
+  from lingvo_gpipe import planning
   from lingvo_gpipe.pipeline import layer_profiler, planner
-  from lingvo_gpipe.tasks.base_task import probe_main_stack
 
   try:
     budget = planner.parse_bytes(FLAGS.device_memory) * 0.9
   except ValueError as e:
     raise UsageFailure(f"--device_memory: {e}") from None
   cache_path = os.path.expanduser(FLAGS.cost_cache)
-  try:
-    if cache_path:
+  if cache_path:
+    try:
       layer_profiler.check_cache_path(cache_path)  # before the model is probed
-    specs, layer_params = probe_main_stack(params.task, params.train_input)
-    batch_size = tf.nest.flatten(specs)[0].shape[0]
-    key = [FLAGS.model, params.task.to_text(), specs, platform.node(), tf.__version__]
-    measure = lambda: layer_profiler.measure_layer_costs(layer_params, specs)  # noqa: E731
-    print(f"Costs of the {len(layer_params)} layers at batch {batch_size} ...", flush=True)
-    costs = (layer_profiler.cached_layer_costs(
-        cache_path, key, measure, warn=lambda text: print(text, file=sys.stderr, flush=True),
-        num_layers=len(layer_params)) if cache_path else measure())
+    except layer_profiler.CostCacheError as e:
+      raise UsageFailure(f"--cost_cache: {e}") from None
+  workers = []
+  if FLAGS.cluster_spec:
+    from lingvo_gpipe.runtime import cluster
+
+    spec = (cluster.cluster_spec_from_tf_config() if FLAGS.cluster_spec == "tf_config"
+            else cluster.parse_cluster_spec(FLAGS.cluster_spec))
+    workers = spec.get("worker", [])
+  return planning.Setting(tuple(devices), budget, cache_path,
+                          planning.device_concurrency(devices, workers),
+                          log=lambda text: print(text, flush=True))
+
+
+def _plan(params, devices: list[str]) -> int:
+  """--mode=plan: measures (or reads from --cost_cache) each layer's costs and the
+  machine's figures, prints the best plans for the devices and --device_memory and
+  what the params as given would take, and last one JSON line with the best plan's
+  --params_override."""
+  from lingvo_gpipe import planning
+  from lingvo_gpipe.pipeline import layer_profiler, planner, step_model
+
+  setting = _plan_setting(devices)
+  try:
+    costs, batch_size = planning.layer_costs(params, setting)
+    machine = planning.machine(params, setting)
   except layer_profiler.CostCacheError as e:
     raise UsageFailure(f"--cost_cache: {e}") from None
-  slot_factor = planner.slot_factor(params.task.train.optimizer)
-  machine = planner.Machine(num_devices, budget, slot_factor)
   start = time.perf_counter()
   try:
     plans = planner.plan(costs, machine, batch_size)
   except planner.PlanError as e:
-    raise UsageFailure(str(e)) from None
-  print(f"Planned in {time.perf_counter() - start:.1f} s: {num_devices} device(s), "
-        f"{budget / 2**30:.3g} GiB each after a 10% margin, batch {batch_size}")
-  print(planner.format_plans(plans))
+    plans, no_plan = [], str(e)
+  print(f"Planned in {time.perf_counter() - start:.1f} s: {len(devices)} device(s), "
+        f"{setting.memory_bytes / 2**30:.3g} GiB each after a 10% margin, batch {batch_size}")
+  if plans:
+    print(planner.format_plans(plans))
+  own = None
+  try:
+    shape = planning.own_shape(params, devices)
+    own = step_model.predict(costs, machine, shape, batch_size)
+  except Exception as e:  # noqa: BLE001 (a configuration that cannot be built: say why)
+    print(f"The params as given cannot be predicted here: {e}")
+  if own is not None:
+    need = max(own.peak_bytes)
+    verdict = ("fits" if need <= setting.memory_bytes else
+               f"does NOT fit: {planner.format_bytes(need - setting.memory_bytes)} over "
+               f"the budget on device {own.peak_bytes.index(need)}")
+    print(f"The params as given (K={shape.num_cells}, M={shape.num_micro_batches}, "
+          f"{shape.recompute}, {shape.schedule}): step {own.step_s * 1e3:.1f} ms, peak per "
+          f"device {planning.format_peaks(own.peak_bytes)}; {verdict}")
+  if not plans:
+    raise UsageFailure(no_plan)
   best = plans[0]
-  print(json.dumps({"model": FLAGS.model, "devices": num_devices,
-                    "device_memory_bytes": budget / 0.9, "step_s": best.step_s,
-                    "bubble": best.bubble, "peak_bytes": list(best.peak_bytes),
-                    "params_override": best.params_override()}))
+  print(json.dumps({"model": FLAGS.model, "devices": len(devices),
+                    "device_memory_bytes": setting.memory_bytes / 0.9,
+                    "step_s": best.step_s, "bubble": best.bubble,
+                    "peak_bytes": list(best.peak_bytes),
+                    "params_override": best.params_override(),
+                    "own": None if own is None else {
+                        "step_s": own.step_s, "peak_bytes": list(own.peak_bytes),
+                        "fits": max(own.peak_bytes) <= setting.memory_bytes}}))
   return 0
+
+
+def _planned_params(params, devices: list[str], state: RunState):
+  """--plan: the params to train (auto: the best plan's), their prediction kept in
+  `state` for the comparison at the end."""
+  from lingvo_gpipe import planning
+  from lingvo_gpipe.pipeline import layer_profiler, planner
+
+  setting = _plan_setting(devices)
+  try:
+    with _bad_params_are_usage_errors():
+      state.planned = planning.plan_run(params, setting, auto=FLAGS.plan == "auto")
+  except (planner.PlanError, layer_profiler.CostCacheError) as e:
+    raise UsageFailure(f"--plan={FLAGS.plan}: {e}") from None
+  state.devices = tuple(devices)
+  planning.reset_allocator_peaks(devices)  # the run's peak, not the measuring's
+  return state.planned.params
+
+
+def _compare_with_plan(state: RunState, trainer) -> None:
+  """--plan: the prediction beside what the run measured (log, TensorBoard, JSON)."""
+  from lingvo_gpipe import planning
+
+  found = planning.compare(state.planned, trainer.step_seconds,
+                           planning.allocator_peaks(state.devices))
+  print(planning.format_comparison(found), flush=True)
+  path = planning.write_comparison(trainer.train_dir, found,
+                                   int(trainer.global_step.numpy()))
+  print(f"Wrote {path}")
 
 
 def _latest_checkpoint() -> str | None:
@@ -267,7 +341,9 @@ def _run(state: RunState) -> int:
     return 0
   if FLAGS.mode == "plan":
     with _bad_params_are_usage_errors():
-      return _plan(params, len(devices))
+      return _plan(params, devices)
+  if FLAGS.plan and FLAGS.mode != "eval":
+    params = _planned_params(params, devices, state)
   return _run_in_logdir(params, watchdog, state)
 
 
@@ -398,6 +474,8 @@ def _train_or_eval(params: Params, profile_steps: tuple[int, int] | None,
       return 0
     eval_fn = trainer.evaluate if FLAGS.mode == "train_and_eval" else None
     trainer.train(params.task.train.max_steps, eval_fn=eval_fn, profile_steps=profile_steps)
+    if state.planned is not None and trainer.step_seconds:
+      _compare_with_plan(state, trainer)
     if eval_fn is not None:
       trainer.evaluate()
     print(f"Logs and checkpoints are in {FLAGS.logdir}; look at them with: "

@@ -339,14 +339,10 @@ class PipeliningLayer(BaseLayer):
       return tf.nest.map_structure(self.to_fprop_dtype, inputs)
 
   def _deferring_cells(self) -> list[int]:
-    """The cells that run their weight gradients as W actions: every cell under zb_h1;
-    with weight_gradient_group G > 1, the re-materialized ones."""
+    """The cells that run their weight gradients as W actions (schedule.deferring_cells)."""
     p = self.params
-    if p.schedule == "zb_h1":
-      return list(range(len(self.cells)))
-    if p.weight_gradient_group > 1:
-      return [k for k in range(len(self.cells)) if self._recompute_cell(k)]
-    return []
+    return schedule.deferring_cells(p.schedule, len(self.cells), p.weight_gradient_group,
+                                    [self._recompute_cell(k) for k in range(len(self.cells))])
 
   def plan(self) -> schedule.PipelineSchedule:
     """The actions of each cell in a training step and each device's order (see

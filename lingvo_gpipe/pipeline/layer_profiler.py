@@ -38,13 +38,22 @@ class CostCacheError(ParamsError):
 
 @dataclasses.dataclass(frozen=True)
 class LayerCost:
-  """One layer at a micro-batch of `batch` examples: seconds and bytes."""
+  """One layer at a micro-batch of `batch` examples: seconds and bytes.
+
+  Seconds at b examples are the line a + c·b through two measured sizes
+  (`step_model.layer_times`): forward_s and backward_s at `batch`, and the intercepts
+  forward_fixed_s and backward_fixed_s (0: proportional to b). weight_share is the
+  part of the backward that computes weight gradients (what a W action runs).
+  """
   forward_s: float
   backward_s: float
   weight_bytes: int
   input_bytes: int
   kept_bytes: int
   batch: int
+  forward_fixed_s: float = 0.0
+  backward_fixed_s: float = 0.0
+  weight_share: float = 0.5
 
   @property
   def step_s(self) -> float:
@@ -60,27 +69,42 @@ def random_like(spec: tf.TensorSpec) -> tf.Tensor:
 
 
 def measure_layer_costs(layer_params: Sequence[Any], input_specs: Any, steps: int = 5,
-                        full: bool = True) -> list[LayerCost]:
-  """Each layer built and run alone on the default device, in training.
+                        full: bool = True, device: str | None = None,
+                        small_batch: int | None = None) -> list[LayerCost]:
+  """Each layer built and run alone on `device` (default: the default device), in
+  training.
 
   Args:
     layer_params: the stack's layers' params, in order.
     input_specs: nested tf.TensorSpec of the first layer's input, batch first; each
       later layer gets the previous one's real output.
     steps: timed runs per layer after one warm-up; the median is kept.
-    full: also time the forward alone and count what TensorFlow keeps for the
-      backward (the planner's needs). False (the partitioner's): only forward +
-      backward is timed, recorded as backward_s with forward_s 0 and kept_bytes 0, at
+    full: also time the forward alone, the input gradients alone and the layer at
+      `small_batch` examples, and count what TensorFlow keeps for the backward (the
+      planner's needs). False (the partitioner's): only forward + backward at the
+      batch is timed, recorded as backward_s with forward_s 0 and kept_bytes 0, at
       half the runs and no extra trace.
+    device: where the layer's variables live and its calls run (the device a plan's
+      cells run on: a worker's device measures that worker's speed).
+    small_batch: the second size the times are fitted at (full only; default a
+      quarter of the batch, at least 1; none when the batch is 1).
 
   Returns:
-    One LayerCost per layer: median forward and forward+backward seconds, the bytes of
-    its trainable weights (float32 master weights whatever the compute dtype) and of
-    its input, and the bytes TensorFlow keeps of its forward for the backward (both in
-    the layer's compute dtype, `fprop_dtype`).
+    One LayerCost per layer: median seconds with the cost of calling an empty
+    function on `device` taken off (the engine's calls are inside its loop), the
+    bytes of its trainable weights (float32 master weights whatever the compute
+    dtype) and of its input, and the bytes TensorFlow keeps of its forward for the
+    backward (both in the layer's compute dtype, `fprop_dtype`).
   """
+  with tf.device(device):
+    return _measure_layer_costs(layer_params, input_specs, steps, full, small_batch)
+
+
+def _measure_layer_costs(layer_params, input_specs, steps, full, small_batch):
   inputs = tf.nest.map_structure(random_like, input_specs)
   batch = tf.nest.flatten(input_specs)[0].shape[0]
+  small = (small_batch or max(1, batch // 4)) if full and batch > 1 else None
+  call_s = _median_seconds(tf.function(lambda x: [x + 1]), [tf.zeros([])], 2 * steps)
   costs = []
   for p in layer_params:
     layer = p.copy().instantiate()
@@ -89,25 +113,91 @@ def measure_layer_costs(layer_params: Sequence[Any], input_specs: Any, steps: in
     # In the layer's compute dtype, as a pipeline hands them over and keeps them (a
     # first layer's float32 images are cast before the micro-batches are split).
     flat = [layer.to_fprop_dtype(t) for t in tf.nest.flatten(inputs)]
-    forward = tf.function(call, autograph=False)
-
-    @tf.function(autograph=False)
-    def forward_backward(*flat, layer=layer, call=call):
-      with tf.GradientTape() as tape:
-        tape.watch([t for t in flat if t.dtype.is_floating])
-        out = call(*flat)
-        total = tf.add_n([tf.reduce_sum(t) for t in out if t.dtype.is_floating])
-      return tape.gradient(total, layer.trainable_variables)
-
-    outputs = forward(*flat)
-    forward_backward(*flat)
-    forward_s = _median_seconds(forward, flat, steps) if full else 0.0
-    both_s = _median_seconds(forward_backward, flat, steps)
+    forward = tf.function(lambda *flat, call=call: _done(call(*flat)), autograph=False)
+    forward_backward = _gradient_function(layer, call, weights=True)
+    outputs = call(*flat)
+    timed = _Timer(steps, call_s)
+    both_s = timed(forward_backward, flat)
+    if not full:
+      costs.append(LayerCost(0.0, both_s, _nbytes(layer.trainable_variables),
+                             _nbytes(flat), 0, batch))
+      inputs = tf.nest.pack_sequence_as(structure["out"], list(outputs))
+      continue
+    forward_s = timed(forward, flat)
+    share = _weight_share(layer, call, flat, timed, forward_s, both_s)
+    fixed = (0.0, 0.0)
+    if small is not None and small < batch:
+      part = [t[:small] for t in flat]
+      small_times = (timed(forward, part), timed(forward_backward, part))
+      fixed = tuple(_intercept(small, at_small, batch, at_batch) for at_small, at_batch in
+                    zip((small_times[0], small_times[1] - small_times[0]),
+                        (forward_s, both_s - forward_s)))
     costs.append(LayerCost(forward_s, max(both_s - forward_s, 0.0),
                            _nbytes(layer.trainable_variables), _nbytes(flat),
-                           _kept_bytes(call, flat) if full else 0, batch))
+                           _kept_bytes(call, flat), batch, forward_fixed_s=fixed[0],
+                           backward_fixed_s=fixed[1], weight_share=share))
     inputs = tf.nest.pack_sequence_as(structure["out"], list(outputs))
   return costs
+
+
+def _intercept(small: int, at_small: float, batch: int, at_batch: float) -> float:
+  """a of the line a + c·b through (small, at_small) and (batch, at_batch), within
+  [0, at_batch]: a time does not fall as the batch grows, nor is it negative at 0."""
+  slope = (at_batch - at_small) / (batch - small)
+  return float(min(max(at_small - slope * small, 0.0), max(at_batch, 0.0)))
+
+
+def _gradient_function(layer: Any, call: Callable, weights: bool) -> Callable:
+  """flat inputs → a token once the gradients of the outputs' sum with respect to the
+  layer's weights (or, weights=False, to its floating inputs) are computed."""
+  @tf.function(autograph=False)
+  def gradients(*flat):
+    with tf.GradientTape() as tape:
+      floating = [t for t in flat if t.dtype.is_floating]
+      tape.watch(floating)
+      out = call(*flat)
+      total = tf.add_n([tf.reduce_sum(tf.cast(t, tf.float32))
+                        for t in out if t.dtype.is_floating])
+    grads = tape.gradient(total, layer.trainable_variables if weights else floating)
+    return _done([tf.convert_to_tensor(g) for g in grads if g is not None])
+
+  return gradients
+
+
+def _weight_share(layer: Any, call: Callable, flat: Sequence[tf.Tensor], timed: Callable,
+                  forward_s: float, both_s: float) -> float:
+  """The part of the layer's backward that computes weight gradients: 1 − (input
+  gradients alone) / (all gradients), each less the forward; 1 for a layer without
+  floating inputs (an embedding), 0 for one without weights."""
+  if not layer.trainable_variables:
+    return 0.0
+  if not any(t.dtype.is_floating for t in flat):
+    return 1.0
+  backward_s = both_s - forward_s
+  if backward_s <= 0:
+    return 0.5
+  input_s = timed(_gradient_function(layer, call, weights=False), flat) - forward_s
+  return float(min(max(1.0 - input_s / backward_s, 0.0), 1.0))
+
+
+def _done(tensors: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+  """A scalar that exists once every tensor does: fetching it waits for them without
+  copying them off a remote device."""
+  firsts = [tf.cast(tf.reshape(t, [-1])[:1], tf.float32) for t in tensors
+            if t.shape.num_elements() != 0]
+  return [tf.add_n([tf.reduce_sum(f) for f in firsts]) if firsts else tf.zeros([])]
+
+
+class _Timer:
+  """Median seconds of a function's calls (`_median_seconds`), less the cost of
+  calling an empty function (`call_s`), never below zero."""
+
+  def __init__(self, steps: int, call_s: float):
+    self.steps, self.call_s = steps, call_s
+
+  def __call__(self, fn: Callable, args: Sequence[Any]) -> float:
+    fn(*args)  # trace, warm up
+    return max(_median_seconds(fn, args, self.steps) - self.call_s, 0.0)
 
 
 def _kept_bytes(call: Callable, flat: Sequence[tf.Tensor]) -> int:
@@ -207,6 +297,17 @@ def cached_layer_costs(path: str, key_parts: Sequence[Any],
     CostCacheError: `path` can never hold a cache (check_cache_path), or the costs
       must be measured and stored where nothing can be written (before measuring).
   """
+  return cached_record(
+      path, key_parts, measure, warn,
+      decode=lambda entry: [LayerCost(**e) for e in _checked_entries(entry, num_layers)],
+      encode=lambda costs: [dataclasses.asdict(c) for c in costs])
+
+
+def cached_record(path: str, key_parts: Sequence[Any], measure: Callable[[], Any],
+                  warn: Callable[[str], None], decode: Callable[[Any], Any],
+                  encode: Callable[[Any], Any]) -> Any:
+  """`cached_layer_costs` for any record: `decode(entry)` raises TypeError or
+  ValueError on an entry it cannot use; `encode(record)` gives its JSON value."""
   check_cache_path(path)
   key = hashlib.sha256(json.dumps([str(k) for k in key_parts]).encode()).hexdigest()[:16]
   stored, why_not = _read_cache(path)
@@ -216,21 +317,21 @@ def cached_layer_costs(path: str, key_parts: Sequence[Any],
     return measure()
   if key in stored:
     try:
-      return [LayerCost(**entry) for entry in _checked_entries(stored[key], num_layers)]
+      return decode(stored[key])
     except (TypeError, ValueError) as e:
       warn(f"warning: cost cache {path}: the entry for this model is not usable ({e}); "
            "measuring again")
   _check_writable(path)
-  costs = measure()
-  stored[key] = [dataclasses.asdict(c) for c in costs]
+  record = measure()
+  stored[key] = encode(record)
   try:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path + ".tmp", "w") as f:
       json.dump(stored, f)
     os.replace(path + ".tmp", path)
-  except OSError as e:  # e.g. a full disk: the costs are measured all the same
+  except OSError as e:  # e.g. a full disk: the record is measured all the same
     warn(f"warning: cost cache {path} not saved ({e})")
-  return costs
+  return record
 
 
 def _read_cache(path: str) -> tuple[dict, str | None]:

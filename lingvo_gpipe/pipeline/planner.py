@@ -1,36 +1,19 @@
 """An automatic pipeline plan: cells, split, micro-batches, re-materialization, schedule
 and replicas chosen from measured per-layer costs and a per-device memory budget.
 
-The cost model (`LayerCost`, one per layer of the main stack, measured at one
-micro-batch size and scaled linearly with it):
+The cost model is `step_model`'s (per-layer times fitted at two micro-batch sizes,
+the machine's measured action overhead, update rate and link, every schedule's real
+in-flight counts). `plan` searches R (dividing the devices and the batch),
+K ≤ devices / R, the contiguous split, M (dividing the per-replica batch), every
+recompute policy and every schedule (SCHEDULES; interleaved_1f1b at each V that
+divides K and leaves M a multiple of K/V), and ranks what fits by predicted step
+time.
 
-  time    forward F and gradient pass B of each layer (`layer_profiler.measure_layer_costs`:
-          each layer built and timed alone)
-  memory  its weights; its input per micro-batch; what TensorFlow keeps of its
-          forward for the backward (`tf_internals.forward_backward_pair`: the exact
-          tensors, counted from their static shapes)
-
-A cell of layers [s, e) on its device, at micro-batch size b, holds
-
-  weights · (2 + slot_factor)                 (the weights, their gradient sums, the
-                                               optimizer slots)
-  + held(k) · (input of layer s           re-materialized: it keeps its input
-               or Σ kept[s:e])            otherwise: every intermediate
-  + Σ kept[s:e]   (re-materialized: the one backward's recomputed forward at a time)
-
-with held(k) the schedule's micro-batches in flight on cell k (gpipe M, 1f1b K−k;
-`PipelineSchedule.max_in_flight`); a cell is re-materialized as the recompute policy
-says for cell k (`layer.recomputes`: except_last keeps the last cell's
-intermediates). Its calls take Σ F and Σ B (+ Σ F again when re-materialized) over
-its layers. The predicted step is the schedule's simulated
-timeline with those per-cell times (`PipelineSchedule.simulate`), plus a per-action
-overhead, plus, with R replicas, an all-reduce of the gradients.
-
-`plan` searches R (dividing the devices and the batch), K ≤ devices / R, the
-contiguous split (exact: the least largest cell time whose cells all fit,
-`partition.min_bottleneck_split`), M (dividing the per-replica batch), every recompute
-policy and the schedules this model covers (SCHEDULES), and ranks what fits by
-predicted step time.
+The split is exact for one cell per device (`partition.min_bottleneck_split`: the
+least largest cell time whose every cell fits, each cell with its own in-flight
+counts). With V cells per device a device's memory is the sum over cells spread
+along the pipeline, which a contiguous split cannot bound cell by cell: there each
+cell is held to 1/V of the budget, and the whole plan is then checked per device.
 """
 
 from __future__ import annotations
@@ -44,16 +27,13 @@ import numpy as np
 import tensorflow as tf
 
 from lingvo_gpipe.core.hyperparams import ParamsError
-from lingvo_gpipe.pipeline import partition, schedule
+from lingvo_gpipe.pipeline import partition, schedule, step_model
 from lingvo_gpipe.pipeline.layer import RECOMPUTE_POLICIES, recomputes
 from lingvo_gpipe.pipeline.layer_profiler import LayerCost
+from lingvo_gpipe.pipeline.step_model import Machine, PlanShape  # noqa: F401 (API)
 
 RECOMPUTE = RECOMPUTE_POLICIES
-# The schedules the model above covers, of schedule.SCHEDULES (a new schedule is not
-# planned until its memory is modelled: zb_h1 holds each deferred backward's products
-# until its W, interleaved_1f1b places V cells per device).
-MODELLED = ("gpipe", "1f1b")
-SCHEDULES = tuple(name for name in schedule.SCHEDULES if name in MODELLED)
+SCHEDULES = schedule.SCHEDULES
 
 
 class PlanError(ParamsError):
@@ -63,7 +43,7 @@ class PlanError(ParamsError):
 @dataclasses.dataclass(frozen=True)
 class Plan:
   """One candidate: R replicas × K cells (layers [splits[k-1], splits[k])), M
-  micro-batches, and what the model predicts for it."""
+  micro-batches, V cells per device, and what the model predicts for it."""
   num_replicas: int
   num_cells: int
   splits: tuple[int, ...]
@@ -72,7 +52,8 @@ class Plan:
   schedule: str
   step_s: float
   bubble: float
-  peak_bytes: tuple[float, ...]  # per cell (device)
+  peak_bytes: tuple[float, ...]  # per device
+  virtual_stages: int = 1
 
   def params_override(self) -> str:
     """The `--params_override` that runs this plan."""
@@ -81,104 +62,94 @@ class Plan:
             f"task.pipeline.num_micro_batches={self.num_micro_batches};"
             f"task.pipeline.recompute={self.recompute};"
             f"task.pipeline.schedule={self.schedule};"
+            f"task.pipeline.virtual_stages={self.virtual_stages};"
             f"task.pipeline.num_replicas={self.num_replicas}")
 
-
-@dataclasses.dataclass(frozen=True)
-class Machine:
-  """What the plan runs on: devices, each device's memory budget (bytes, after the
-  margin), optimizer slots per weight byte (Adam 2), seconds per scheduled action
-  (loop and hand-off overhead), and the all-reduce bandwidth between replicas."""
-  num_devices: int
-  memory_bytes: float
-  slot_factor: float = 2.0
-  action_overhead_s: float = 0.15e-3  # a device loop's action in one process, measured
-  allreduce_bytes_per_s: float = 10e9
+  @property
+  def shape(self) -> PlanShape:
+    return PlanShape(self.num_replicas, self.splits, self.num_micro_batches,
+                     self.recompute, self.schedule, self.virtual_stages)
 
 
 class _MemoryModel:
-  """Prefix sums of the layers' bytes at one micro-batch size: `peak(starts, ends, held,
-  recompute)` gives cells [start, end) their predicted peaks, elementwise over arrays
-  of starts and ends (module docstring)."""
+  """Prefix sums of the layers' bytes at one micro-batch size: `peak(k, starts, ends)`
+  gives cell k of [start, end) its `step_model` bytes (held + working set, and the
+  batch of inputs on cell 0), elementwise over arrays of starts and ends."""
 
-  def __init__(self, costs: Sequence[LayerCost], micro_batch: int, slot_factor: float):
+  def __init__(self, costs: Sequence[LayerCost], micro_batch: float, slot_factor: float,
+               batch_input_bytes: float):
     scale = micro_batch / costs[0].batch
     self.weights = np.concatenate([[0.0], np.cumsum([c.weight_bytes for c in costs])]) * (
-        2.0 + slot_factor)
+        3.0 + slot_factor)
     self.kept = np.concatenate([[0.0], np.cumsum([c.kept_bytes * scale for c in costs])])
-    self.inputs = np.array([c.input_bytes * scale for c in costs])  # a cell's: its first's
+    # a cell's input is its first layer's; its output the next cell's input (none last)
+    self.inputs = np.array([c.input_bytes * scale for c in costs] + [0.0])
+    self.batch_input_bytes = batch_input_bytes
 
-  def peak(self, starts: Any, ends: Any, held: int, recompute: bool) -> Any:
+  def peak(self, starts: Any, ends: Any, in_flight: int, awaiting: int, recompute: bool,
+           first: bool) -> Any:
     kept = self.kept[ends] - self.kept[starts]
-    held_bytes = held * (self.inputs[starts] if recompute else kept)
-    # re-materialized: one backward's recomputed forward at a time on top
-    return self.weights[ends] - self.weights[starts] + held_bytes + (
-        kept if recompute else 0.0)
+    stash = self.inputs[starts] if recompute else kept
+    return (self.weights[ends] - self.weights[starts] + in_flight * stash +
+            awaiting * kept + self.inputs[starts] + self.inputs[ends] +
+            (kept if recompute else 0.0) + (self.batch_input_bytes if first else 0.0))
 
 
-def cell_memory(costs: Sequence[LayerCost], start: int, end: int, micro_batch: int,
-                held: int, recompute: bool, slot_factor: float) -> float:
-  """Predicted peak bytes of the cell of layers [start, end) (module docstring)."""
-  return float(_MemoryModel(costs, micro_batch, slot_factor).peak(start, end, held,
-                                                                   recompute))
+def _batch_input_bytes(costs: Sequence[LayerCost], per_replica_batch: int) -> float:
+  return costs[0].input_bytes * per_replica_batch / costs[0].batch
+
+
+def cell_memory(costs: Sequence[LayerCost], start: int, end: int, micro_batch: float,
+                in_flight: int, recompute: bool, slot_factor: float, awaiting: int = 0,
+                batch_input_bytes: float = 0.0) -> float:
+  """Predicted peak bytes of the cell of layers [start, end) alone on its device
+  (step_model's terms; `batch_input_bytes` for cell 0)."""
+  model = _MemoryModel(costs, micro_batch, slot_factor, batch_input_bytes)
+  return float(model.peak(start, end, in_flight, awaiting, recompute,
+                          first=batch_input_bytes > 0))
 
 
 def cell_times(costs: Sequence[LayerCost], bounds: Sequence[tuple[int, int]],
-               micro_batch: int, recompute: str) -> tuple[list[float], list[float]]:
+               micro_batch: float, recompute: str) -> tuple[list[float], list[float]]:
   """Per cell: forward and backward seconds at `micro_batch` examples (the backward
-  recomputes the forward in a cell the policy `recompute` re-materializes)."""
-  scale = micro_batch / costs[0].batch
-  forward = [sum(c.forward_s for c in costs[s:e]) * scale for s, e in bounds]
-  backward = [sum(c.backward_s for c in costs[s:e]) * scale +
-              (f if recomputes(recompute, k, len(bounds)) else 0.0)
-              for k, ((s, e), f) in enumerate(zip(bounds, forward))]
+  recomputes the forward in a cell the policy `recompute` re-materializes), without
+  the machine's per-action overhead."""
+  times = [[step_model.layer_times(c, micro_batch) for c in costs[s:e]] for s, e in bounds]
+  forward = [sum(f for f, _ in cell) for cell in times]
+  backward = [sum(b for _, b in cell) + (f if recomputes(recompute, k, len(bounds)) else 0.0)
+              for k, (cell, f) in enumerate(zip(times, forward))]
   return forward, backward
 
 
-def best_split(costs: Sequence[LayerCost], num_cells: int, micro_batch: int,
+def best_split(costs: Sequence[LayerCost], num_cells: int, micro_batch: float,
                held: Sequence[int], recompute: str, slot_factor: float,
-               memory_bytes: float) -> tuple[int, ...] | None:
+               memory_bytes: float, awaiting: Sequence[int] | None = None,
+               batch_input_bytes: float = 0.0) -> tuple[int, ...] | None:
   """The split (cells' end indices) with the least largest cell time (forward +
   backward) whose every cell k fits `memory_bytes` with held[k] micro-batches in
-  flight, under the policy `recompute`; None when none fits
-  (partition.min_bottleneck_split, exact)."""
-  scale = micro_batch / costs[0].batch
+  flight and awaiting[k] awaiting their W, under the policy `recompute`; None when
+  none fits (partition.min_bottleneck_split, exact)."""
   remat = [recomputes(recompute, k, num_cells) for k in range(num_cells)]
-  times = [[(c.forward_s * (2.0 if remat[k] else 1.0) + c.backward_s) * scale
-            for c in costs] for k in range(num_cells)]
-  memory = _MemoryModel(costs, micro_batch, slot_factor)
+  layer = [step_model.layer_times(c, micro_batch) for c in costs]
+  times = [[f * (2.0 if remat[k] else 1.0) + b for f, b in layer] for k in range(num_cells)]
+  memory = _MemoryModel(costs, micro_batch, slot_factor, batch_input_bytes)
+  awaiting = awaiting or [0] * num_cells
 
   def fits(k: int, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
-    return memory.peak(starts, ends, held[k], remat[k]) <= memory_bytes
+    return memory.peak(starts, ends, held[k], awaiting[k], remat[k], k == 0) <= memory_bytes
 
   return partition.min_bottleneck_split(times, num_cells, fits)
 
 
-def _bounds(splits: Sequence[int]) -> list[tuple[int, int]]:
-  return list(zip([0, *splits[:-1]], splits))
-
-
 def predict(costs: Sequence[LayerCost], machine: Machine, num_replicas: int,
             splits: Sequence[int], num_micro_batches: int, recompute: str,
-            schedule_name: str, batch_size: int) -> Plan:
-  """The model's step time, bubble and per-cell peak memory of one plan."""
-  num_cells = len(splits)
-  micro_batch = batch_size // num_replicas // num_micro_batches
-  plan = schedule.make(schedule_name, num_cells, num_micro_batches)
-  bounds = _bounds(splits)
-  forward, backward = cell_times(costs, bounds, micro_batch, recompute)
-  times = plan.simulate(forward, backward, 0.0)
-  span = max(end for _, end in times.values())
-  actions = max(len(a) for a in plan.actions)
-  step = span + actions * machine.action_overhead_s
-  if num_replicas > 1:
-    weights = sum(c.weight_bytes for c in costs) / num_cells
-    step += 2.0 * (num_replicas - 1) / num_replicas * weights / machine.allreduce_bytes_per_s
-  peaks = tuple(cell_memory(costs, s, e, micro_batch, plan.max_in_flight(k),
-                            recomputes(recompute, k, num_cells), machine.slot_factor)
-                for k, (s, e) in enumerate(bounds))
-  return Plan(num_replicas, num_cells, tuple(splits), num_micro_batches, recompute,
-              schedule_name, step, schedule.idle_fraction(times, plan.num_devices), peaks)
+            schedule_name: str, batch_size: int, virtual_stages: int = 1) -> Plan:
+  """The model's step time, bubble and per-device peak memory of one plan."""
+  shape = PlanShape(num_replicas, tuple(splits), num_micro_batches, recompute,
+                    schedule_name, virtual_stages)
+  got = step_model.predict(costs, machine, shape, batch_size)
+  return Plan(num_replicas, len(splits), tuple(splits), num_micro_batches, recompute,
+              schedule_name, got.step_s, got.bubble, got.peak_bytes, virtual_stages)
 
 
 MAX_DEVICE_BYTES = 2.0**50  # 1 PiB: no device's memory is larger
@@ -220,41 +191,76 @@ def _divisors(n: int) -> list[int]:
   return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def _schedule_variants(name: str, num_cells: int, num_micro_batches: int,
+                       devices: int) -> list[int]:
+  """The virtual stages V to try for schedule `name`: 1, or for interleaved_1f1b each
+  V ≥ 2 dividing K whose K/V devices are at most `devices` and divide M."""
+  if name != "interleaved_1f1b":
+    return [1]
+  return [v for v in range(2, num_cells + 1) if num_cells % v == 0 and
+          num_cells // v <= devices and num_micro_batches % (num_cells // v) == 0]
+
+
 def plan(costs: Sequence[LayerCost], machine: Machine, batch_size: int,
-         micro_batch_counts: Sequence[int] | None = None, top: int = 5) -> list[Plan]:
-  """The `top` plans that fit, fastest first. Raises PlanError naming the smallest
-  peak any plan needs when none fits."""
+         micro_batch_counts: Sequence[int] | None = None, top: int = 5,
+         max_virtual_cells: int | None = None,
+         schedules: Sequence[str] = SCHEDULES) -> list[Plan]:
+  """The `top` plans that fit, fastest first. Up to `max_virtual_cells` cells per
+  replica (default twice its devices; more cells than devices only interleaved), of
+  `schedules`.
+  Raises PlanError naming the smallest peak any plan needs when none fits."""
   fitting: list[Plan] = []
   smallest_need = float("inf")
   for replicas in _divisors(machine.num_devices):
     if batch_size % replicas:
       continue
     per_replica = batch_size // replicas
-    for num_cells in range(1, min(machine.num_devices // replicas, len(costs)) + 1):
+    devices = machine.num_devices // replicas
+    most_cells = min(max_virtual_cells or 2 * devices, len(costs))
+    for num_cells in range(1, most_cells + 1):
       counts = micro_batch_counts or _divisors(per_replica)
       for m in [m for m in counts if per_replica % m == 0]:
         # one cell is its last: except_last is never there
         for recompute in [r for r in RECOMPUTE if num_cells > 1 or r != "except_last"]:
-          for name in SCHEDULES:
-            layout = schedule.make(name, num_cells, m)
-            held = [layout.max_in_flight(k) for k in range(num_cells)]
-            splits = best_split(costs, num_cells, per_replica // m, held,
-                                recompute, machine.slot_factor, machine.memory_bytes)
-            if splits is None:
-              unlimited = best_split(costs, num_cells, per_replica // m, held,
-                                     recompute, machine.slot_factor, float("inf"))
-              candidate = predict(costs, machine, replicas, unlimited, m, recompute, name,
-                                  batch_size)
-              smallest_need = min(smallest_need, max(candidate.peak_bytes))
-              continue
-            fitting.append(predict(costs, machine, replicas, splits, m, recompute, name,
-                                   batch_size))
+          for name in schedules:
+            for v in _schedule_variants(name, num_cells, m, devices):
+              if name != "interleaved_1f1b" and num_cells > devices:
+                continue
+              candidate = _best_plan(costs, machine, replicas, num_cells, m, recompute,
+                                     name, v, batch_size)
+              if max(candidate.peak_bytes) <= machine.memory_bytes:
+                fitting.append(candidate)
+              else:
+                smallest_need = min(smallest_need, max(candidate.peak_bytes))
   if not fitting:
     raise PlanError(f"no plan fits {format_bytes(machine.memory_bytes)} per device on "
                     f"{machine.num_devices} device(s); the smallest any plan needs is "
                     f"{format_bytes(smallest_need)}")
   fitting.sort(key=lambda p: (p.step_s, max(p.peak_bytes)))
   return fitting[:top]
+
+
+def _best_plan(costs: Sequence[LayerCost], machine: Machine, replicas: int, num_cells: int,
+               num_micro_batches: int, recompute: str, name: str, virtual_stages: int,
+               batch_size: int) -> Plan:
+  """The plan of this configuration with the best split that fits (`best_split`), or,
+  when none does, with the split that needs no budget (its peaks say by how much)."""
+  per_replica = batch_size // replicas
+  shape = PlanShape(replicas, tuple(range(1, num_cells + 1)), num_micro_batches, recompute,
+                    name, virtual_stages)
+  layout = shape.make_schedule()
+  held = [layout.max_in_flight(k) for k in range(num_cells)]
+  awaiting = [layout.max_awaiting_weights(k) for k in range(num_cells)]
+  micro = per_replica / num_micro_batches
+  inputs = _batch_input_bytes(costs, per_replica)
+  budget = machine.memory_bytes / virtual_stages
+  splits = best_split(costs, num_cells, micro, held, recompute, machine.slot_factor,
+                      budget, awaiting, inputs)
+  if splits is None:
+    splits = best_split(costs, num_cells, micro, held, recompute, machine.slot_factor,
+                        float("inf"), awaiting, inputs)
+  return predict(costs, machine, replicas, splits, num_micro_batches, recompute, name,
+                 batch_size, virtual_stages)
 
 
 def format_bytes(n: float) -> str:
@@ -266,10 +272,11 @@ def format_bytes(n: float) -> str:
 
 def format_plans(plans: Sequence[Plan]) -> str:
   """A table: one row per plan."""
-  rows = [f"{'R':>2} {'K':>3} {'M':>4}  {'recompute':9} {'schedule':8} {'step':>9} "
+  rows = [f"{'R':>2} {'K':>3} {'M':>4}  {'recompute':11} {'schedule':16} {'step':>9} "
           f"{'bubble':>6}  {'peak/device':>11}  splits"]
   for p in plans:
+    name = p.schedule + (f" V={p.virtual_stages}" if p.virtual_stages > 1 else "")
     rows.append(f"{p.num_replicas:>2} {p.num_cells:>3} {p.num_micro_batches:>4}  "
-                f"{p.recompute:9} {p.schedule:8} {p.step_s * 1e3:7.1f}ms {p.bubble:6.1%}  "
+                f"{p.recompute:11} {name:16} {p.step_s * 1e3:7.1f}ms {p.bubble:6.1%}  "
                 f"{max(p.peak_bytes) / 2**20:8.1f}MiB  {list(p.splits)}")
   return "\n".join(rows)

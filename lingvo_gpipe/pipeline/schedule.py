@@ -551,6 +551,17 @@ def _with_lagging_weights(cell: Sequence[Action], lag: int, num_micro_batches: i
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
 
 
+def deferring_cells(name: str, num_cells: int, weight_gradient_group: int,
+                    recomputed: Sequence[bool]) -> list[int]:
+  """The cells that run their weight gradients as W actions: every cell under zb_h1;
+  with weight_gradient_group G > 1, the re-materialized ones (`recomputed[k]`)."""
+  if name == "zb_h1":
+    return list(range(num_cells))
+  if weight_gradient_group > 1:
+    return [k for k in range(num_cells) if recomputed[k]]
+  return []
+
+
 def make(name: str, num_cells: int, num_micro_batches: int, *, virtual_stages: int = 1,
          weight_cells: Sequence[int] = ()) -> PipelineSchedule:
   """The schedule called `name` (one of SCHEDULES) for K cells and M micro-batches.

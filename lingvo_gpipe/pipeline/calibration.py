@@ -1,0 +1,139 @@
+"""The machine figures a plan's prediction needs, measured on the devices it runs on
+(`step_model.Machine`): the device loop's own cost per action, the optimizer update's
+seconds per weight byte, and a hand-off's latency and bytes per second.
+
+Each is the median of a few runs of a small step built for the purpose, less what it
+does not measure (an empty call), on the first device (the link: from the first to
+the second). A few seconds in all.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from lingvo_gpipe.core import layers
+from lingvo_gpipe.pipeline import step_model
+
+
+def _median_call_s(fn: Callable[[], Any], runs: int = 7) -> float:
+  """Median wall seconds of fn(), its result fetched, after one warm-up call."""
+  np.asarray(fn())
+  times = []
+  for _ in range(runs):
+    start = time.perf_counter()
+    np.asarray(fn())
+    times.append(time.perf_counter() - start)
+  return float(np.median(times))
+
+
+def action_overhead_s(device: str, few: int = 2, many: int = 18) -> float:
+  """The device loop's seconds per action beyond its cell's call: a training step of
+  one cell holding one 4-wide layer on `device` at `many` and at `few` micro-batches,
+  the difference over the 2·(many − few) actions it adds."""
+  from lingvo_gpipe import train_step
+  from lingvo_gpipe.core import optimizers
+  from lingvo_gpipe.pipeline.layer import PipeliningLayer
+
+  def step_at(num_micro_batches: int) -> Callable[[], Any]:
+    stack = PipeliningLayer.Params().set(
+        name="calibration", num_cells=1, num_micro_batches=num_micro_batches,
+        devices=[device], random_seed=1,
+        layers=[layers.Linear.Params().set(name="fc", input_dim=4, output_dim=4)]
+    ).instantiate()
+    model = train_step.StackWithLoss(
+        stack, lambda out, _: {"loss": (tf.reduce_mean(tf.square(out)),
+                                        tf.cast(tf.shape(out)[0], tf.float32))})
+    optimizer = optimizers.SGD.Params().set(learning_rate=0.0).instantiate()
+    optimizer.create_slots(model.trainable_variables)
+    step = tf.function(train_step.TrainStep(model, optimizer, tf.Variable(0, dtype=tf.int64),
+                                            input_device=device))
+    with tf.device(device):
+      batch = {"inputs": tf.zeros([many, 4])}
+    return lambda: step(batch)[0]["loss"]
+
+  extra = _median_call_s(step_at(many)) - _median_call_s(step_at(few))
+  return max(extra / (2 * (many - few)), 0.0)
+
+
+def update_s_per_byte(device: str, optimizer_params: Any, num_variables: int = 8,
+                      shape: Sequence[int] = (512, 512)) -> float:
+  """Seconds per weight byte of what a training step does after the backward on
+  `device` (the gradients' global norm, the optimizer's update, the check that every
+  variable stayed finite), over `num_variables` float32 variables of `shape`."""
+  from lingvo_gpipe.core import variable_chunks
+
+  with tf.device(device):
+    variables = [tf.Variable(tf.zeros(shape), name=f"calibration_{i}")
+                 for i in range(num_variables)]
+    grads = [tf.fill(shape, 1e-3) for _ in variables]
+  optimizer = optimizer_params.copy().set(learning_rate=0.0).instantiate()
+  optimizer.create_slots(variables)
+  step = tf.constant(0, tf.int64)
+
+  @tf.function(autograph=False)
+  def update(grads):
+    with tf.device(device):
+      norm = variable_chunks.global_norm(grads, variables)
+      optimizer.apply_gradients(grads, variables, step, norm, condition=tf.constant(True))
+      return variable_chunks.all_finite(variables + list(optimizer.variables))
+
+  @tf.function(autograph=False)
+  def empty(grads):
+    with tf.device(device):
+      return tf.constant(True)
+
+  seconds = _median_call_s(lambda: update(grads)) - _median_call_s(lambda: empty(grads))
+  nbytes = num_variables * int(np.prod(shape)) * 4
+  return max(seconds, 0.0) / nbytes
+
+
+def link(source: str, target: str, sizes: Sequence[int] = (2**16, 2**22)
+         ) -> tuple[float, float]:
+  """(latency seconds, bytes per second) of a hand-off from `source` to `target`:
+  a float32 tensor of each size in bytes read on `source` and summed on `target`,
+  less the same sum on `source`, and the line through the two."""
+  seconds = []
+  for nbytes in sizes:
+    with tf.device(source):
+      held = tf.Variable(tf.ones([nbytes // 4]), name="calibration_link")
+
+    def summed_on(device: str, held=held) -> Callable[[], Any]:
+      @tf.function(autograph=False)
+      def fn():
+        value = held.read_value()
+        with tf.device(device):
+          return tf.reduce_sum(tf.identity(value))
+      return fn
+
+    seconds.append(max(_median_call_s(summed_on(target)) -
+                       _median_call_s(summed_on(source)), 0.0))
+  slope = (seconds[1] - seconds[0]) / (sizes[1] - sizes[0])
+  latency = max(seconds[0] - slope * sizes[0], 0.0)
+  return latency, (1.0 / slope if slope > 0 else float("inf"))
+
+
+def measure_machine(devices: Sequence[str], memory_bytes: float, optimizer_params: Any,
+                    slot_factor: float, cores: int | None = None) -> step_model.Machine:
+  """A Machine for `devices` (the figures measured on them as above). `cores`: how
+  many of them compute at once at full speed (None: all; `local_cores` for processes
+  or logical devices of this host)."""
+  latency, rate = link(devices[0], devices[1]) if len(devices) > 1 else (0.0, float("inf"))
+  return step_model.Machine(
+      num_devices=len(devices), memory_bytes=memory_bytes, slot_factor=slot_factor,
+      action_overhead_s=action_overhead_s(devices[0]),
+      update_s_per_byte=update_s_per_byte(devices[0], optimizer_params),
+      link_latency_s=latency, link_bytes_per_s=rate, cores=cores)
+
+
+def local_cores(threads_per_device: int = 1) -> int:
+  """How many devices of this host compute at once at full speed: its cores over the
+  threads each device's kernels use (one for tools/worker.py's single-threaded
+  workers; logical CPU devices share the process's intra-op pool)."""
+  cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+  return max(1, (cores or 1) // max(threads_per_device, 1))

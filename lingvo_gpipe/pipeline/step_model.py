@@ -1,0 +1,286 @@
+"""What a pipeline plan's training step will take, predicted from measured costs:
+its time and each device's peak memory.
+
+Inputs: one `LayerCost` per layer of the main stack (layer_profiler: each layer
+built and run alone at two batch sizes on the target device) and a `Machine`
+(calibration.py measures its figures on the devices). A plan is R replicas × K cells
+(layers [splits[k-1], splits[k])), M micro-batches of b = batch / (R·M) examples,
+a recompute policy, a schedule and V cells per device (interleaved_1f1b).
+
+Time. Per cell at micro-batch b (`cell_costs`):
+
+  F_k = Σ_l (a_f,l + c_f,l·b) + action overhead         (fitted per layer: small
+  B_k = Σ_l (a_b,l + c_b,l·b) [+ F_k re-materialized]     micro-batches cost more
+                             + action overhead            than linear)
+
+split, where the cell defers weight gradients (zb_h1, weight_gradient_group > 1),
+into B (input gradients) and W (weight gradients) by the measured weight-gradient
+share of each layer's backward. Every hand-off adds latency + bytes / link rate.
+The schedule is simulated with these times (`PipelineSchedule.simulate`; where
+fewer cores than devices compute at once, `shared_simulation`: the busy devices
+share the cores equally), then each device applies its update (update seconds per
+weight byte, measured); with R replicas an all-reduce of the gradients follows.
+
+Memory. Each device holds, for each of its cells (`device_peaks`):
+
+  weights · (3 + slot_factor)       weights, gradient sums, optimizer slots, and the
+                                    copy of the sums a backward adds into
+  + in_flight · stash               stash slots, allocated for the whole loop
+                                    (PipelineSchedule.max_in_flight): the cell's input
+                                    when re-materialized, else all its forward keeps
+  + awaiting · kept                 product slots of backwards awaiting their W
+                                    (max_awaiting_weights; zb_h1)
+  + inbox                           one hand-off received ahead each way
+  + the largest working set of one action: a backward's recomputed forward (its
+    kept tensors) when re-materialized
+  cell 0's device also holds the whole batch of inputs (micro-batches are slices).
+
+Left out: the task's head (loss and metrics on the last cell; its softmax is a layer
+of the stack in this library's models, the loss itself is small), TensorFlow's own
+buffers (a runtime's allocator pools, kernels' scratch), the optimizer update's
+temporaries, and variables outside the stack (the global step, the loss scale).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+from lingvo_gpipe.pipeline import schedule
+from lingvo_gpipe.pipeline.layer import recomputes
+from lingvo_gpipe.pipeline.layer_profiler import LayerCost
+
+
+@dataclasses.dataclass(frozen=True)
+class Machine:
+  """What a plan runs on.
+
+  num_devices, memory_bytes: devices and each one's budget (bytes, after the margin).
+  slot_factor: optimizer slot elements per weight element (Adam 2).
+  action_overhead_s: the device loop's own seconds per action (measured:
+    calibration.py), on top of the cell's call.
+  update_s_per_byte: the optimizer update's seconds per weight byte on one device.
+  link_latency_s, link_bytes_per_s: one hand-off between two devices.
+  cores: how many devices can compute at once at full speed (None: every device; on
+    one host of CPU processes, its cores).
+  allreduce_bytes_per_s: gradient all-reduce bandwidth between replicas.
+  """
+  num_devices: int
+  memory_bytes: float
+  slot_factor: float = 2.0
+  action_overhead_s: float = 0.15e-3
+  update_s_per_byte: float = 0.0
+  link_latency_s: float = 0.0
+  link_bytes_per_s: float = math.inf
+  cores: int | None = None
+  allreduce_bytes_per_s: float = 10e9
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanShape:
+  """A plan's configuration: what `task.pipeline` says."""
+  num_replicas: int
+  splits: tuple[int, ...]
+  num_micro_batches: int
+  recompute: str
+  schedule: str
+  virtual_stages: int = 1
+  weight_gradient_group: int = 1
+
+  @property
+  def num_cells(self) -> int:
+    return len(self.splits)
+
+  @property
+  def bounds(self) -> list[tuple[int, int]]:
+    return list(zip([0, *self.splits[:-1]], self.splits))
+
+  def make_schedule(self) -> schedule.PipelineSchedule:
+    """The schedule the pipeline layer runs for this shape (PipeliningLayer._make_plan,
+    with cell k on device k mod D)."""
+    deferring = schedule.deferring_cells(self.schedule, self.num_cells,
+                                         self.weight_gradient_group,
+                                         [recomputes(self.recompute, k, self.num_cells)
+                                          for k in range(self.num_cells)])
+    plan = schedule.make(self.schedule, self.num_cells, self.num_micro_batches,
+                         virtual_stages=self.virtual_stages, weight_cells=deferring)
+    if self.schedule != "zb_h1":
+      plan = plan.with_weight_gradients(self.weight_gradient_group, deferring)
+    num_devices = self.num_cells // self.virtual_stages
+    return plan.on_devices([k % num_devices for k in range(self.num_cells)])
+
+
+@dataclasses.dataclass(frozen=True)
+class CellCost:
+  """One cell at one micro-batch size: seconds per action and bytes."""
+  forward_s: float
+  backward_s: float  # input and weight gradients (and the recomputed forward)
+  weight_s: float  # the weight-gradient part of backward_s
+  weight_bytes: float
+  stash_bytes: float  # per micro-batch in flight
+  kept_bytes: float  # what the backward keeps of the forward, per micro-batch
+  input_bytes: float  # received per micro-batch (the hand-off in)
+  output_bytes: float  # sent per micro-batch (the hand-off out; 0 for the last cell)
+  recompute: bool  # re-materialized: a backward recomputes the forward's kept tensors
+
+
+def layer_times(cost: LayerCost, batch: float) -> tuple[float, float]:
+  """(forward, backward) seconds of one layer at `batch` examples: the line through
+  its two measured sizes (a + c·b), never below zero."""
+  scale = batch / cost.batch
+  forward = cost.forward_fixed_s + (cost.forward_s - cost.forward_fixed_s) * scale
+  backward = cost.backward_fixed_s + (cost.backward_s - cost.backward_fixed_s) * scale
+  return max(forward, 0.0), max(backward, 0.0)
+
+
+def cell_costs(costs: Sequence[LayerCost], shape: PlanShape, batch_size: int,
+               machine: Machine) -> list[CellCost]:
+  """Per cell of `shape`: its actions' seconds (overhead included) and bytes at the
+  micro-batch of `batch_size` / (R·M) examples."""
+  micro = batch_size / shape.num_replicas / shape.num_micro_batches
+  scale = micro / costs[0].batch
+  cells = []
+  for k, (s, e) in enumerate(shape.bounds):
+    times = [layer_times(c, micro) for c in costs[s:e]]
+    forward = sum(f for f, _ in times)
+    backward = sum(b for _, b in times)
+    weight = sum(b * c.weight_share for (_, b), c in zip(times, costs[s:e]))
+    remat = recomputes(shape.recompute, k, shape.num_cells)
+    kept = sum(c.kept_bytes for c in costs[s:e]) * scale
+    inputs = costs[s].input_bytes * scale
+    cells.append(CellCost(
+        forward_s=forward + machine.action_overhead_s,
+        backward_s=backward + (forward if remat else 0.0) + machine.action_overhead_s,
+        weight_s=weight, weight_bytes=sum(c.weight_bytes for c in costs[s:e]),
+        stash_bytes=inputs if remat else kept, kept_bytes=kept, input_bytes=inputs,
+        output_bytes=costs[e].input_bytes * scale if e < len(costs) else 0.0,
+        recompute=remat))
+  return cells
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+  """What `predict` expects of one plan."""
+  shape: PlanShape
+  step_s: float
+  bubble: float
+  peak_bytes: tuple[float, ...]  # per device
+
+
+def predict(costs: Sequence[LayerCost], machine: Machine, shape: PlanShape,
+            batch_size: int) -> Prediction:
+  """The step time, bubble and per-device peak of `shape` (module docstring)."""
+  plan = shape.make_schedule()
+  cells = cell_costs(costs, shape, batch_size, machine)
+  transfer = [machine.link_latency_s + c.output_bytes / machine.link_bytes_per_s
+              for c in cells]
+  forward = [c.forward_s for c in cells]
+  # A cell that defers runs B without its weight gradients and each W at the weight
+  # share; `simulate` adds weight_time to B where the cell does not defer.
+  input_grad = [c.backward_s - c.weight_s for c in cells]
+  weight = [c.weight_s for c in cells]
+  if machine.cores is not None and machine.cores < plan.num_devices:
+    times = shared_simulation(plan, forward, input_grad, weight, max(transfer),
+                              machine.cores)
+  else:
+    times = plan.simulate(forward, input_grad, weight, max(transfer))
+  finish = [0.0] * plan.num_devices
+  for (k, _), (_, end) in times.items():
+    finish[plan.device_of[k]] = max(finish[plan.device_of[k]], end)
+  device_weights = [0.0] * plan.num_devices
+  for k, c in enumerate(cells):
+    device_weights[plan.device_of[k]] += c.weight_bytes
+  updates = [w * machine.update_s_per_byte for w in device_weights]
+  step = max(f + u for f, u in zip(finish, updates))
+  if machine.cores is not None and machine.cores < plan.num_devices:
+    step = max(step, max(finish) + sum(updates) / machine.cores)
+  if shape.num_replicas > 1:
+    step += (2.0 * (shape.num_replicas - 1) / shape.num_replicas * max(device_weights) /
+             machine.allreduce_bytes_per_s)
+  inputs = costs[0].input_bytes * batch_size / shape.num_replicas / costs[0].batch
+  peaks = device_peaks(plan, cells, machine.slot_factor, inputs)
+  return Prediction(shape, step, schedule.idle_fraction(times, plan.num_devices), peaks)
+
+
+def held_bytes(cell: CellCost, in_flight: int, awaiting: int, slot_factor: float) -> float:
+  """What a cell holds on its device through the step (module docstring): weights,
+  sums and their copy, slots, stash and product slots, the inbox."""
+  return (cell.weight_bytes * (3.0 + slot_factor) + in_flight * cell.stash_bytes +
+          awaiting * cell.kept_bytes + cell.input_bytes + cell.output_bytes)
+
+
+def working_bytes(cell: CellCost) -> float:
+  """The largest working set of one of the cell's actions: a re-materialized
+  backward's recomputed forward (without re-materialization it is in the stash)."""
+  return cell.kept_bytes if cell.recompute else 0.0
+
+
+def device_peaks(plan: schedule.PipelineSchedule, cells: Sequence[CellCost],
+                 slot_factor: float, batch_input_bytes: float) -> tuple[float, ...]:
+  """Per device: what its cells hold, the largest working set among them (one action
+  at a time), and the batch of inputs on cell 0's device."""
+  peaks = []
+  for d in range(plan.num_devices):
+    mine = [k for k in range(plan.num_cells) if plan.device_of[k] == d]
+    held = sum(held_bytes(cells[k], plan.max_in_flight(k), plan.max_awaiting_weights(k),
+                          slot_factor) for k in mine)
+    peaks.append(held + max(working_bytes(cells[k]) for k in mine) +
+                 (batch_input_bytes if 0 in mine else 0.0))
+  return tuple(peaks)
+
+
+def shared_simulation(plan: schedule.PipelineSchedule, forward: Sequence[float],
+                      backward: Sequence[float], weight: Sequence[float],
+                      transfer_time: float, cores: int
+                      ) -> dict[tuple[int, schedule.Action], tuple[float, float]]:
+  """`plan.simulate` where at most `cores` devices compute at full speed: when n > cores
+  devices have an action ready, each runs at cores / n of its speed (an operating
+  system sharing the cores among busy processes). Same arguments and result."""
+  groups = [plan.weight_groups(k) for k in range(plan.num_cells)]
+
+  def duration(k: int, action: schedule.Action) -> float:
+    if action.phase == schedule.FORWARD:
+      return forward[k]
+    if action.phase == schedule.BACKWARD:
+      return backward[k] + (0.0 if groups[k] else weight[k])
+    return weight[k] * len(groups[k][action.micro_batch])
+
+  orders = plan.device_orders
+  position = [0] * plan.num_devices
+  remaining = [duration(*order[0]) if order else 0.0 for order in orders]
+  started = [0.0] * plan.num_devices
+  ready_at: list[float | None] = [None] * plan.num_devices
+  times: dict[tuple[int, schedule.Action], tuple[float, float]] = {}
+  now = 0.0
+  total = sum(len(order) for order in orders)
+  while len(times) < total:
+    for d, order in enumerate(orders):  # when can each device's next action start?
+      if position[d] < len(order) and ready_at[d] is None:
+        deps = plan.dependencies(*order[position[d]])
+        if all(dep in times for dep in deps):
+          ready_at[d] = max([now] + [times[dep][1] + (
+              transfer_time if plan.device_of[dep[0]] != d else 0.0) for dep in deps])
+          started[d] = ready_at[d]
+    running = [d for d in range(plan.num_devices)
+               if ready_at[d] is not None and ready_at[d] <= now]
+    waiting = [ready_at[d] for d in range(plan.num_devices)
+               if ready_at[d] is not None and ready_at[d] > now]
+    if not running:
+      now = min(waiting)
+      continue
+    rate = min(1.0, cores / len(running))
+    step = min(remaining[d] / rate for d in running)
+    if waiting:
+      step = min(step, min(waiting) - now)
+    now += step
+    for d in running:
+      remaining[d] -= step * rate
+      if remaining[d] <= 1e-12:
+        times[orders[d][position[d]]] = (started[d], now)
+        position[d] += 1
+        ready_at[d] = None
+        if position[d] < len(orders[d]):
+          remaining[d] = duration(*orders[d][position[d]])
+  return times
+

@@ -1,0 +1,281 @@
+"""Plans in the trainer: a run's own configuration predicted, or the best plan chosen
+and applied (`tools/trainer.py --plan=check|auto`), and the prediction set beside
+what the run measured, so that every such run checks the model.
+
+A prediction needs each layer's costs (`layer_profiler.measure_layer_costs`, on the
+cells' first device) and the machine's figures (`calibration.measure_machine`), both
+kept in the cost cache, so a second run measures neither. `compare` puts the
+predicted step and per-device peaks beside the measured ones: the step is the median
+of the run's steps after the first; a device's peak is its allocator's peak since
+the model was built, where it can be read (local devices; logical CPU devices share
+one allocator, so there the figure is their total, set beside the sum of the
+predicted peaks; workers of a cluster log their own, tools/worker.py --memory_log).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from lingvo_gpipe.core.hyperparams import Params, ParamsError
+from lingvo_gpipe.pipeline import calibration, layer_profiler, planner, step_model
+from lingvo_gpipe.pipeline.layer import PipeliningLayer
+from lingvo_gpipe.tasks import base_task
+
+PLAN_MODES = ("", "auto", "check")
+COSTS_VERSION = "layer costs v2 (two sizes, weight share, on the device)"
+MACHINE_FIELDS = ("action_overhead_s", "update_s_per_byte", "link_latency_s",
+                  "link_bytes_per_s")
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+  """Where and how the plan runs: the devices (cells go to them in order), each one's
+  budget in bytes (after the margin), the cost cache ('' for none), and how many
+  devices compute at once at full speed (None: all)."""
+  devices: tuple[str, ...]
+  memory_bytes: float
+  cost_cache: str
+  cores: int | None
+  log: Callable[[str], None] = print
+
+
+def device_concurrency(devices: Sequence[str], worker_addresses: Sequence[str] = ()
+                       ) -> int | None:
+  """How many of `devices` compute at once at full speed: all (None) for GPUs and for
+  workers on other hosts; for logical CPU devices of this process, its cores over its
+  intra-op threads; for workers all on this host's loopback (`worker_addresses`;
+  local_workers starts them with one thread each), its cores."""
+  spec = [tf.DeviceSpec.from_string(d) for d in devices]
+  if any((s.device_type or "CPU").upper() == "GPU" for s in spec):
+    return None
+  if all(s.job in (None, "localhost") for s in spec):
+    threads = tf.config.threading.get_intra_op_parallelism_threads() or os.cpu_count()
+    return calibration.local_cores(threads)
+  loopback = ("localhost", "127.0.0.1", "[::1]")
+  if worker_addresses and all(a.rpartition(":")[0] in loopback for a in worker_addresses):
+    return calibration.local_cores(1)
+  return None
+
+
+def layer_costs(params: Params, setting: Setting) -> tuple[list[layer_profiler.LayerCost], int]:
+  """(each main-stack layer's costs, measured on the first device or read from the
+  cache, and the training batch size)."""
+  specs, layer_params = base_task.probe_main_stack(params.task, params.train_input)
+  batch_size = tf.nest.flatten(specs)[0].shape[0]
+  device = setting.devices[0]
+
+  def measure() -> list[layer_profiler.LayerCost]:
+    setting.log(f"Measuring the costs of the {len(layer_params)} layers at batch "
+                f"{batch_size} on {device} ...")
+    return layer_profiler.measure_layer_costs(layer_params, specs, device=device)
+
+  if not setting.cost_cache:
+    return measure(), batch_size
+  key = [COSTS_VERSION, params.task.to_text(), specs, platform.node(), tf.__version__,
+         device]
+  costs = layer_profiler.cached_layer_costs(setting.cost_cache, key, measure,
+                                            warn=setting.log, num_layers=len(layer_params))
+  return costs, batch_size
+
+
+def machine(params: Params, setting: Setting) -> step_model.Machine:
+  """The devices' Machine: figures measured on them (calibration.py) or read from
+  the cache."""
+  slot_factor = planner.slot_factor(params.task.train.optimizer)
+
+  def measure() -> dict:
+    setting.log(f"Measuring the engine's cost per action, the update and the links on "
+                f"{setting.devices[0]} ...")
+    found = calibration.measure_machine(setting.devices, setting.memory_bytes,
+                                        params.task.train.optimizer, slot_factor)
+    return {name: getattr(found, name) for name in MACHINE_FIELDS}
+
+  def decode(entry: Any) -> dict:
+    if not isinstance(entry, dict) or set(entry) != set(MACHINE_FIELDS) or not all(
+        isinstance(v, (int, float)) and v >= 0 for v in entry.values()):
+      raise ValueError(f"not a record of {MACHINE_FIELDS}")
+    return entry
+
+  if setting.cost_cache:
+    key = ["machine", params.task.train.optimizer.to_text(), platform.node(),
+           tf.__version__, list(setting.devices[:2]), len(setting.devices)]
+    figures = layer_profiler.cached_record(setting.cost_cache, key, measure, setting.log,
+                                           decode=decode, encode=lambda r: r)
+  else:
+    figures = measure()
+  return step_model.Machine(num_devices=len(setting.devices),
+                            memory_bytes=setting.memory_bytes, slot_factor=slot_factor,
+                            cores=setting.cores, **figures)
+
+
+def own_shape(params: Params, devices: Sequence[str]) -> step_model.PlanShape:
+  """The plan `params` run as they are: the pipeline's cells as its partitioner cuts
+  them (built in a scratch graph: nothing is allocated). An unpipelined task is one
+  cell, one micro-batch, without re-materialization."""
+  task_params = base_task.with_partition_costs(params.task, params.train_input)
+  probe = task_params.copy()
+  probe.pipeline.devices = list(devices)
+  with tf.Graph().as_default():
+    stack = probe.instantiate().main_stack
+  if not isinstance(stack, PipeliningLayer):
+    return step_model.PlanShape(1, (len(stack.params.layers),), 1, "never", "gpipe")
+  p = stack.params
+  return step_model.PlanShape(params.task.pipeline.num_replicas,
+                              tuple(cell.end for cell in stack.cells), p.num_micro_batches,
+                              p.recompute, p.schedule, p.virtual_stages,
+                              p.weight_gradient_group)
+
+
+def with_plan(params: Params, plan: planner.Plan) -> Params:
+  """`params` set to run `plan` (what its params_override says)."""
+  planned = params.copy()
+  planned.task.pipeline.set(num_cells=plan.num_cells, splits=list(plan.splits),
+                            num_micro_batches=plan.num_micro_batches,
+                            recompute=plan.recompute, schedule=plan.schedule,
+                            virtual_stages=plan.virtual_stages,
+                            num_replicas=plan.num_replicas)
+  return planned.freeze() if params.is_frozen else planned
+
+
+@dataclasses.dataclass(frozen=True)
+class Planned:
+  """What `plan_run` decided: the params to run and what their step should take."""
+  params: Params
+  prediction: step_model.Prediction
+  machine: step_model.Machine
+
+
+def plan_run(params: Params, setting: Setting, auto: bool) -> Planned:
+  """auto: the best plan for the devices (planner.plan) applied to `params`;
+  otherwise `params` as they are. Either way with its prediction.
+
+  Raises:
+    planner.PlanError: auto, and no plan fits the budget.
+    ParamsError: the params' own configuration cannot be built on the devices.
+  """
+  costs, batch_size = layer_costs(params, setting)
+  found = machine(params, setting)
+  if auto:
+    best = planner.plan(costs, found, batch_size, top=1)[0]
+    setting.log(f"Plan: {best.params_override()}")
+    params = with_plan(params, best)
+  shape = own_shape(params, setting.devices)
+  devices_needed = shape.num_replicas * shape.num_cells // shape.virtual_stages
+  if devices_needed > len(setting.devices):
+    raise ParamsError(f"the plan needs {devices_needed} devices; only {len(setting.devices)}")
+  prediction = step_model.predict(costs, found, shape, batch_size)
+  setting.log(f"Predicted: step {prediction.step_s * 1e3:.1f} ms, peak per device "
+              f"{format_peaks(prediction.peak_bytes)} (budget "
+              f"{planner.format_bytes(setting.memory_bytes)})")
+  return Planned(params, prediction, found)
+
+
+def format_peaks(peaks: Sequence[float]) -> str:
+  return "[" + ", ".join(f"{p / 2**20:.1f}" for p in peaks) + "] MiB"
+
+
+def allocator_peaks(devices: Sequence[str]) -> tuple[list[str], list[float]] | None:
+  """(the local allocators, their peak bytes since `reset_allocator_peaks`), or None
+  where they cannot be read (remote devices; a CPU without TensorFlow's BFC allocator,
+  TF_CPU_ALLOCATOR_USE_BFC=true)."""
+  names = _allocators(devices)
+  if names is None:
+    return None
+  try:
+    return names, [float(tf.config.experimental.get_memory_info(n)["peak"]) for n in names]
+  except (ValueError, tf.errors.OpError):
+    return None
+
+
+def reset_allocator_peaks(devices: Sequence[str]) -> None:
+  for name in _allocators(devices) or []:
+    try:
+      tf.config.experimental.reset_memory_stats(name)
+    except (ValueError, tf.errors.OpError):
+      return
+
+
+def _allocators(devices: Sequence[str]) -> list[str] | None:
+  """The local allocators the devices use: logical CPU devices share CPU:0's; each
+  GPU its own. None when any device is remote."""
+  names = []
+  for d in devices:
+    spec = tf.DeviceSpec.from_string(d)
+    if spec.job not in (None, "localhost"):
+      return None
+    kind = (spec.device_type or "CPU").upper()
+    name = "CPU:0" if kind == "CPU" else f"{kind}:{spec.device_index or 0}"
+    if name not in names:
+      names.append(name)
+  return names
+
+
+def compare(planned: Planned, step_seconds: Sequence[float],
+            peaks: tuple[list[str], list[float]] | None) -> dict:
+  """The prediction beside the measurement: {"predicted_step_s", "measured_step_s"
+  (median of the steps after the first; None with fewer than 3), "step_error"
+  (measured / predicted − 1), "predicted_peak_bytes" (per device),
+  "measured_peak_bytes" (per local allocator, None where unreadable),
+  "peak_error" (per allocator, against the sum of the devices' predictions it
+  holds), "shape"}."""
+  prediction = planned.prediction
+  steady = list(step_seconds[1:])
+  measured = float(np.median(steady)) if len(steady) >= 2 else None
+  out = {"shape": dataclasses.asdict(prediction.shape),
+         "predicted_step_s": prediction.step_s, "measured_step_s": measured,
+         "step_error": measured / prediction.step_s - 1 if measured else None,
+         "predicted_peak_bytes": list(prediction.peak_bytes),
+         "measured_peak_bytes": None, "peak_error": None}
+  if peaks is not None:
+    names, values = peaks
+    predicted = [sum(prediction.peak_bytes)] if len(names) == 1 else \
+        list(prediction.peak_bytes[:len(names)])
+    out.update(allocators=names, measured_peak_bytes=values,
+               peak_error=[m / p - 1 for m, p in zip(values, predicted)])
+  return out
+
+
+def format_comparison(found: dict) -> str:
+  step = (f"step predicted {found['predicted_step_s'] * 1e3:.1f} ms, measured "
+          + (f"{found['measured_step_s'] * 1e3:.1f} ms ({found['step_error']:+.1%})"
+             if found["measured_step_s"] else "n/a (fewer than 3 steps)"))
+  peak = f"peak per device predicted {format_peaks(found['predicted_peak_bytes'])}"
+  if found["measured_peak_bytes"] is not None:
+    errors = ", ".join(f"{e:+.1%}" for e in found["peak_error"])
+    peak += (f", measured {format_peaks(found['measured_peak_bytes'])} on "
+             f"{', '.join(found['allocators'])} ({errors})")
+  else:
+    peak += ", measured n/a here (remote devices: tools/worker.py --memory_log; CPU: "
+    peak += "TF_CPU_ALLOCATOR_USE_BFC=true)"
+  return f"Plan check: {step}; {peak}"
+
+
+def write_comparison(train_dir: str, found: dict, step: int) -> str:
+  """Writes `found` to <train_dir>/plan_check.json and as TensorBoard scalars
+  (plan/predicted_step_s, plan/measured_step_s, plan/predicted_peak_bytes/device_d,
+  plan/measured_peak_bytes/<allocator>) and text; returns the JSON file's path."""
+  path = os.path.join(train_dir, "plan_check.json")
+  with open(path + ".tmp", "w") as f:
+    json.dump(found, f, indent=1)
+  os.replace(path + ".tmp", path)
+  writer = tf.summary.create_file_writer(train_dir)
+  with writer.as_default():
+    tf.summary.scalar("plan/predicted_step_s", found["predicted_step_s"], step=step)
+    if found["measured_step_s"] is not None:
+      tf.summary.scalar("plan/measured_step_s", found["measured_step_s"], step=step)
+    for d, value in enumerate(found["predicted_peak_bytes"]):
+      tf.summary.scalar(f"plan/predicted_peak_bytes/device_{d}", value, step=step)
+    for name, value in zip(found.get("allocators", []), found["measured_peak_bytes"] or []):
+      tf.summary.scalar(f"plan/measured_peak_bytes/{name.replace(':', '_')}", value,
+                        step=step)
+    tf.summary.text("plan/check", format_comparison(found), step=step)
+  writer.flush()
+  return path
