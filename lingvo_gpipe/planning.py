@@ -30,39 +30,19 @@ from lingvo_gpipe.pipeline.layer import PipeliningLayer
 from lingvo_gpipe.tasks import base_task
 
 PLAN_MODES = ("", "auto", "check")
-COSTS_VERSION = "layer costs v2 (two sizes, weight share, on the device)"
+COSTS_VERSION = "layer costs v4 (two sizes, weight share, products, split backward)"
 MACHINE_FIELDS = ("action_overhead_s", "update_s_per_byte", "link_latency_s",
-                  "link_bytes_per_s")
+                  "link_bytes_per_s", "cores")
 
 
 @dataclasses.dataclass(frozen=True)
 class Setting:
-  """Where and how the plan runs: the devices (cells go to them in order), each one's
-  budget in bytes (after the margin), the cost cache ('' for none), and how many
-  devices compute at once at full speed (None: all)."""
+  """Where the plan runs: the devices (cells go to them in order), each one's budget
+  in bytes (after the margin), and the cost cache ('' for none)."""
   devices: tuple[str, ...]
   memory_bytes: float
   cost_cache: str
-  cores: int | None
   log: Callable[[str], None] = print
-
-
-def device_concurrency(devices: Sequence[str], worker_addresses: Sequence[str] = ()
-                       ) -> int | None:
-  """How many of `devices` compute at once at full speed: all (None) for GPUs and for
-  workers on other hosts; for logical CPU devices of this process, its cores over its
-  intra-op threads; for workers all on this host's loopback (`worker_addresses`;
-  local_workers starts them with one thread each), its cores."""
-  spec = [tf.DeviceSpec.from_string(d) for d in devices]
-  if any((s.device_type or "CPU").upper() == "GPU" for s in spec):
-    return None
-  if all(s.job in (None, "localhost") for s in spec):
-    threads = tf.config.threading.get_intra_op_parallelism_threads() or os.cpu_count()
-    return calibration.local_cores(threads)
-  loopback = ("localhost", "127.0.0.1", "[::1]")
-  if worker_addresses and all(a.rpartition(":")[0] in loopback for a in worker_addresses):
-    return calibration.local_cores(1)
-  return None
 
 
 def layer_costs(params: Params, setting: Setting) -> tuple[list[layer_profiler.LayerCost], int]:
@@ -79,8 +59,9 @@ def layer_costs(params: Params, setting: Setting) -> tuple[list[layer_profiler.L
 
   if not setting.cost_cache:
     return measure(), batch_size
-  key = [COSTS_VERSION, params.task.to_text(), specs, platform.node(), tf.__version__,
-         device]
+  # The layers and their inputs, not the pipeline's settings: one entry serves every plan.
+  key = [COSTS_VERSION, [lp.to_text() for lp in layer_params], specs, platform.node(),
+         tf.__version__, device]
   costs = layer_profiler.cached_layer_costs(setting.cost_cache, key, measure,
                                             warn=setting.log, num_layers=len(layer_params))
   return costs, batch_size
@@ -96,6 +77,10 @@ def machine(params: Params, setting: Setting) -> step_model.Machine:
                 f"{setting.devices[0]} ...")
     found = calibration.measure_machine(setting.devices, setting.memory_bytes,
                                         params.task.train.optimizer, slot_factor)
+    setting.log(f"Measured: {found.action_overhead_s * 1e3:.3f} ms per action, update "
+                f"{found.update_s_per_byte * 1e9:.3f} ns per weight byte, hand-off "
+                f"{found.link_latency_s * 1e3:.3f} ms + {found.link_bytes_per_s / 1e9:.3g} "
+                f"GB/s, {found.cores:.3g} device(s) computing at once at full speed")
     return {name: getattr(found, name) for name in MACHINE_FIELDS}
 
   def decode(entry: Any) -> dict:
@@ -105,15 +90,15 @@ def machine(params: Params, setting: Setting) -> step_model.Machine:
     return entry
 
   if setting.cost_cache:
-    key = ["machine", params.task.train.optimizer.to_text(), platform.node(),
-           tf.__version__, list(setting.devices[:2]), len(setting.devices)]
+    key = ["machine v2", params.task.train.optimizer.to_text(), platform.node(),
+           tf.__version__, list(setting.devices)]
     figures = layer_profiler.cached_record(setting.cost_cache, key, measure, setting.log,
                                            decode=decode, encode=lambda r: r)
   else:
     figures = measure()
   return step_model.Machine(num_devices=len(setting.devices),
                             memory_bytes=setting.memory_bytes, slot_factor=slot_factor,
-                            cores=setting.cores, **figures)
+                            **figures)
 
 
 def own_shape(params: Params, devices: Sequence[str]) -> step_model.PlanShape:
@@ -219,13 +204,17 @@ def _allocators(devices: Sequence[str]) -> list[str] | None:
 
 
 def compare(planned: Planned, step_seconds: Sequence[float],
-            peaks: tuple[list[str], list[float]] | None) -> dict:
+            peaks: tuple[list[str], list[float]] | None,
+            timestamps: Sequence[Any] = ()) -> dict:
   """The prediction beside the measurement: {"predicted_step_s", "measured_step_s"
   (median of the steps after the first; None with fewer than 3), "step_error"
   (measured / predicted − 1), "predicted_peak_bytes" (per device),
   "measured_peak_bytes" (per local allocator, None where unreadable),
   "peak_error" (per allocator, against the sum of the devices' predictions it
-  holds), "shape"}."""
+  holds), "shape"}; with the last step's `timestamps` (a pipeline's measured
+  timeline) also the loops' span and each cell's mean action seconds, predicted
+  and measured ("*_schedule_s", "*_action_s": [F, B, W] lists per cell), which say
+  which term of the model is off."""
   prediction = planned.prediction
   steady = list(step_seconds[1:])
   measured = float(np.median(steady)) if len(steady) >= 2 else None
@@ -234,6 +223,15 @@ def compare(planned: Planned, step_seconds: Sequence[float],
          "step_error": measured / prediction.step_s - 1 if measured else None,
          "predicted_peak_bytes": list(prediction.peak_bytes),
          "measured_peak_bytes": None, "peak_error": None}
+  if timestamps:
+    from lingvo_gpipe.pipeline import timeline
+
+    measured_timeline = timeline.MeasuredTimeline.from_fetched(
+        [np.asarray(t) for t in timestamps])
+    out.update(predicted_schedule_s=prediction.schedule_s,
+               measured_schedule_s=measured_timeline.duration,
+               predicted_action_s=[list(a) for a in prediction.action_s],
+               measured_action_s=[list(a) for a in measured_timeline.action_times()])
   if peaks is not None:
     names, values = peaks
     predicted = [sum(prediction.peak_bytes)] if len(names) == 1 else \

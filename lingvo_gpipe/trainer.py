@@ -186,6 +186,7 @@ class Trainer:
     # Wall seconds of each step this trainer ran (the first includes building its
     # graph): what a plan's predicted step is compared with.
     self.step_seconds: list[float] = []
+    self.last_timestamps: list[tf.Tensor] = []  # the last step's measured timeline
 
   # -- checkpoints -----------------------------------------------------------------
 
@@ -357,6 +358,7 @@ class Trainer:
     outputs, timestamps = step_fn(batch)
     values = {k: v.numpy() for k, v in outputs.items()}
     self.step_seconds.append(time.perf_counter() - start)
+    self.last_timestamps = timestamps
     profiler.after(step)
     if not values["finite"] and self._overflow_skipped(step, values):
       return None

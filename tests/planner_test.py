@@ -201,6 +201,8 @@ def test_measured_costs_count_bytes_from_shapes_and_are_cached(tmp_path):
   assert [c.input_bytes for c in costs] == [8 * 16 * 4, 8 * 32 * 4]
   # tanh(x·W + b) keeps at least its output for tanh's gradient and x for W's.
   assert costs[0].kept_bytes >= (8 * 16 + 8 * 32) * 4
+  # Its deferred backward keeps x·W's x [8, 16] and the gradient of x·W [8, 32].
+  assert [c.product_bytes for c in costs] == [(8 * 16 + 8 * 32) * 4, (8 * 32 + 8 * 16) * 4]
   # Seconds beyond an empty call's, fitted at 8 and 2 examples (a line that does not
   # fall with the batch), and a weight share that is a share.
   assert all(c.forward_s >= 0 and c.backward_s >= 0 and c.batch == 8 for c in costs)
@@ -299,17 +301,18 @@ def test_device_memory_of_zero_bubble_and_interleaved_by_hand():
   two in flight, one awaiting), interleaved_1f1b sums a device's cells (4 cells on
   2 devices: device d holds cells d and d + 2) with one working set."""
   layer = LayerCost(forward_s=1e-3, backward_s=2e-3, weight_bytes=1000, input_bytes=10,
-                    kept_bytes=100, batch=2)
+                    kept_bytes=100, batch=2, product_bytes=40)
   costs = [layer] * 4
   machine = Machine(2, np.inf, slot_factor=1.0)
   zb = planner.predict(costs, machine, 1, (2, 4), 4, "always", "zb_h1", 8)
   layout = schedule.make("zb_h1", 2, 4, weight_cells=[0, 1])
   assert (layout.max_in_flight(0), layout.max_awaiting_weights(0)) == (2, 1)
-  weights, kept, inputs = 2 * 1000 * 4.0, 2 * 100, 10 * 8 / 2
-  assert zb.peak_bytes[0] == pytest.approx(weights + 2 * 10 + 1 * kept + 2 * 10 + kept + inputs)
+  weights, kept, products, inputs = 2 * 1000 * 4.0, 2 * 100, 2 * 40, 10 * 8 / 2
+  assert zb.peak_bytes[0] == pytest.approx(
+      weights + 2 * 10 + 1 * products + 2 * 10 + kept + inputs)
   assert zb.peak_bytes[1] == pytest.approx(
-      weights + layout.max_in_flight(1) * 10 + layout.max_awaiting_weights(1) * kept + 10 +
-      kept)
+      weights + layout.max_in_flight(1) * 10 + layout.max_awaiting_weights(1) * products +
+      10 + kept)
   inter = planner.predict(costs, machine, 1, (1, 2, 3, 4), 4, "never", "interleaved_1f1b", 8,
                           virtual_stages=2)
   layout = schedule.make("interleaved_1f1b", 4, 4, virtual_stages=2)

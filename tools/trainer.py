@@ -189,15 +189,7 @@ def _plan_setting(devices: list[str]):
       layer_profiler.check_cache_path(cache_path)  # before the model is probed
     except layer_profiler.CostCacheError as e:
       raise UsageFailure(f"--cost_cache: {e}") from None
-  workers = []
-  if FLAGS.cluster_spec:
-    from lingvo_gpipe.runtime import cluster
-
-    spec = (cluster.cluster_spec_from_tf_config() if FLAGS.cluster_spec == "tf_config"
-            else cluster.parse_cluster_spec(FLAGS.cluster_spec))
-    workers = spec.get("worker", [])
   return planning.Setting(tuple(devices), budget, cache_path,
-                          planning.device_concurrency(devices, workers),
                           log=lambda text: print(text, flush=True))
 
 
@@ -274,7 +266,7 @@ def _compare_with_plan(state: RunState, trainer) -> None:
   from lingvo_gpipe import planning
 
   found = planning.compare(state.planned, trainer.step_seconds,
-                           planning.allocator_peaks(state.devices))
+                           planning.allocator_peaks(state.devices), trainer.last_timestamps)
   print(planning.format_comparison(found), flush=True)
   path = planning.write_comparison(trainer.train_dir, found,
                                    int(trainer.global_step.numpy()))

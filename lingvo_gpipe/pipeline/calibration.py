@@ -4,12 +4,11 @@ seconds per weight byte, and a hand-off's latency and bytes per second.
 
 Each is the median of a few runs of a small step built for the purpose, less what it
 does not measure (an empty call), on the first device (the link: from the first to
-the second). A few seconds in all.
+the second; the concurrency: on all of them at once). A few seconds in all.
 """
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -118,22 +117,46 @@ def link(source: str, target: str, sizes: Sequence[int] = (2**16, 2**22)
   return latency, (1.0 / slope if slope > 0 else float("inf"))
 
 
+def concurrency(devices: Sequence[str], size: int = 384, chain: int = 16) -> float:
+  """How many of `devices` compute at once at full speed (`Machine.cores`): the same
+  work (a chain of `chain` [size, size] matmuls) on every device at once takes
+  `slowdown` times as long as on the first alone, so they compute as
+  len(devices) / slowdown devices would (logical CPU devices and worker processes
+  share the host's cores; accelerators do not: inf)."""
+  if len(devices) < 2:
+    return float("inf")
+  weights = []
+  for d in devices:
+    with tf.device(d):
+      weights.append(tf.Variable(tf.random.normal([size, size], stddev=size**-0.5),
+                                 name="calibration_concurrency"))
+
+  def on(chosen: Sequence[int]) -> Callable[[], Any]:
+    @tf.function(autograph=False)
+    def fn():
+      outs = []
+      for i in chosen:
+        with tf.device(devices[i]):
+          x = weights[i].read_value()
+          for _ in range(chain):
+            x = tf.matmul(x, weights[i])
+          outs.append(tf.reduce_sum(x))
+      with tf.device(devices[0]):
+        return tf.add_n(outs)
+    return fn
+
+  alone = _median_call_s(on([0]))
+  together = _median_call_s(on(list(range(len(devices)))))
+  found = len(devices) * alone / max(together, 1e-12)
+  return float("inf") if found >= 0.9 * len(devices) else max(found, 1.0)
+
+
 def measure_machine(devices: Sequence[str], memory_bytes: float, optimizer_params: Any,
-                    slot_factor: float, cores: int | None = None) -> step_model.Machine:
-  """A Machine for `devices` (the figures measured on them as above). `cores`: how
-  many of them compute at once at full speed (None: all; `local_cores` for processes
-  or logical devices of this host)."""
+                    slot_factor: float) -> step_model.Machine:
+  """A Machine for `devices`, the figures measured on them as above."""
   latency, rate = link(devices[0], devices[1]) if len(devices) > 1 else (0.0, float("inf"))
   return step_model.Machine(
       num_devices=len(devices), memory_bytes=memory_bytes, slot_factor=slot_factor,
       action_overhead_s=action_overhead_s(devices[0]),
       update_s_per_byte=update_s_per_byte(devices[0], optimizer_params),
-      link_latency_s=latency, link_bytes_per_s=rate, cores=cores)
-
-
-def local_cores(threads_per_device: int = 1) -> int:
-  """How many devices of this host compute at once at full speed: its cores over the
-  threads each device's kernels use (one for tools/worker.py's single-threaded
-  workers; logical CPU devices share the process's intra-op pool)."""
-  cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-  return max(1, (cores or 1) // max(threads_per_device, 1))
+      link_latency_s=latency, link_bytes_per_s=rate, cores=concurrency(devices))

@@ -54,6 +54,8 @@ class LayerCost:
   forward_fixed_s: float = 0.0
   backward_fixed_s: float = 0.0
   weight_share: float = 0.5
+  product_bytes: int = 0  # what a deferred backward keeps for its W (zb_h1)
+  backward_split_s: float | None = None  # the backward as its own function (below)
 
   @property
   def step_s(self) -> float:
@@ -114,7 +116,8 @@ def _measure_layer_costs(layer_params, input_specs, steps, full, small_batch):
     # first layer's float32 images are cast before the micro-batches are split).
     flat = [layer.to_fprop_dtype(t) for t in tf.nest.flatten(inputs)]
     forward = tf.function(lambda *flat, call=call: _done(call(*flat)), autograph=False)
-    forward_backward = _gradient_function(layer, call, weights=True)
+    first = not costs  # its inputs are the data: no gradient is sent back for them
+    forward_backward = _gradient_function(layer, call, weights=True, inputs=not first)
     outputs = call(*flat)
     timed = _Timer(steps, call_s)
     both_s = timed(forward_backward, flat)
@@ -124,7 +127,7 @@ def _measure_layer_costs(layer_params, input_specs, steps, full, small_batch):
       inputs = tf.nest.pack_sequence_as(structure["out"], list(outputs))
       continue
     forward_s = timed(forward, flat)
-    share = _weight_share(layer, call, flat, timed, forward_s, both_s)
+    share = _weight_share(layer, call, flat, timed, forward_s, both_s) if not first else 1.0
     fixed = (0.0, 0.0)
     if small is not None and small < batch:
       part = [t[:small] for t in flat]
@@ -132,10 +135,13 @@ def _measure_layer_costs(layer_params, input_specs, steps, full, small_batch):
       fixed = tuple(_intercept(small, at_small, batch, at_batch) for at_small, at_batch in
                     zip((small_times[0], small_times[1] - small_times[0]),
                         (forward_s, both_s - forward_s)))
+    pair, kept_bytes = _forward_backward_pair(call, flat)
     costs.append(LayerCost(forward_s, max(both_s - forward_s, 0.0),
                            _nbytes(layer.trainable_variables), _nbytes(flat),
-                           _kept_bytes(call, flat), batch, forward_fixed_s=fixed[0],
-                           backward_fixed_s=fixed[1], weight_share=share))
+                           kept_bytes, batch, forward_fixed_s=fixed[0],
+                           backward_fixed_s=fixed[1], weight_share=share,
+                           product_bytes=_product_bytes(layer, inputs),
+                           backward_split_s=_split_backward_s(pair, flat, timed)))
     inputs = tf.nest.pack_sequence_as(structure["out"], list(outputs))
   return costs
 
@@ -147,9 +153,10 @@ def _intercept(small: int, at_small: float, batch: int, at_batch: float) -> floa
   return float(min(max(at_small - slope * small, 0.0), max(at_batch, 0.0)))
 
 
-def _gradient_function(layer: Any, call: Callable, weights: bool) -> Callable:
+def _gradient_function(layer: Any, call: Callable, weights: bool, inputs: bool) -> Callable:
   """flat inputs → a token once the gradients of the outputs' sum with respect to the
-  layer's weights (or, weights=False, to its floating inputs) are computed."""
+  layer's weights and/or its floating inputs are computed (a pipeline's backward
+  computes both, but none for the data the first layer reads)."""
   @tf.function(autograph=False)
   def gradients(*flat):
     with tf.GradientTape() as tape:
@@ -158,7 +165,9 @@ def _gradient_function(layer: Any, call: Callable, weights: bool) -> Callable:
       out = call(*flat)
       total = tf.add_n([tf.reduce_sum(tf.cast(t, tf.float32))
                         for t in out if t.dtype.is_floating])
-    grads = tape.gradient(total, layer.trainable_variables if weights else floating)
+    sources = (list(layer.trainable_variables) if weights else []) + (
+        floating if inputs else [])
+    grads = tape.gradient(total, sources)
     return _done([tf.convert_to_tensor(g) for g in grads if g is not None])
 
   return gradients
@@ -176,7 +185,8 @@ def _weight_share(layer: Any, call: Callable, flat: Sequence[tf.Tensor], timed: 
   backward_s = both_s - forward_s
   if backward_s <= 0:
     return 0.5
-  input_s = timed(_gradient_function(layer, call, weights=False), flat) - forward_s
+  input_s = timed(_gradient_function(layer, call, weights=False, inputs=True),
+                  flat) - forward_s
   return float(min(max(1.0 - input_s / backward_s, 0.0), 1.0))
 
 
@@ -200,8 +210,9 @@ class _Timer:
     return max(_median_seconds(fn, args, self.steps) - self.call_s, 0.0)
 
 
-def _kept_bytes(call: Callable, flat: Sequence[tf.Tensor]) -> int:
-  """Bytes of what TensorFlow's backward of `call` takes from its forward."""
+def _forward_backward_pair(call: Callable, flat: Sequence[tf.Tensor]) -> tuple[Any, int]:
+  """(TensorFlow's forward/backward pair of `call`, the bytes of what its backward takes
+  from its forward)."""
   from lingvo_gpipe.pipeline import tf_internals
 
   concrete = tf.function(call, autograph=False).get_concrete_function(
@@ -211,7 +222,38 @@ def _kept_bytes(call: Callable, flat: Sequence[tf.Tensor]) -> int:
   for i in pair.kept_positions:
     source = _aliased_source(concrete.graph.outputs[i])
     kept[(source.op.name, source.value_index)] = source
-  return _nbytes(list(kept.values()))
+  return pair, _nbytes(list(kept.values()))
+
+
+def _split_backward_s(pair: Any, flat: Sequence[tf.Tensor], timed: Callable) -> float:
+  """Seconds of the pair's backward alone, given its forward's kept tensors and ones
+  as the outputs' gradients."""
+  outputs, kept = pair.forward(list(flat))
+  seeds = [tf.ones_like(outputs[i]) for i in pair.trainable_outputs]
+  num_seeds = len(seeds)
+
+  @tf.function(autograph=False)
+  def backward(*args):
+    grads = pair.backward(list(args[:num_seeds]), list(args[num_seeds:]))
+    return _done([tf.convert_to_tensor(g) for g in grads if g is not None])
+
+  return timed(backward, seeds + list(kept))
+
+
+def _product_bytes(layer: Any, given: Any) -> int:
+  """Bytes of the inputs and outputs of the weight products (`layers.project`) of one
+  traced call of `layer` on inputs shaped as `given`: what a deferred backward keeps
+  for its W (the outputs' gradients have the outputs' shapes)."""
+  products = base_layer.WeightProducts()
+  specs = [tf.TensorSpec(t.shape, layer.to_fprop_dtype(t).dtype) for t in tf.nest.flatten(given)]
+
+  def call(*flat):
+    with base_layer.step_context(training=True, layer_stats=[], weight_products=products):
+      base_layer.call_with(layer, tf.nest.pack_sequence_as(given, list(flat)))
+    return []
+
+  tf.function(call, autograph=False).get_concrete_function(*specs)
+  return _nbytes([t for p in products.products for t in (p.inputs, p.outputs)])
 
 
 def _aliased_source(t: tf.Tensor) -> tf.Tensor:
@@ -361,6 +403,8 @@ def _checked_entries(entries: Any, num_layers: int | None) -> list[dict]:
       raise ValueError(f"a record has keys {sorted(entry) if isinstance(entry, dict) else entry}"
                        f", not {sorted(fields)}")
     for name, value in entry.items():
+      if value is None and "None" in fields[name]:
+        continue
       kind = (int,) if fields[name] == "int" else (int, float)
       if isinstance(value, bool) or not isinstance(value, kind) or not value >= 0 \
           or not np.isfinite(value):

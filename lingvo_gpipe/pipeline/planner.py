@@ -82,6 +82,8 @@ class _MemoryModel:
     self.weights = np.concatenate([[0.0], np.cumsum([c.weight_bytes for c in costs])]) * (
         3.0 + slot_factor)
     self.kept = np.concatenate([[0.0], np.cumsum([c.kept_bytes * scale for c in costs])])
+    self.products = np.concatenate([[0.0], np.cumsum([c.product_bytes * scale
+                                                      for c in costs])])
     # a cell's input is its first layer's; its output the next cell's input (none last)
     self.inputs = np.array([c.input_bytes * scale for c in costs] + [0.0])
     self.batch_input_bytes = batch_input_bytes
@@ -90,8 +92,9 @@ class _MemoryModel:
            first: bool) -> Any:
     kept = self.kept[ends] - self.kept[starts]
     stash = self.inputs[starts] if recompute else kept
+    products = self.products[ends] - self.products[starts]
     return (self.weights[ends] - self.weights[starts] + in_flight * stash +
-            awaiting * kept + self.inputs[starts] + self.inputs[ends] +
+            awaiting * products + self.inputs[starts] + self.inputs[ends] +
             (kept if recompute else 0.0) + (self.batch_input_bytes if first else 0.0))
 
 
@@ -114,7 +117,9 @@ def cell_times(costs: Sequence[LayerCost], bounds: Sequence[tuple[int, int]],
   """Per cell: forward and backward seconds at `micro_batch` examples (the backward
   recomputes the forward in a cell the policy `recompute` re-materializes), without
   the machine's per-action overhead."""
-  times = [[step_model.layer_times(c, micro_batch) for c in costs[s:e]] for s, e in bounds]
+  times = [[step_model.layer_times(c, micro_batch,
+                                   split=not recomputes(recompute, k, len(bounds)))
+             for c in costs[s:e]] for k, (s, e) in enumerate(bounds)]
   forward = [sum(f for f, _ in cell) for cell in times]
   backward = [sum(b for _, b in cell) + (f if recomputes(recompute, k, len(bounds)) else 0.0)
               for k, (cell, f) in enumerate(zip(times, forward))]
@@ -130,8 +135,10 @@ def best_split(costs: Sequence[LayerCost], num_cells: int, micro_batch: float,
   flight and awaiting[k] awaiting their W, under the policy `recompute`; None when
   none fits (partition.min_bottleneck_split, exact)."""
   remat = [recomputes(recompute, k, num_cells) for k in range(num_cells)]
-  layer = [step_model.layer_times(c, micro_batch) for c in costs]
-  times = [[f * (2.0 if remat[k] else 1.0) + b for f, b in layer] for k in range(num_cells)]
+  layer = {split: [step_model.layer_times(c, micro_batch, split) for c in costs]
+           for split in (False, True)}
+  times = [[f * (2.0 if remat[k] else 1.0) + b for f, b in layer[not remat[k]]]
+           for k in range(num_cells)]
   memory = _MemoryModel(costs, micro_batch, slot_factor, batch_input_bytes)
   awaiting = awaiting or [0] * num_cells
 

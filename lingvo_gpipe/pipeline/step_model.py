@@ -13,6 +13,9 @@ Time. Per cell at micro-batch b (`cell_costs`):
   B_k = Σ_l (a_b,l + c_b,l·b) [+ F_k re-materialized]     micro-batches cost more
                              + action overhead            than linear)
 
+(without re-materialization each layer's backward as measured apart from its forward,
+as such a cell runs it: LayerCost.backward_split_s)
+
 split, where the cell defers weight gradients (zb_h1, weight_gradient_group > 1),
 into B (input gradients) and W (weight gradients) by the measured weight-gradient
 share of each layer's backward. Every hand-off adds latency + bytes / link rate.
@@ -28,8 +31,9 @@ Memory. Each device holds, for each of its cells (`device_peaks`):
   + in_flight · stash               stash slots, allocated for the whole loop
                                     (PipelineSchedule.max_in_flight): the cell's input
                                     when re-materialized, else all its forward keeps
-  + awaiting · kept                 product slots of backwards awaiting their W
-                                    (max_awaiting_weights; zb_h1)
+  + awaiting · products             product slots of backwards awaiting their W
+                                    (max_awaiting_weights; zb_h1): the inputs and
+                                    output gradients of the cell's projections
   + inbox                           one hand-off received ahead each way
   + the largest working set of one action: a backward's recomputed forward (its
     kept tensors) when re-materialized
@@ -62,8 +66,8 @@ class Machine:
     calibration.py), on top of the cell's call.
   update_s_per_byte: the optimizer update's seconds per weight byte on one device.
   link_latency_s, link_bytes_per_s: one hand-off between two devices.
-  cores: how many devices can compute at once at full speed (None: every device; on
-    one host of CPU processes, its cores).
+  cores: how many devices compute at once at full speed (None or inf: every device;
+    devices sharing a host's cores: fewer, measured by calibration.concurrency).
   allreduce_bytes_per_s: gradient all-reduce bandwidth between replicas.
   """
   num_devices: int
@@ -73,7 +77,7 @@ class Machine:
   update_s_per_byte: float = 0.0
   link_latency_s: float = 0.0
   link_bytes_per_s: float = math.inf
-  cores: int | None = None
+  cores: float | None = None
   allreduce_bytes_per_s: float = 10e9
 
 
@@ -120,17 +124,22 @@ class CellCost:
   weight_bytes: float
   stash_bytes: float  # per micro-batch in flight
   kept_bytes: float  # what the backward keeps of the forward, per micro-batch
+  product_bytes: float  # what a deferred backward keeps for its W, per micro-batch
   input_bytes: float  # received per micro-batch (the hand-off in)
   output_bytes: float  # sent per micro-batch (the hand-off out; 0 for the last cell)
   recompute: bool  # re-materialized: a backward recomputes the forward's kept tensors
 
 
-def layer_times(cost: LayerCost, batch: float) -> tuple[float, float]:
+def layer_times(cost: LayerCost, batch: float, split: bool = False) -> tuple[float, float]:
   """(forward, backward) seconds of one layer at `batch` examples: the line through
-  its two measured sizes (a + c·b), never below zero."""
+  its two measured sizes (a + c·b), never below zero. split: the backward run apart
+  from its forward (a cell without re-materialization), the same line scaled to its
+  measured time."""
   scale = batch / cost.batch
   forward = cost.forward_fixed_s + (cost.forward_s - cost.forward_fixed_s) * scale
   backward = cost.backward_fixed_s + (cost.backward_s - cost.backward_fixed_s) * scale
+  if split and cost.backward_split_s is not None and cost.backward_s > 0:
+    backward *= cost.backward_split_s / cost.backward_s
   return max(forward, 0.0), max(backward, 0.0)
 
 
@@ -142,18 +151,19 @@ def cell_costs(costs: Sequence[LayerCost], shape: PlanShape, batch_size: int,
   scale = micro / costs[0].batch
   cells = []
   for k, (s, e) in enumerate(shape.bounds):
-    times = [layer_times(c, micro) for c in costs[s:e]]
+    remat = recomputes(shape.recompute, k, shape.num_cells)
+    times = [layer_times(c, micro, split=not remat) for c in costs[s:e]]
     forward = sum(f for f, _ in times)
     backward = sum(b for _, b in times)
     weight = sum(b * c.weight_share for (_, b), c in zip(times, costs[s:e]))
-    remat = recomputes(shape.recompute, k, shape.num_cells)
     kept = sum(c.kept_bytes for c in costs[s:e]) * scale
     inputs = costs[s].input_bytes * scale
     cells.append(CellCost(
         forward_s=forward + machine.action_overhead_s,
         backward_s=backward + (forward if remat else 0.0) + machine.action_overhead_s,
         weight_s=weight, weight_bytes=sum(c.weight_bytes for c in costs[s:e]),
-        stash_bytes=inputs if remat else kept, kept_bytes=kept, input_bytes=inputs,
+        stash_bytes=inputs if remat else kept, kept_bytes=kept,
+        product_bytes=sum(c.product_bytes for c in costs[s:e]) * scale, input_bytes=inputs,
         output_bytes=costs[e].input_bytes * scale if e < len(costs) else 0.0,
         recompute=remat))
   return cells
@@ -166,6 +176,10 @@ class Prediction:
   step_s: float
   bubble: float
   peak_bytes: tuple[float, ...]  # per device
+  schedule_s: float = 0.0  # the devices' loops alone: first action start to last end
+  # per cell: seconds of a forward, a backward and a micro-batch's weight gradients
+  # (W; 0 where the cell does not defer them), as MeasuredTimeline.action_times
+  action_s: tuple[tuple[float, ...], ...] = ()
 
 
 def predict(costs: Sequence[LayerCost], machine: Machine, shape: PlanShape,
@@ -200,14 +214,19 @@ def predict(costs: Sequence[LayerCost], machine: Machine, shape: PlanShape,
              machine.allreduce_bytes_per_s)
   inputs = costs[0].input_bytes * batch_size / shape.num_replicas / costs[0].batch
   peaks = device_peaks(plan, cells, machine.slot_factor, inputs)
-  return Prediction(shape, step, schedule.idle_fraction(times, plan.num_devices), peaks)
+  defers = [plan.defers(k) for k in range(plan.num_cells)]
+  action_s = (tuple(forward),
+              tuple(b if d else b + w for b, w, d in zip(input_grad, weight, defers)),
+              tuple(w if d else 0.0 for w, d in zip(weight, defers)))
+  return Prediction(shape, step, schedule.idle_fraction(times, plan.num_devices), peaks,
+                    max(finish), action_s)
 
 
 def held_bytes(cell: CellCost, in_flight: int, awaiting: int, slot_factor: float) -> float:
   """What a cell holds on its device through the step (module docstring): weights,
   sums and their copy, slots, stash and product slots, the inbox."""
   return (cell.weight_bytes * (3.0 + slot_factor) + in_flight * cell.stash_bytes +
-          awaiting * cell.kept_bytes + cell.input_bytes + cell.output_bytes)
+          awaiting * cell.product_bytes + cell.input_bytes + cell.output_bytes)
 
 
 def working_bytes(cell: CellCost) -> float:
@@ -232,7 +251,7 @@ def device_peaks(plan: schedule.PipelineSchedule, cells: Sequence[CellCost],
 
 def shared_simulation(plan: schedule.PipelineSchedule, forward: Sequence[float],
                       backward: Sequence[float], weight: Sequence[float],
-                      transfer_time: float, cores: int
+                      transfer_time: float, cores: float
                       ) -> dict[tuple[int, schedule.Action], tuple[float, float]]:
   """`plan.simulate` where at most `cores` devices compute at full speed: when n > cores
   devices have an action ready, each runs at cores / n of its speed (an operating

@@ -1,0 +1,298 @@
+"""The planner's predictions against measurements: step time and each device's peak.
+
+For each plan (a model family, K cells, M micro-batches, recompute, schedule), the
+trainer runs it with `--plan=check` (tools/trainer.py): it predicts the step and
+per-device peak from the measured layer costs and machine figures (both read from
+one cost cache, filled by a `--mode=plan` run per family and setting first, so a
+measured run measures nothing on its devices), trains, and writes the median
+measured step beside the prediction (train/plan_check.json). Two settings:
+
+  workers   one loopback worker process per device (tools/worker.py, one thread each,
+            --memory_log): each device's peak is its own process's allocator peak
+            since it started (weights, slots, stash, steps);
+  logical   logical CPU devices in the trainer's process: one allocator, so the
+            measured peak is the devices' total, set beside the sum of the
+            predicted peaks.
+
+Families (synthetic data, Adam, registered from a param file written to a temporary
+directory, as a user would): a Transformer LM, an encoder-decoder MT Transformer,
+AmoebaNet-D. Finally the planner's own run time for mt.Multilingual128L6B's shape
+(64 wide) on 16 devices, its layer costs cached.
+
+  python bench/planner.py                       # every plan, both settings
+  python bench/planner.py --only lm_k2_m4_always_gpipe --settings workers
+
+The last line printed is one JSON object: per plan and setting the predicted and
+measured step and peaks and their errors (measured / predicted − 1), the median and
+worst absolute errors per setting, and plan_seconds_multilingual128_16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+PARAM_FILE = textwrap.dedent('''
+    """Planner benchmark models (written by bench/planner.py)."""
+
+    from lingvo_gpipe import model_registry
+    from lingvo_gpipe.base_model_params import SingleTaskModelParams
+    from lingvo_gpipe.core import optimizers
+    from lingvo_gpipe.inputs.synthetic_images import SyntheticImages
+    from lingvo_gpipe.inputs.synthetic_text import SyntheticLm, SyntheticTranslation
+    from lingvo_gpipe.models import amoeba_net, transformer
+    from lingvo_gpipe.tasks.image_classification import ImageClassificationTask
+    from lingvo_gpipe.tasks.language_model import LanguageModelTask
+    from lingvo_gpipe.tasks.translation import TranslationTask
+
+
+    class _Bench(SingleTaskModelParams):
+      BATCH = 32
+
+      def _train(self, p):
+        p.pipeline.set(num_cells=2, num_micro_batches=4, partition_cost="flops")
+        p.train.optimizer = optimizers.Adam.Params().set(learning_rate=1e-4)
+        p.train.set(save_interval_steps=100000, summary_interval_steps=100000,
+                    log_interval_steps=1)
+        return p
+
+      def eval_input(self):
+        return None
+
+
+    @model_registry.register
+    class Lm(_Bench):
+      """Transformer LM: 8 layers, 256 wide (hidden 1024, 4 heads), 64 tokens."""
+
+      def task(self):
+        p = LanguageModelTask.Params().set(name="lm")
+        vocab = self.train_input().instantiate().vocab.size
+        p.stack = transformer.lm_stack(vocab, 256, 1024, 4, 8, residual_keep_prob=0.9)
+        return self._train(p)
+
+      def train_input(self):
+        return SyntheticLm.Params().set(name="lm_train", num_examples=4096,
+                                        batch_size=self.BATCH, sequence_length=64)
+
+
+    @model_registry.register
+    class Mt(_Bench):
+      """Encoder-decoder Transformer: 4 + 4 layers, 256 wide, 32 tokens."""
+
+      def task(self):
+        p = TranslationTask.Params().set(name="mt")
+        vocab = self.train_input().instantiate().vocab.size
+        p.stack = transformer.encoder_decoder_stack(vocab, 256, 1024, 4, 4)
+        return self._train(p)
+
+      def train_input(self):
+        return SyntheticTranslation.Params().set(name="mt_train", num_examples=4096,
+                                                 batch_size=self.BATCH, sequence_length=32)
+
+
+    @model_registry.register
+    class Amoeba(_Bench):
+      """AmoebaNet-D (3, 32) on 32×32 images."""
+
+      def task(self):
+        body = amoeba_net.amoeba_net("D", num_normal_cells=3, filters=32, image_size=32,
+                                     num_classes=10, stem="cifar", stem_filters=32)
+        p = ImageClassificationTask.Params().set(name="amoeba")
+        p.body = body.stack
+        p.softmax.set(input_dim=body.feature_dim, num_classes=10)
+        return self._train(p)
+
+      def train_input(self):
+        return SyntheticImages.Params().set(name="amoeba_train", batch_size=self.BATCH,
+                                            num_examples=4096, image_size=32,
+                                            num_classes=10)
+
+
+    @model_registry.register
+    class Multilingual128(_Bench):
+      """mt.Multilingual128L6B's shape at 64 wide: 64 + 64 layers, batch 64."""
+      BATCH = 64
+
+      def task(self):
+        p = TranslationTask.Params().set(name="mt128")
+        vocab = self.train_input().instantiate().vocab.size
+        p.stack = transformer.encoder_decoder_stack(vocab, 64, 256, 4, 64)
+        return self._train(p)
+
+      def train_input(self):
+        return SyntheticTranslation.Params().set(name="mt128_train", num_examples=4096,
+                                                 batch_size=self.BATCH)
+''')
+
+# name → (family, K cells, M, recompute, schedule, V)
+PLANS = {
+    "lm_k1_m4_always_gpipe": ("Lm", 1, 4, "always", "gpipe", 1),
+    "lm_k2_m4_always_gpipe": ("Lm", 2, 4, "always", "gpipe", 1),
+    "lm_k2_m8_never_1f1b": ("Lm", 2, 8, "never", "1f1b", 1),
+    "lm_k4_m8_always_zb_h1": ("Lm", 4, 8, "always", "zb_h1", 1),
+    "lm_k4v2_m4_always_interleaved": ("Lm", 4, 4, "always", "interleaved_1f1b", 2),
+    "mt_k2_m4_always_1f1b": ("Mt", 2, 4, "always", "1f1b", 1),
+    "mt_k4_m8_never_gpipe": ("Mt", 4, 8, "never", "gpipe", 1),
+    "amoeba_k1_m2_never_gpipe": ("Amoeba", 1, 2, "never", "gpipe", 1),
+    "amoeba_k2_m4_always_gpipe": ("Amoeba", 2, 4, "always", "gpipe", 1),
+    "amoeba_k2_m8_never_1f1b": ("Amoeba", 2, 8, "never", "1f1b", 1),
+}
+
+
+def trainer_command(param_dir: str, model: str, cache: str, *extra: str) -> list[str]:
+  return [sys.executable, str(REPO / "tools" / "trainer.py"), f"--params_path={param_dir}",
+          f"--model=planner_models.{model}", f"--cost_cache={cache}",
+          "--device_memory=16GB", *extra]
+
+
+def run(command: list[str], timeout: int = 1200) -> str:
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", TF_CPU_ALLOCATOR_USE_BFC="true")
+  result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO,
+                          timeout=timeout)
+  if result.returncode != 0:
+    raise RuntimeError(f"{' '.join(command)} failed:\n{result.stdout[-2000:]}\n"
+                       f"{result.stderr[-3000:]}")
+  return result.stdout
+
+
+def with_workers(num_workers: int, body):
+  """body(cluster spec, memory log dir) with `num_workers` fresh loopback workers."""
+  from lingvo_gpipe.runtime.local_workers import start_local_workers
+
+  with tempfile.TemporaryDirectory() as log_dir:
+    spec, procs = start_local_workers(num_workers, memory_log_dir=log_dir)
+    try:
+      return body(spec, log_dir)
+    finally:
+      for proc in procs:
+        proc.kill()
+      for proc in procs:
+        proc.wait()
+
+
+def override(plan: tuple) -> str:
+  _, k, m, recompute, name, v = plan
+  return (f"task.pipeline.num_cells={k};task.pipeline.num_micro_batches={m};"
+          f"task.pipeline.recompute={recompute};task.pipeline.schedule={name};"
+          f"task.pipeline.virtual_stages={v}")
+
+
+def measure(name: str, setting: str, param_dir: str, cache: str, steps: int,
+            logs: str | None = None) -> dict:
+  """One plan in one setting through the trainer: its plan_check.json, and on workers
+  each worker's peak from its memory log."""
+  from lingvo_gpipe.runtime.memory_log import memory_log_path, read_memory_log
+
+  plan = PLANS[name]
+  devices = num_devices(plan)
+  logdir = tempfile.mkdtemp(prefix=f"planner_{name}_{setting}_", dir=logs)
+  args = [f"--logdir={logdir}", f"--max_steps={steps}", "--plan=check",
+          f"--params_override={override(plan)}"]
+
+  def on_workers(spec: str, log_dir: str) -> dict:
+    run(trainer_command(param_dir, plan[0], cache, f"--cluster_spec={spec}", *args))
+    time.sleep(1.5)  # the memory logs poll every 0.5 s
+    used = plan[1] // plan[5]
+    return {"measured_peak_per_device": [
+        read_memory_log(memory_log_path(log_dir, t))["peak_bytes_in_use"]
+        for t in range(used)]}
+
+  if setting == "workers":
+    extra = with_workers(devices, on_workers)
+  else:
+    run(trainer_command(param_dir, plan[0], cache, f"--devices=cpu:{devices}", *args))
+    extra = {}
+  found = json.loads((Path(logdir) / "train" / "plan_check.json").read_text())
+  out = {"predicted_step_s": found["predicted_step_s"],
+         "measured_step_s": found["measured_step_s"], "step_error": found["step_error"],
+         "predicted_peak_per_device": found["predicted_peak_bytes"]}
+  if setting == "workers":
+    out.update(extra)
+    out["peak_error"] = [m / p - 1 for m, p in zip(extra["measured_peak_per_device"],
+                                                  found["predicted_peak_bytes"])]
+  else:
+    out["measured_peak_total"] = found["measured_peak_bytes"][0]
+    out["predicted_peak_total"] = sum(found["predicted_peak_bytes"])
+    out["peak_error"] = found["peak_error"]
+  return out
+
+
+def num_devices(plan: tuple) -> int:
+  """The devices a plan's run gets: its K / V, and 2 at least (the machine's link)."""
+  return max(plan[1] // plan[5], 2)
+
+
+def fill_cache(family: str, setting: str, devices: int, param_dir: str, cache: str) -> None:
+  """Measures the family's layer costs and the machine on `devices` devices of
+  `setting` (--mode=plan), so that the measured runs find them cached."""
+  args = ["--mode=plan"]
+  if setting == "workers":
+    with_workers(devices, lambda spec, _: run(trainer_command(
+        param_dir, family, cache, f"--cluster_spec={spec}", *args)))
+  else:
+    run(trainer_command(param_dir, family, cache, f"--devices=cpu:{devices}", *args))
+
+
+def plan_seconds(param_dir: str, cache: str) -> float:
+  """The planner's own run time for the 64-wide Multilingual128 shape on 16 logical
+  devices, its costs cached (a first run measures them)."""
+  command = trainer_command(param_dir, "Multilingual128", cache, "--mode=plan",
+                            "--devices=cpu:16")
+  run(command, timeout=3000)
+  out = run(command, timeout=3000)
+  line = next(line for line in out.splitlines() if line.startswith("Planned in "))
+  return float(line.split()[2])
+
+
+def summary(errors: list[float]) -> dict:
+  absolute = [abs(e) for e in errors]
+  return {"median": statistics.median(absolute), "worst": max(absolute)} if absolute else {}
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--only", default="", help="comma-separated plan names")
+  parser.add_argument("--settings", default="workers,logical")
+  parser.add_argument("--steps", type=int, default=8, help="training steps per run")
+  parser.add_argument("--no_plan_time", action="store_true")
+  parser.add_argument("--logs", default=None, help="keep the runs' logdirs here")
+  args = parser.parse_args()
+  names = [n for n in (args.only.split(",") if args.only else PLANS)]
+  settings = args.settings.split(",")
+  results: dict = {"machine": platform.processor() or platform.machine(),
+                   "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d"),
+                   "command": " ".join(sys.argv), "plans": {}}
+  with tempfile.TemporaryDirectory() as param_dir:
+    (Path(param_dir) / "planner_models.py").write_text(PARAM_FILE)
+    cache = str(Path(param_dir) / "costs.json")
+    for setting in settings:
+      for family, devices in sorted({(PLANS[n][0], num_devices(PLANS[n])) for n in names}):
+        fill_cache(family, setting, devices, param_dir, cache)
+      for name in names:
+        got = measure(name, setting, param_dir, cache, args.steps, args.logs)
+        results["plans"][f"{name}/{setting}"] = got
+        print(json.dumps({f"{name}/{setting}": got}), flush=True)
+    for setting in settings:
+      mine = [v for k, v in results["plans"].items() if k.endswith("/" + setting)]
+      results[f"step_error_{setting}"] = summary([v["step_error"] for v in mine
+                                                  if v["step_error"] is not None])
+      results[f"peak_error_{setting}"] = summary([e for v in mine for e in v["peak_error"]])
+    if not args.no_plan_time:
+      results["plan_seconds_multilingual128_16"] = plan_seconds(param_dir, cache)
+  print(json.dumps(results))
+
+
+if __name__ == "__main__":
+  main()
