@@ -16,15 +16,20 @@ measured step beside the prediction (train/plan_check.json). Two settings:
 
 Families (synthetic data, Adam, registered from a param file written to a temporary
 directory, as a user would): a Transformer LM, an encoder-decoder MT Transformer,
-AmoebaNet-D. Finally the planner's own run time for mt.Multilingual128L6B's shape
-(64 wide) on 16 devices, its layer costs cached.
+AmoebaNet-D. Then today's default for one family (K = the devices, partitioned by
+parameters, M = 4K, re-materialized, gpipe) against `--plan=auto` on two workers: at a
+budget the default does not fit (80% of its measured peak), and with room to spare
+(the measured speedup). Finally the planner's own run time for
+mt.Multilingual128L6B's shape (64 wide) on 16 devices, its layer costs cached.
 
   python bench/planner.py                       # every plan, both settings
-  python bench/planner.py --only lm_k2_m4_always_gpipe --settings workers
+  python bench/planner.py --only lm_k2_m4_always_gpipe --settings workers \
+      --versus_default= --no_plan_time
 
 The last line printed is one JSON object: per plan and setting the predicted and
 measured step and peaks and their errors (measured / predicted − 1), the median and
-worst absolute errors per setting, and plan_seconds_multilingual128_16.
+worst absolute errors per setting, versus_default, and
+plan_seconds_multilingual128_16.
 """
 
 from __future__ import annotations
@@ -245,6 +250,48 @@ def fill_cache(family: str, setting: str, devices: int, param_dir: str, cache: s
     run(trainer_command(param_dir, family, cache, f"--devices=cpu:{devices}", *args))
 
 
+def versus_default(family: str, devices: int, param_dir: str, cache: str, steps: int,
+                   logs: str | None) -> dict:
+  """Today's default (K = the devices, partitioned by parameters, M = 4K, recompute
+  always, gpipe) against --plan=auto on `devices` loopback workers: (1) at a budget
+  of 80% of the default's measured peak (the default does not fit it), the plan's
+  measured peak; (2) with room to spare, the measured steps."""
+  default = (f"task.pipeline.num_cells={devices};task.pipeline.num_micro_batches="
+             f"{4 * devices};task.pipeline.partition_cost=params;"
+             f"task.pipeline.recompute=always;task.pipeline.schedule=gpipe")
+
+  def trained(extra: list[str], memory: str) -> dict:
+    from lingvo_gpipe.runtime.memory_log import memory_log_path, read_memory_log
+
+    logdir = tempfile.mkdtemp(prefix=f"planner_default_{family}_", dir=logs)
+
+    def body(spec: str, log_dir: str) -> dict:
+      command = trainer_command(param_dir, family, cache, f"--cluster_spec={spec}",
+                                f"--logdir={logdir}", f"--max_steps={steps}", *extra)
+      command[command.index("--device_memory=16GB")] = f"--device_memory={memory}"
+      run(command)
+      time.sleep(1.5)
+      found = json.loads((Path(logdir) / "train" / "plan_check.json").read_text())
+      return {"measured_step_s": found["measured_step_s"],
+              "predicted_step_s": found["predicted_step_s"], "shape": found["shape"],
+              "measured_peak_per_device": [
+                  read_memory_log(memory_log_path(log_dir, t))["peak_bytes_in_use"]
+                  for t in range(devices)],
+              "predicted_peak_per_device": found["predicted_peak_bytes"]}
+
+    return with_workers(devices, body)
+
+  fill_cache(family, "workers", devices, param_dir, cache)
+  base = trained(["--plan=check", f"--params_override={default}"], "16GB")
+  budget = 0.8 * max(base["measured_peak_per_device"])
+  tight = trained(["--plan=auto"], f"{budget:.0f}")
+  roomy = trained(["--plan=auto"], "16GB")
+  return {"default": base, "budget_bytes": budget, "planned_at_budget": tight,
+          "plan_fits_budget": max(tight["measured_peak_per_device"]) <= budget,
+          "planned_unconstrained": roomy,
+          "speedup_over_default": base["measured_step_s"] / roomy["measured_step_s"]}
+
+
 def plan_seconds(param_dir: str, cache: str) -> float:
   """The planner's own run time for the 64-wide Multilingual128 shape on 16 logical
   devices, its costs cached (a first run measures them)."""
@@ -268,6 +315,9 @@ def main() -> None:
   parser.add_argument("--steps", type=int, default=8, help="training steps per run")
   parser.add_argument("--no_plan_time", action="store_true")
   parser.add_argument("--logs", default=None, help="keep the runs' logdirs here")
+  parser.add_argument("--versus_default", default="Amoeba",
+                      help="the family to run today's default against --plan=auto with "
+                      "('' for none)")
   args = parser.parse_args()
   names = [n for n in (args.only.split(",") if args.only else PLANS)]
   settings = args.settings.split(",")
@@ -289,6 +339,10 @@ def main() -> None:
       results[f"step_error_{setting}"] = summary([v["step_error"] for v in mine
                                                   if v["step_error"] is not None])
       results[f"peak_error_{setting}"] = summary([e for v in mine for e in v["peak_error"]])
+    if args.versus_default:
+      results["versus_default"] = versus_default(args.versus_default, 2, param_dir, cache,
+                                                 args.steps, args.logs)
+      print(json.dumps({"versus_default": results["versus_default"]}), flush=True)
     if not args.no_plan_time:
       results["plan_seconds_multilingual128_16"] = plan_seconds(param_dir, cache)
   print(json.dumps(results))

@@ -30,7 +30,7 @@ from lingvo_gpipe.pipeline.layer import PipeliningLayer
 from lingvo_gpipe.tasks import base_task
 
 PLAN_MODES = ("", "auto", "check")
-COSTS_VERSION = "layer costs v4 (two sizes, weight share, products, split backward)"
+COSTS_VERSION = "layer costs v5 (two sizes, weight share, products, split backward)"
 MACHINE_FIELDS = ("action_overhead_s", "update_s_per_byte", "link_latency_s",
                   "link_bytes_per_s", "cores")
 
@@ -90,7 +90,7 @@ def machine(params: Params, setting: Setting) -> step_model.Machine:
     return entry
 
   if setting.cost_cache:
-    key = ["machine v2", params.task.train.optimizer.to_text(), platform.node(),
+    key = ["machine v3", params.task.train.optimizer.to_text(), platform.node(),
            tf.__version__, list(setting.devices)]
     figures = layer_profiler.cached_record(setting.cost_cache, key, measure, setting.log,
                                            decode=decode, encode=lambda r: r)

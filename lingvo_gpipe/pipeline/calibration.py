@@ -117,19 +117,23 @@ def link(source: str, target: str, sizes: Sequence[int] = (2**16, 2**22)
   return latency, (1.0 / slope if slope > 0 else float("inf"))
 
 
-def concurrency(devices: Sequence[str], size: int = 384, chain: int = 16) -> float:
+def concurrency(devices: Sequence[str], size: int = 384, chain: int = 16,
+                stream_bytes: int = 2**24, runs: int = 15) -> float:
   """How many of `devices` compute at once at full speed (`Machine.cores`): the same
-  work (a chain of `chain` [size, size] matmuls) on every device at once takes
-  `slowdown` times as long as on the first alone, so they compute as
-  len(devices) / slowdown devices would (logical CPU devices and worker processes
-  share the host's cores; accelerators do not: inf)."""
+  work on every device at once takes `slowdown` times as long as on the first alone,
+  so they compute as len(devices) / slowdown devices would (logical CPU devices and
+  worker processes share the host's cores and memory bandwidth; accelerators do not:
+  inf). The work mixes what a layer's calls do: a chain of `chain` [size, size]
+  matmuls (compute) and elementwise passes over `stream_bytes` (memory bandwidth,
+  where a backward spends much of its time); the medians of `runs` alternating runs."""
   if len(devices) < 2:
     return float("inf")
-  weights = []
+  weights, streams = [], []
   for d in devices:
     with tf.device(d):
       weights.append(tf.Variable(tf.random.normal([size, size], stddev=size**-0.5),
                                  name="calibration_concurrency"))
+      streams.append(tf.Variable(tf.zeros([stream_bytes // 4]), name="calibration_stream"))
 
   def on(chosen: Sequence[int]) -> Callable[[], Any]:
     @tf.function(autograph=False)
@@ -140,15 +144,26 @@ def concurrency(devices: Sequence[str], size: int = 384, chain: int = 16) -> flo
           x = weights[i].read_value()
           for _ in range(chain):
             x = tf.matmul(x, weights[i])
-          outs.append(tf.reduce_sum(x))
+          y = streams[i].read_value()
+          for _ in range(4):
+            y = y * 0.5 + 1.0
+          outs.append(tf.reduce_sum(x) + tf.reduce_sum(y))
       with tf.device(devices[0]):
         return tf.add_n(outs)
     return fn
 
-  alone = _median_call_s(on([0]))
-  together = _median_call_s(on(list(range(len(devices)))))
-  found = len(devices) * alone / max(together, 1e-12)
-  return float("inf") if found >= 0.9 * len(devices) else max(found, 1.0)
+  alone, together = on([0]), on(list(range(len(devices))))
+  np.asarray(alone())
+  np.asarray(together())
+  ratios = []
+  for _ in range(runs):  # alternating: a host whose cores come and go hits both alike
+    start = time.perf_counter()
+    np.asarray(alone())
+    middle = time.perf_counter()
+    np.asarray(together())
+    ratios.append((middle - start) / max(time.perf_counter() - middle, 1e-12))
+  found = len(devices) * float(np.median(ratios))
+  return float("inf") if found >= len(devices) else max(found, 1.0)
 
 
 def measure_machine(devices: Sequence[str], memory_bytes: float, optimizer_params: Any,

@@ -56,6 +56,7 @@ class LayerCost:
   weight_share: float = 0.5
   product_bytes: int = 0  # what a deferred backward keeps for its W (zb_h1)
   backward_split_s: float | None = None  # the backward as its own function (below)
+  backward_split_fixed_s: float = 0.0
 
   @property
   def step_s(self) -> float:
@@ -128,20 +129,23 @@ def _measure_layer_costs(layer_params, input_specs, steps, full, small_batch):
       continue
     forward_s = timed(forward, flat)
     share = _weight_share(layer, call, flat, timed, forward_s, both_s) if not first else 1.0
-    fixed = (0.0, 0.0)
+    pair, kept_bytes = _forward_backward_pair(call, flat)
+    split_s = _split_backward_s(pair, flat, timed)
+    fixed = (0.0, 0.0, 0.0)
     if small is not None and small < batch:
       part = [t[:small] for t in flat]
-      small_times = (timed(forward, part), timed(forward_backward, part))
-      fixed = tuple(_intercept(small, at_small, batch, at_batch) for at_small, at_batch in
-                    zip((small_times[0], small_times[1] - small_times[0]),
-                        (forward_s, both_s - forward_s)))
-    pair, kept_bytes = _forward_backward_pair(call, flat)
+      at_small = (timed(forward, part), timed(forward_backward, part))
+      small_pair, _ = _forward_backward_pair(call, part)
+      fixed = tuple(_intercept(small, s, batch, b) for s, b in zip(
+          (at_small[0], at_small[1] - at_small[0],
+           _split_backward_s(small_pair, part, timed)),
+          (forward_s, both_s - forward_s, split_s)))
     costs.append(LayerCost(forward_s, max(both_s - forward_s, 0.0),
                            _nbytes(layer.trainable_variables), _nbytes(flat),
                            kept_bytes, batch, forward_fixed_s=fixed[0],
                            backward_fixed_s=fixed[1], weight_share=share,
                            product_bytes=_product_bytes(layer, inputs),
-                           backward_split_s=_split_backward_s(pair, flat, timed)))
+                           backward_split_s=split_s, backward_split_fixed_s=fixed[2]))
     inputs = tf.nest.pack_sequence_as(structure["out"], list(outputs))
   return costs
 

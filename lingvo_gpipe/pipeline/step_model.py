@@ -138,8 +138,9 @@ def layer_times(cost: LayerCost, batch: float, split: bool = False) -> tuple[flo
   scale = batch / cost.batch
   forward = cost.forward_fixed_s + (cost.forward_s - cost.forward_fixed_s) * scale
   backward = cost.backward_fixed_s + (cost.backward_s - cost.backward_fixed_s) * scale
-  if split and cost.backward_split_s is not None and cost.backward_s > 0:
-    backward *= cost.backward_split_s / cost.backward_s
+  if split and cost.backward_split_s is not None:
+    backward = cost.backward_split_fixed_s + (
+        cost.backward_split_s - cost.backward_split_fixed_s) * scale
   return max(forward, 0.0), max(backward, 0.0)
 
 
