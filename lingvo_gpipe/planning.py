@@ -67,16 +67,25 @@ def layer_costs(params: Params, setting: Setting) -> tuple[list[layer_profiler.L
   return costs, batch_size
 
 
-def machine(params: Params, setting: Setting) -> step_model.Machine:
-  """The devices' Machine: figures measured on them (calibration.py) or read from
+def machine(params: Params, setting: Setting,
+            costs: Sequence[layer_profiler.LayerCost]) -> step_model.Machine:
+  """The devices' Machine: figures measured on them (calibration.py; how many compute
+  at once with the model's most costly layer at a quarter of the batch) or read from
   the cache."""
   slot_factor = planner.slot_factor(params.task.train.optimizer)
+  specs, layer_params = base_task.probe_main_stack(params.task, params.train_input)
+  heaviest = max(range(len(costs)), key=lambda i: costs[i].step_s)
+  spec = layer_profiler.layer_input_specs(layer_params, specs)[heaviest]
+  batch = tf.nest.flatten(spec)[0].shape[0]
+  quarter = tf.nest.map_structure(
+      lambda s: tf.TensorSpec([max(1, batch // 4)] + s.shape[1:], s.dtype), spec)
 
   def measure() -> dict:
-    setting.log(f"Measuring the engine's cost per action, the update and the links on "
-                f"{setting.devices[0]} ...")
-    found = calibration.measure_machine(setting.devices, setting.memory_bytes,
-                                        params.task.train.optimizer, slot_factor)
+    setting.log(f"Measuring the engine's cost per action, the update, the links and how "
+                f"many of the {len(setting.devices)} devices compute at once ...")
+    found = calibration.measure_machine(
+        setting.devices, setting.memory_bytes, params.task.train.optimizer, slot_factor,
+        work=layer_profiler.layer_work(layer_params[heaviest], quarter))
     setting.log(f"Measured: {found.action_overhead_s * 1e3:.3f} ms per action, update "
                 f"{found.update_s_per_byte * 1e9:.3f} ns per weight byte, hand-off "
                 f"{found.link_latency_s * 1e3:.3f} ms + {found.link_bytes_per_s / 1e9:.3g} "
@@ -90,8 +99,9 @@ def machine(params: Params, setting: Setting) -> step_model.Machine:
     return entry
 
   if setting.cost_cache:
-    key = ["machine v3", params.task.train.optimizer.to_text(), platform.node(),
-           tf.__version__, list(setting.devices)]
+    key = ["machine v4", params.task.train.optimizer.to_text(),
+           layer_params[heaviest].to_text(), quarter, platform.node(), tf.__version__,
+           list(setting.devices)]
     figures = layer_profiler.cached_record(setting.cost_cache, key, measure, setting.log,
                                            decode=decode, encode=lambda r: r)
   else:
@@ -147,7 +157,7 @@ def plan_run(params: Params, setting: Setting, auto: bool) -> Planned:
     ParamsError: the params' own configuration cannot be built on the devices.
   """
   costs, batch_size = layer_costs(params, setting)
-  found = machine(params, setting)
+  found = machine(params, setting, costs)
   if auto:
     best = planner.plan(costs, found, batch_size, top=1)[0]
     setting.log(f"Plan: {best.params_override()}")

@@ -356,8 +356,10 @@ def test_plan_mode_prints_a_plan_the_trainer_runs_and_refuses_a_budget_nothing_f
                         "--device_memory=64MiB", f"--cost_cache={cache}")
   assert planned.returncode == 0, planned.stderr
   assert "splits" in planned.stdout and cache.exists()
+  assert "The params as given (K=2, M=4, always, gpipe)" in planned.stdout
   best = json.loads(planned.stdout.strip().splitlines()[-1])
   assert best["devices"] == 2 and max(best["peak_bytes"]) <= 0.9 * 64 * 2**20
+  assert best["own"]["fits"] and len(best["own"]["peak_bytes"]) == 2
   trained = run_trainer("--model=lm.TransformerTiny", "--devices=cpu:2",
                         f"--logdir={tmp_path / 'run'}", "--max_steps=2",
                         f"--params_override={best['params_override']}")
@@ -367,6 +369,74 @@ def test_plan_mode_prints_a_plan_the_trainer_runs_and_refuses_a_budget_nothing_f
   assert refused.returncode == 2
   assert "no plan fits 922 B per device on 2 device(s); the smallest any plan needs is" \
       in refused.stderr
+  assert "does NOT fit" in refused.stdout and "over the budget on device" in refused.stdout
+
+
+def test_plan_auto_trains_the_best_plan_and_writes_prediction_beside_measurement(tmp_path):
+  import json
+
+  from conftest import run_trainer
+
+  cache = tmp_path / "costs.json"
+  common = ("--model=lm.TransformerTiny", "--devices=cpu:2", "--max_steps=4",
+            f"--cost_cache={cache}")
+  planned = run_trainer(*common, "--mode=plan", "--device_memory=64MiB")
+  best = json.loads(planned.stdout.strip().splitlines()[-1])
+  auto = run_trainer(*common, "--plan=auto", "--device_memory=64MiB",
+                     f"--logdir={tmp_path / 'auto'}")
+  assert auto.returncode == 0, auto.stderr[-3000:]
+  assert f"Plan: {best['params_override']}" in auto.stdout  # the plan --mode=plan printed
+  assert "Plan check: step predicted" in auto.stdout
+  found = json.loads((tmp_path / "auto" / "train" / "plan_check.json").read_text())
+  override = dict(item.split("=") for item in best["params_override"].split(";"))
+  assert found["shape"]["splits"] == json.loads(override["task.pipeline.splits"])
+  assert found["shape"]["num_micro_batches"] == int(override["task.pipeline.num_micro_batches"])
+  devices = len(found["shape"]["splits"]) // found["shape"]["virtual_stages"]
+  assert len(found["predicted_peak_bytes"]) == devices
+  assert found["predicted_step_s"] > 0 and found["measured_step_s"] > 0
+  assert found["step_error"] == pytest.approx(
+      found["measured_step_s"] / found["predicted_step_s"] - 1)
+  assert len(found["measured_action_s"]) == len(found["predicted_action_s"]) == 3
+  params_txt = (tmp_path / "auto" / "params.txt").read_text()
+  assert f"task.pipeline.splits : {override['task.pipeline.splits']}" in params_txt
+  # --plan=check keeps the params as given: lm.TransformerTiny's 2 cells, 4 micro-batches.
+  check = run_trainer(*common, "--plan=check", f"--logdir={tmp_path / 'check'}")
+  assert check.returncode == 0, check.stderr[-3000:]
+  found = json.loads((tmp_path / "check" / "train" / "plan_check.json").read_text())
+  assert found["shape"]["num_micro_batches"] == 4 and len(found["shape"]["splits"]) == 2
+  refused = run_trainer(*common, "--plan=auto", "--device_memory=1KiB",
+                        f"--logdir={tmp_path / 'refused'}")
+  assert refused.returncode == 2 and "--plan=auto: no plan fits" in refused.stderr
+  assert not (tmp_path / "refused").exists()  # refused before anything was written
+
+
+def test_the_comparison_sets_prediction_beside_measurement():
+  from lingvo_gpipe import planning
+  from lingvo_gpipe.pipeline import step_model
+
+  shape = step_model.PlanShape(1, (2, 4), 4, "always", "gpipe")
+  prediction = step_model.Prediction(shape, 0.5, 0.2, (100.0, 300.0))
+  planned = planning.Planned(None, prediction, Machine(2, np.inf))
+  found = planning.compare(planned, [9.0, 0.4, 0.6, 0.55], (["CPU:0"], [480.0]))
+  assert found["measured_step_s"] == 0.55  # the median after the first step
+  assert found["step_error"] == pytest.approx(0.1)
+  # one allocator for both devices: their predicted sum beside it
+  assert found["peak_error"] == [pytest.approx(0.2)]
+  assert "+10.0%" in planning.format_comparison(found)
+  two = planning.compare(planned, [1.0, 0.5], (["GPU:0", "GPU:1"], [110.0, 270.0]))
+  assert two["measured_step_s"] is None  # fewer than 3 steps
+  assert two["peak_error"] == [pytest.approx(0.1), pytest.approx(-0.1)]
+
+
+def test_machine_figures_are_measured_on_the_devices():
+  from lingvo_gpipe.core import optimizers
+  from lingvo_gpipe.pipeline import calibration
+
+  assert calibration.concurrency(["/device:CPU:0"]) == float("inf")
+  latency, rate = calibration.link("/device:CPU:0", "/device:CPU:0")
+  assert latency >= 0 and rate > 0
+  assert calibration.action_overhead_s("/device:CPU:0") >= 0
+  assert calibration.update_s_per_byte("/device:CPU:0", optimizers.Adam.Params()) > 0
 
 
 def test_plan_mode_refuses_a_bad_budget_and_cache_path_in_one_line(tmp_path):

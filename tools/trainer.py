@@ -204,7 +204,7 @@ def _plan(params, devices: list[str]) -> int:
   setting = _plan_setting(devices)
   try:
     costs, batch_size = planning.layer_costs(params, setting)
-    machine = planning.machine(params, setting)
+    machine = planning.machine(params, setting, costs)
   except layer_profiler.CostCacheError as e:
     raise UsageFailure(f"--cost_cache: {e}") from None
   start = time.perf_counter()

@@ -117,23 +117,20 @@ def link(source: str, target: str, sizes: Sequence[int] = (2**16, 2**22)
   return latency, (1.0 / slope if slope > 0 else float("inf"))
 
 
-def concurrency(devices: Sequence[str], size: int = 384, chain: int = 16,
-                stream_bytes: int = 2**24, runs: int = 15) -> float:
+def concurrency(devices: Sequence[str], work: Callable[[str], Callable[[], Any]] | None = None,
+                runs: int = 9) -> float:
   """How many of `devices` compute at once at full speed (`Machine.cores`): the same
   work on every device at once takes `slowdown` times as long as on the first alone,
   so they compute as len(devices) / slowdown devices would (logical CPU devices and
   worker processes share the host's cores and memory bandwidth; accelerators do not:
-  inf). The work mixes what a layer's calls do: a chain of `chain` [size, size]
-  matmuls (compute) and elementwise passes over `stream_bytes` (memory bandwidth,
-  where a backward spends much of its time); the medians of `runs` alternating runs."""
+  inf). How much they share depends on the work (a big matmul uses a core fully, a
+  backward's small elementwise ops do not), so it should be the model's own:
+  `work(device)` builds it on `device` and returns a function to call inside a
+  tf.function (default: a chain of [384, 384] matmuls); the median of `runs`
+  alternating runs (a host whose cores come and go hits both alike)."""
   if len(devices) < 2:
     return float("inf")
-  weights, streams = [], []
-  for d in devices:
-    with tf.device(d):
-      weights.append(tf.Variable(tf.random.normal([size, size], stddev=size**-0.5),
-                                 name="calibration_concurrency"))
-      streams.append(tf.Variable(tf.zeros([stream_bytes // 4]), name="calibration_stream"))
+  calls = [(work or _matmul_chain)(d) for d in devices]
 
   def on(chosen: Sequence[int]) -> Callable[[], Any]:
     @tf.function(autograph=False)
@@ -141,13 +138,7 @@ def concurrency(devices: Sequence[str], size: int = 384, chain: int = 16,
       outs = []
       for i in chosen:
         with tf.device(devices[i]):
-          x = weights[i].read_value()
-          for _ in range(chain):
-            x = tf.matmul(x, weights[i])
-          y = streams[i].read_value()
-          for _ in range(4):
-            y = y * 0.5 + 1.0
-          outs.append(tf.reduce_sum(x) + tf.reduce_sum(y))
+          outs.append(tf.reshape(tf.cast(calls[i](), tf.float32), []))
       with tf.device(devices[0]):
         return tf.add_n(outs)
     return fn
@@ -156,7 +147,7 @@ def concurrency(devices: Sequence[str], size: int = 384, chain: int = 16,
   np.asarray(alone())
   np.asarray(together())
   ratios = []
-  for _ in range(runs):  # alternating: a host whose cores come and go hits both alike
+  for _ in range(runs):
     start = time.perf_counter()
     np.asarray(alone())
     middle = time.perf_counter()
@@ -166,12 +157,29 @@ def concurrency(devices: Sequence[str], size: int = 384, chain: int = 16,
   return float("inf") if found >= len(devices) else max(found, 1.0)
 
 
+def _matmul_chain(device: str, size: int = 384, chain: int = 16) -> Callable[[], Any]:
+  with tf.device(device):
+    weight = tf.Variable(tf.random.normal([size, size], stddev=size**-0.5),
+                         name="calibration_concurrency")
+
+  def call():
+    x = weight.read_value()
+    for _ in range(chain):
+      x = tf.matmul(x, weight)
+    return tf.reduce_sum(x)
+
+  return call
+
+
 def measure_machine(devices: Sequence[str], memory_bytes: float, optimizer_params: Any,
-                    slot_factor: float) -> step_model.Machine:
-  """A Machine for `devices`, the figures measured on them as above."""
+                    slot_factor: float,
+                    work: Callable[[str], Callable[[], Any]] | None = None
+                    ) -> step_model.Machine:
+  """A Machine for `devices`, the figures measured on them as above (`work`: what
+  `concurrency` runs)."""
   latency, rate = link(devices[0], devices[1]) if len(devices) > 1 else (0.0, float("inf"))
   return step_model.Machine(
       num_devices=len(devices), memory_bytes=memory_bytes, slot_factor=slot_factor,
       action_overhead_s=action_overhead_s(devices[0]),
       update_s_per_byte=update_s_per_byte(devices[0], optimizer_params),
-      link_latency_s=latency, link_bytes_per_s=rate, cores=concurrency(devices))
+      link_latency_s=latency, link_bytes_per_s=rate, cores=concurrency(devices, work))

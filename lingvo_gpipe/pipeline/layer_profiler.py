@@ -150,6 +150,39 @@ def _measure_layer_costs(layer_params, input_specs, steps, full, small_batch):
   return costs
 
 
+def layer_work(layer_params: Any, input_specs: Any) -> Callable[[str], Callable[[], Any]]:
+  """For `calibration.concurrency`: device → a function running one forward and
+  backward of the layer (built on that device, inputs of `input_specs`) inside a
+  tf.function, returning a scalar."""
+  def build(device: str) -> Callable[[], Any]:
+    with tf.device(device):
+      layer = layer_params.copy().instantiate()
+      inputs = tf.nest.map_structure(random_like, input_specs)
+      flat = [tf.Variable(layer.to_fprop_dtype(t), trainable=False, name="calibration_input")
+              for t in tf.nest.flatten(inputs)]
+    call = _flat_call(layer, inputs, {})
+    gradients = _gradient_function(layer, call, weights=True, inputs=True)
+    return lambda: gradients(*[v.read_value() for v in flat])[0]
+
+  return build
+
+
+def layer_input_specs(layer_params: Sequence[Any], input_specs: Any) -> list[Any]:
+  """Each layer's nested input tf.TensorSpec (the first's `input_specs`, each next the
+  previous one's outputs), found by tracing the layers in a scratch graph (nothing
+  is allocated or run)."""
+  specs = [input_specs]
+  with tf.Graph().as_default():
+    current = tf.nest.map_structure(lambda s: tf.compat.v1.placeholder(s.dtype, s.shape),
+                                    input_specs)
+    for p in layer_params[:-1]:
+      layer = p.copy().instantiate()
+      with base_layer.step_context(training=True, layer_stats=[]):
+        current = base_layer.call_with(layer, current)
+      specs.append(tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), current))
+  return specs
+
+
 def _intercept(small: int, at_small: float, batch: int, at_batch: float) -> float:
   """a of the line a + c·b through (small, at_small) and (batch, at_batch), within
   [0, at_batch]: a time does not fall as the batch grows, nor is it negative at 0."""

@@ -117,9 +117,7 @@ def cell_times(costs: Sequence[LayerCost], bounds: Sequence[tuple[int, int]],
   """Per cell: forward and backward seconds at `micro_batch` examples (the backward
   recomputes the forward in a cell the policy `recompute` re-materializes), without
   the machine's per-action overhead."""
-  times = [[step_model.layer_times(c, micro_batch,
-                                   split=not recomputes(recompute, k, len(bounds)))
-             for c in costs[s:e]] for k, (s, e) in enumerate(bounds)]
+  times = [[step_model.layer_times(c, micro_batch) for c in costs[s:e]] for s, e in bounds]
   forward = [sum(f for f, _ in cell) for cell in times]
   backward = [sum(b for _, b in cell) + (f if recomputes(recompute, k, len(bounds)) else 0.0)
               for k, (cell, f) in enumerate(zip(times, forward))]
@@ -135,10 +133,8 @@ def best_split(costs: Sequence[LayerCost], num_cells: int, micro_batch: float,
   flight and awaiting[k] awaiting their W, under the policy `recompute`; None when
   none fits (partition.min_bottleneck_split, exact)."""
   remat = [recomputes(recompute, k, num_cells) for k in range(num_cells)]
-  layer = {split: [step_model.layer_times(c, micro_batch, split) for c in costs]
-           for split in (False, True)}
-  times = [[f * (2.0 if remat[k] else 1.0) + b for f, b in layer[not remat[k]]]
-           for k in range(num_cells)]
+  layer = [step_model.layer_times(c, micro_batch) for c in costs]
+  times = [[f * (2.0 if remat[k] else 1.0) + b for f, b in layer] for k in range(num_cells)]
   memory = _MemoryModel(costs, micro_batch, slot_factor, batch_input_bytes)
   awaiting = awaiting or [0] * num_cells
 
@@ -214,9 +210,11 @@ def plan(costs: Sequence[LayerCost], machine: Machine, batch_size: int,
          schedules: Sequence[str] = SCHEDULES) -> list[Plan]:
   """The `top` plans that fit, fastest first. Up to `max_virtual_cells` cells per
   replica (default twice its devices; more cells than devices only interleaved), of
-  `schedules`.
+  `schedules`. Each configuration gets its split and peaks; those that fit are
+  simulated in the order of `step_model.lower_bound_s` until the bound passes the
+  `top`-th fastest found (exact: no plan below the bound is skipped).
   Raises PlanError naming the smallest peak any plan needs when none fits."""
-  fitting: list[Plan] = []
+  candidates: list[tuple[float, PlanShape]] = []
   smallest_need = float("inf")
   for replicas in _divisors(machine.num_devices):
     if batch_size % replicas:
@@ -233,25 +231,38 @@ def plan(costs: Sequence[LayerCost], machine: Machine, batch_size: int,
             for v in _schedule_variants(name, num_cells, m, devices):
               if name != "interleaved_1f1b" and num_cells > devices:
                 continue
-              candidate = _best_plan(costs, machine, replicas, num_cells, m, recompute,
-                                     name, v, batch_size)
-              if max(candidate.peak_bytes) <= machine.memory_bytes:
-                fitting.append(candidate)
+              shape = _best_shape(costs, machine, replicas, num_cells, m, recompute, name, v,
+                                  batch_size)
+              need = max(step_model.device_peaks(
+                  shape.make_schedule(), step_model.cell_costs(costs, shape, batch_size,
+                                                               machine),
+                  machine.slot_factor, _batch_input_bytes(costs, per_replica)))
+              if need <= machine.memory_bytes:
+                candidates.append((step_model.lower_bound_s(costs, machine, shape,
+                                                            batch_size), shape))
               else:
-                smallest_need = min(smallest_need, max(candidate.peak_bytes))
-  if not fitting:
+                smallest_need = min(smallest_need, need)
+  if not candidates:
     raise PlanError(f"no plan fits {format_bytes(machine.memory_bytes)} per device on "
                     f"{machine.num_devices} device(s); the smallest any plan needs is "
                     f"{format_bytes(smallest_need)}")
-  fitting.sort(key=lambda p: (p.step_s, max(p.peak_bytes)))
-  return fitting[:top]
+  candidates.sort(key=lambda c: c[0])
+  kept: list[Plan] = []
+  for bound, shape in candidates:
+    if len(kept) >= top and bound > kept[top - 1].step_s:
+      break
+    kept.append(predict(costs, machine, shape.num_replicas, shape.splits,
+                        shape.num_micro_batches, shape.recompute, shape.schedule,
+                        batch_size, shape.virtual_stages))
+    kept.sort(key=lambda p: (p.step_s, max(p.peak_bytes)))
+  return kept[:top]
 
 
-def _best_plan(costs: Sequence[LayerCost], machine: Machine, replicas: int, num_cells: int,
-               num_micro_batches: int, recompute: str, name: str, virtual_stages: int,
-               batch_size: int) -> Plan:
-  """The plan of this configuration with the best split that fits (`best_split`), or,
-  when none does, with the split that needs no budget (its peaks say by how much)."""
+def _best_shape(costs: Sequence[LayerCost], machine: Machine, replicas: int,
+                num_cells: int, num_micro_batches: int, recompute: str, name: str,
+                virtual_stages: int, batch_size: int) -> PlanShape:
+  """This configuration with the best split that fits (`best_split`), or, when none
+  does, with the split that needs no budget (its peaks say by how much)."""
   per_replica = batch_size // replicas
   shape = PlanShape(replicas, tuple(range(1, num_cells + 1)), num_micro_batches, recompute,
                     name, virtual_stages)
@@ -266,8 +277,7 @@ def _best_plan(costs: Sequence[LayerCost], machine: Machine, replicas: int, num_
   if splits is None:
     splits = best_split(costs, num_cells, micro, held, recompute, machine.slot_factor,
                         float("inf"), awaiting, inputs)
-  return predict(costs, machine, replicas, splits, num_micro_batches, recompute, name,
-                 batch_size, virtual_stages)
+  return dataclasses.replace(shape, splits=tuple(splits))
 
 
 def format_bytes(n: float) -> str:

@@ -13,8 +13,9 @@ Time. Per cell at micro-batch b (`cell_costs`):
   B_k = Σ_l (a_b,l + c_b,l·b) [+ F_k re-materialized]     micro-batches cost more
                              + action overhead            than linear)
 
-(without re-materialization each layer's backward as measured apart from its forward,
-as such a cell runs it: LayerCost.backward_split_s)
+(each layer's backward as measured apart from its forward, as a cell runs it: the
+cell calls each layer as a function, differentiated by its own backward function;
+LayerCost.backward_split_s)
 
 split, where the cell defers weight gradients (zb_h1, weight_gradient_group > 1),
 into B (input gradients) and W (weight gradients) by the measured weight-gradient
@@ -48,6 +49,7 @@ temporaries, and variables outside the stack (the global step, the loss scale).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 
@@ -103,16 +105,23 @@ class PlanShape:
   def make_schedule(self) -> schedule.PipelineSchedule:
     """The schedule the pipeline layer runs for this shape (PipeliningLayer._make_plan,
     with cell k on device k mod D)."""
-    deferring = schedule.deferring_cells(self.schedule, self.num_cells,
-                                         self.weight_gradient_group,
-                                         [recomputes(self.recompute, k, self.num_cells)
-                                          for k in range(self.num_cells)])
-    plan = schedule.make(self.schedule, self.num_cells, self.num_micro_batches,
-                         virtual_stages=self.virtual_stages, weight_cells=deferring)
-    if self.schedule != "zb_h1":
-      plan = plan.with_weight_gradients(self.weight_gradient_group, deferring)
-    num_devices = self.num_cells // self.virtual_stages
-    return plan.on_devices([k % num_devices for k in range(self.num_cells)])
+    return _make_schedule(self.schedule, self.num_cells, self.num_micro_batches,
+                          self.virtual_stages, self.weight_gradient_group, self.recompute)
+
+
+@functools.lru_cache(maxsize=1024)
+def _make_schedule(name: str, num_cells: int, num_micro_batches: int, virtual_stages: int,
+                   weight_gradient_group: int, recompute: str) -> schedule.PipelineSchedule:
+  """PlanShape.make_schedule, kept: a search asks for the same ones many times."""
+  deferring = schedule.deferring_cells(name, num_cells, weight_gradient_group,
+                                       [recomputes(recompute, k, num_cells)
+                                        for k in range(num_cells)])
+  plan = schedule.make(name, num_cells, num_micro_batches, virtual_stages=virtual_stages,
+                       weight_cells=deferring)
+  if name != "zb_h1":
+    plan = plan.with_weight_gradients(weight_gradient_group, deferring)
+  num_devices = num_cells // virtual_stages
+  return plan.on_devices([k % num_devices for k in range(num_cells)])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,17 +139,19 @@ class CellCost:
   recompute: bool  # re-materialized: a backward recomputes the forward's kept tensors
 
 
-def layer_times(cost: LayerCost, batch: float, split: bool = False) -> tuple[float, float]:
-  """(forward, backward) seconds of one layer at `batch` examples: the line through
-  its two measured sizes (a + c·b), never below zero. split: the backward run apart
-  from its forward (a cell without re-materialization), the same line scaled to its
-  measured time."""
+def layer_times(cost: LayerCost, batch: float) -> tuple[float, float]:
+  """(forward, backward) seconds of one layer at `batch` examples: the lines through
+  its two measured sizes (a + c·b), never below zero. The backward is the one run
+  apart from its forward (`LayerCost.backward_split_s`, where measured): a cell calls
+  each layer as a function of its own, re-materialized or not, so TensorFlow
+  differentiates each call by its own backward function."""
   scale = batch / cost.batch
   forward = cost.forward_fixed_s + (cost.forward_s - cost.forward_fixed_s) * scale
-  backward = cost.backward_fixed_s + (cost.backward_s - cost.backward_fixed_s) * scale
-  if split and cost.backward_split_s is not None:
+  if cost.backward_split_s is not None:
     backward = cost.backward_split_fixed_s + (
         cost.backward_split_s - cost.backward_split_fixed_s) * scale
+  else:
+    backward = cost.backward_fixed_s + (cost.backward_s - cost.backward_fixed_s) * scale
   return max(forward, 0.0), max(backward, 0.0)
 
 
@@ -153,7 +164,7 @@ def cell_costs(costs: Sequence[LayerCost], shape: PlanShape, batch_size: int,
   cells = []
   for k, (s, e) in enumerate(shape.bounds):
     remat = recomputes(shape.recompute, k, shape.num_cells)
-    times = [layer_times(c, micro, split=not remat) for c in costs[s:e]]
+    times = [layer_times(c, micro) for c in costs[s:e]]
     forward = sum(f for f, _ in times)
     backward = sum(b for _, b in times)
     weight = sum(b * c.weight_share for (_, b), c in zip(times, costs[s:e]))
@@ -221,6 +232,29 @@ def predict(costs: Sequence[LayerCost], machine: Machine, shape: PlanShape,
               tuple(w if d else 0.0 for w, d in zip(weight, defers)))
   return Prediction(shape, step, schedule.idle_fraction(times, plan.num_devices), peaks,
                     max(finish), action_s)
+
+
+def lower_bound_s(costs: Sequence[LayerCost], machine: Machine, shape: PlanShape,
+                  batch_size: int) -> float:
+  """A bound `predict`'s step never falls below, without simulating: the busiest
+  device's actions back to back and its update (with fewer cores than devices, also
+  all devices' work over the cores), plus the all-reduce. The search simulates plans
+  in the order of this bound and stops where it passes the plans it keeps."""
+  plan = shape.make_schedule()
+  cells = cell_costs(costs, shape, batch_size, machine)
+  busy = [0.0] * plan.num_devices
+  weights = [0.0] * plan.num_devices
+  for k, c in enumerate(cells):
+    busy[plan.device_of[k]] += shape.num_micro_batches * (c.forward_s + c.backward_s)
+    weights[plan.device_of[k]] += c.weight_bytes
+  updates = [w * machine.update_s_per_byte for w in weights]
+  bound = max(b + u for b, u in zip(busy, updates))
+  if machine.cores is not None and machine.cores < plan.num_devices:
+    bound = max(bound, (sum(busy) + sum(updates)) / machine.cores)
+  if shape.num_replicas > 1:
+    bound += (2.0 * (shape.num_replicas - 1) / shape.num_replicas * max(weights) /
+              machine.allreduce_bytes_per_s)
+  return bound
 
 
 def held_bytes(cell: CellCost, in_flight: int, awaiting: int, slot_factor: float) -> float:
