@@ -25,6 +25,7 @@ mt.Multilingual128L6B's shape (64 wide) on 16 devices, its layer costs cached.
   python bench/planner.py                       # every plan, both settings
   python bench/planner.py --only lm_k2_m4_always_gpipe --settings workers \
       --versus_default= --no_plan_time
+  python bench/planner.py --only lm_k2_m4_always_gpipe --settings workers --versus_default=Lm
 
 The last line printed is one JSON object: per plan and setting the predicted and
 measured step and peaks and their errors (measured / predicted − 1), the median and
@@ -315,7 +316,7 @@ def main() -> None:
   parser.add_argument("--steps", type=int, default=8, help="training steps per run")
   parser.add_argument("--no_plan_time", action="store_true")
   parser.add_argument("--logs", default=None, help="keep the runs' logdirs here")
-  parser.add_argument("--versus_default", default="Amoeba",
+  parser.add_argument("--versus_default", default="Lm",
                       help="the family to run today's default against --plan=auto with "
                       "('' for none)")
   args = parser.parse_args()

@@ -108,7 +108,7 @@ def machine(params: Params, setting: Setting,
     figures = measure()
   return step_model.Machine(num_devices=len(setting.devices),
                             memory_bytes=setting.memory_bytes, slot_factor=slot_factor,
-                            **figures)
+                            allreduce_bytes_per_s=figures["link_bytes_per_s"], **figures)
 
 
 def own_shape(params: Params, devices: Sequence[str]) -> step_model.PlanShape:

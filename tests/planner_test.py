@@ -160,7 +160,8 @@ def test_prediction_of_equal_cells_is_the_papers_formula(schedule_name, recomput
     assert got.step_s == pytest.approx(want_step, rel=1e-9)
     assert got.bubble == pytest.approx((num_micro + num_cells - 1 - num_micro) /
                                        (num_micro + num_cells - 1), rel=1e-9)
-  weights = per_cell * 1000 * (3 + 2.0)
+  # (replicas: the all-reduce's two gradient buffers too)
+  weights = per_cell * 1000 * (3 + 2.0 + (2.0 if replicas > 1 else 0.0))
   kept = per_cell * 300 * scale
   for k, peak in enumerate(got.peak_bytes):
     held = num_micro if schedule_name == "gpipe" else min(num_cells - k, num_micro)
@@ -429,10 +430,19 @@ def test_the_comparison_sets_prediction_beside_measurement():
 
 
 def test_machine_figures_are_measured_on_the_devices():
-  from lingvo_gpipe.core import optimizers
+  import tensorflow as tf
+
+  from lingvo_gpipe.core import layers, optimizers
   from lingvo_gpipe.pipeline import calibration
 
   assert calibration.concurrency(["/device:CPU:0"]) == float("inf")
+  # The model's own work: each layer's input spec found by tracing, the layer run.
+  params = [layers.Linear.Params().set(name=f"fc{i}", input_dim=16 + 16 * i,
+                                       output_dim=32 - 16 * i) for i in range(2)]
+  specs = layer_profiler.layer_input_specs(params, tf.TensorSpec([8, 16], tf.float32))
+  assert [s.shape.as_list() for s in specs] == [[8, 16], [8, 32]]
+  work = layer_profiler.layer_work(params[1], specs[1])("/device:CPU:0")
+  assert np.isfinite(tf.function(work)().numpy())
   latency, rate = calibration.link("/device:CPU:0", "/device:CPU:0")
   assert latency >= 0 and rate > 0
   assert calibration.action_overhead_s("/device:CPU:0") >= 0

@@ -182,4 +182,5 @@ def measure_machine(devices: Sequence[str], memory_bytes: float, optimizer_param
       num_devices=len(devices), memory_bytes=memory_bytes, slot_factor=slot_factor,
       action_overhead_s=action_overhead_s(devices[0]),
       update_s_per_byte=update_s_per_byte(devices[0], optimizer_params),
-      link_latency_s=latency, link_bytes_per_s=rate, cores=concurrency(devices, work))
+      link_latency_s=latency, link_bytes_per_s=rate, cores=concurrency(devices, work),
+      allreduce_bytes_per_s=rate)

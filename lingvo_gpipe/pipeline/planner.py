@@ -236,7 +236,7 @@ def plan(costs: Sequence[LayerCost], machine: Machine, batch_size: int,
               need = max(step_model.device_peaks(
                   shape.make_schedule(), step_model.cell_costs(costs, shape, batch_size,
                                                                machine),
-                  machine.slot_factor, _batch_input_bytes(costs, per_replica)))
+                  machine.slot_factor, _batch_input_bytes(costs, per_replica), replicas))
               if need <= machine.memory_bytes:
                 candidates.append((step_model.lower_bound_s(costs, machine, shape,
                                                             batch_size), shape))
@@ -272,11 +272,12 @@ def _best_shape(costs: Sequence[LayerCost], machine: Machine, replicas: int,
   micro = per_replica / num_micro_batches
   inputs = _batch_input_bytes(costs, per_replica)
   budget = machine.memory_bytes / virtual_stages
-  splits = best_split(costs, num_cells, micro, held, recompute, machine.slot_factor,
-                      budget, awaiting, inputs)
+  slots = machine.slot_factor + (2.0 if replicas > 1 else 0.0)  # all-reduce buffers
+  splits = best_split(costs, num_cells, micro, held, recompute, slots, budget, awaiting,
+                      inputs)
   if splits is None:
-    splits = best_split(costs, num_cells, micro, held, recompute, machine.slot_factor,
-                        float("inf"), awaiting, inputs)
+    splits = best_split(costs, num_cells, micro, held, recompute, slots, float("inf"),
+                        awaiting, inputs)
   return dataclasses.replace(shape, splits=tuple(splits))
 
 

@@ -38,7 +38,8 @@ Memory. Each device holds, for each of its cells (`device_peaks`):
   + inbox                           one hand-off received ahead each way
   + the largest working set of one action: a backward's recomputed forward (its
     kept tensors) when re-materialized
-  cell 0's device also holds the whole batch of inputs (micro-batches are slices).
+  cell 0's device also holds the whole batch of inputs (micro-batches are slices);
+  with R replicas every device also holds the all-reduce's two weight-sized buffers.
 
 Left out: the task's head (loss and metrics on the last cell; its softmax is a layer
 of the stack in this library's models, the loss itself is small), TensorFlow's own
@@ -70,7 +71,8 @@ class Machine:
   link_latency_s, link_bytes_per_s: one hand-off between two devices.
   cores: how many devices compute at once at full speed (None or inf: every device;
     devices sharing a host's cores: fewer, measured by calibration.concurrency).
-  allreduce_bytes_per_s: gradient all-reduce bandwidth between replicas.
+  allreduce_bytes_per_s: gradient all-reduce bandwidth between replicas (measured:
+    the link's).
   """
   num_devices: int
   memory_bytes: float
@@ -225,7 +227,7 @@ def predict(costs: Sequence[LayerCost], machine: Machine, shape: PlanShape,
     step += (2.0 * (shape.num_replicas - 1) / shape.num_replicas * max(device_weights) /
              machine.allreduce_bytes_per_s)
   inputs = costs[0].input_bytes * batch_size / shape.num_replicas / costs[0].batch
-  peaks = device_peaks(plan, cells, machine.slot_factor, inputs)
+  peaks = device_peaks(plan, cells, machine.slot_factor, inputs, shape.num_replicas)
   defers = [plan.defers(k) for k in range(plan.num_cells)]
   action_s = (tuple(forward),
               tuple(b if d else b + w for b, w, d in zip(input_grad, weight, defers)),
@@ -271,14 +273,17 @@ def working_bytes(cell: CellCost) -> float:
 
 
 def device_peaks(plan: schedule.PipelineSchedule, cells: Sequence[CellCost],
-                 slot_factor: float, batch_input_bytes: float) -> tuple[float, ...]:
+                 slot_factor: float, batch_input_bytes: float,
+                 num_replicas: int = 1) -> tuple[float, ...]:
   """Per device: what its cells hold, the largest working set among them (one action
-  at a time), and the batch of inputs on cell 0's device."""
+  at a time), and the batch of inputs on cell 0's device; with replicas, the
+  all-reduce's two gradient buffers (what it sends and what it gets back)."""
   peaks = []
   for d in range(plan.num_devices):
     mine = [k for k in range(plan.num_cells) if plan.device_of[k] == d]
     held = sum(held_bytes(cells[k], plan.max_in_flight(k), plan.max_awaiting_weights(k),
-                          slot_factor) for k in mine)
+                          slot_factor + (2.0 if num_replicas > 1 else 0.0))
+               for k in mine)
     peaks.append(held + max(working_bytes(cells[k]) for k in mine) +
                  (batch_input_bytes if 0 in mine else 0.0))
   return tuple(peaks)
