@@ -251,11 +251,11 @@ def _planned_params(params, devices: list[str], state: RunState):
   from lingvo_gpipe.pipeline import layer_profiler, planner
 
   setting = _plan_setting(devices)
-  try:
-    with _bad_params_are_usage_errors():
+  with _bad_params_are_usage_errors():
+    try:
       state.planned = planning.plan_run(params, setting, auto=FLAGS.plan == "auto")
-  except (planner.PlanError, layer_profiler.CostCacheError) as e:
-    raise UsageFailure(f"--plan={FLAGS.plan}: {e}") from None
+    except (planner.PlanError, layer_profiler.CostCacheError) as e:  # (ParamsErrors too)
+      raise UsageFailure(f"--plan={FLAGS.plan}: {e}") from None
   state.devices = tuple(devices)
   planning.reset_allocator_peaks(devices)  # the run's peak, not the measuring's
   return state.planned.params
