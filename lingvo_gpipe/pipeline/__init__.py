@@ -9,6 +9,9 @@
   channels.py       Send/Recv hand-offs between neighbouring cells
   partition.py      the one exact min-bottleneck split solver; the partitioner
   layer_profiler.py each layer's measured seconds and bytes (LayerCost), and their cache
+  calibration.py    the machine's figures measured on its devices (action overhead,
+                    update, link, how many devices compute at once)
+  step_model.py     a plan's predicted step time and per-device peak memory
   planner.py        an automatic plan (R, K, split, M, recompute, schedule) from those
                     costs and a per-device memory budget
   memory.py         a step's peak activation memory, from TensorFlow's allocator
