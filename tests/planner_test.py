@@ -347,43 +347,25 @@ def test_a_cost_cache_path_that_can_never_be_one_is_refused_before_measuring(tmp
       layer_profiler.cached_layer_costs(str(path), ["m"], lambda: pytest.fail("measured"))
 
 
-def test_plan_mode_prints_a_plan_the_trainer_runs_and_refuses_a_budget_nothing_fits(tmp_path):
+def test_plan_mode_and_plan_auto_train_the_best_plan_and_refuse_a_budget_nothing_fits(
+    tmp_path):
+  """--mode=plan prints the best plans and judges the params as given; --plan=auto
+  trains with that best plan and writes its prediction beside the measurement;
+  --plan=check keeps the params as given; a budget no plan fits exits 2 in both."""
   import json
 
   from conftest import run_trainer
 
   cache = tmp_path / "costs.json"
-  planned = run_trainer("--model=lm.TransformerTiny", "--mode=plan", "--devices=cpu:2",
-                        "--device_memory=64MiB", f"--cost_cache={cache}")
+  common = ("--model=lm.TransformerTiny", "--devices=cpu:2", f"--cost_cache={cache}")
+  planned = run_trainer(*common, "--mode=plan", "--device_memory=64MiB")
   assert planned.returncode == 0, planned.stderr
   assert "splits" in planned.stdout and cache.exists()
   assert "The params as given (K=2, M=4, always, gpipe)" in planned.stdout
   best = json.loads(planned.stdout.strip().splitlines()[-1])
   assert best["devices"] == 2 and max(best["peak_bytes"]) <= 0.9 * 64 * 2**20
   assert best["own"]["fits"] and len(best["own"]["peak_bytes"]) == 2
-  trained = run_trainer("--model=lm.TransformerTiny", "--devices=cpu:2",
-                        f"--logdir={tmp_path / 'run'}", "--max_steps=2",
-                        f"--params_override={best['params_override']}")
-  assert trained.returncode == 0, trained.stderr
-  refused = run_trainer("--model=lm.TransformerTiny", "--mode=plan", "--devices=cpu:2",
-                        "--device_memory=1KiB", f"--cost_cache={cache}")
-  assert refused.returncode == 2
-  assert "no plan fits 922 B per device on 2 device(s); the smallest any plan needs is" \
-      in refused.stderr
-  assert "does NOT fit" in refused.stdout and "over the budget on device" in refused.stdout
-
-
-def test_plan_auto_trains_the_best_plan_and_writes_prediction_beside_measurement(tmp_path):
-  import json
-
-  from conftest import run_trainer
-
-  cache = tmp_path / "costs.json"
-  common = ("--model=lm.TransformerTiny", "--devices=cpu:2", "--max_steps=4",
-            f"--cost_cache={cache}")
-  planned = run_trainer(*common, "--mode=plan", "--device_memory=64MiB")
-  best = json.loads(planned.stdout.strip().splitlines()[-1])
-  auto = run_trainer(*common, "--plan=auto", "--device_memory=64MiB",
+  auto = run_trainer(*common, "--plan=auto", "--device_memory=64MiB", "--max_steps=4",
                      f"--logdir={tmp_path / 'auto'}")
   assert auto.returncode == 0, auto.stderr[-3000:]
   assert f"Plan: {best['params_override']}" in auto.stdout  # the plan --mode=plan printed
@@ -401,7 +383,8 @@ def test_plan_auto_trains_the_best_plan_and_writes_prediction_beside_measurement
   params_txt = (tmp_path / "auto" / "params.txt").read_text()
   assert f"task.pipeline.splits : {override['task.pipeline.splits']}" in params_txt
   # --plan=check keeps the params as given: lm.TransformerTiny's 2 cells, 4 micro-batches.
-  check = run_trainer(*common, "--plan=check", f"--logdir={tmp_path / 'check'}")
+  check = run_trainer(*common, "--plan=check", "--max_steps=4",
+                      f"--logdir={tmp_path / 'check'}")
   assert check.returncode == 0, check.stderr[-3000:]
   found = json.loads((tmp_path / "check" / "train" / "plan_check.json").read_text())
   assert found["shape"]["num_micro_batches"] == 4 and len(found["shape"]["splits"]) == 2
@@ -409,6 +392,11 @@ def test_plan_auto_trains_the_best_plan_and_writes_prediction_beside_measurement
                         f"--logdir={tmp_path / 'refused'}")
   assert refused.returncode == 2 and "--plan=auto: no plan fits" in refused.stderr
   assert not (tmp_path / "refused").exists()  # refused before anything was written
+  refused = run_trainer(*common, "--mode=plan", "--device_memory=1KiB")
+  assert refused.returncode == 2
+  assert "no plan fits 922 B per device on 2 device(s); the smallest any plan needs is" \
+      in refused.stderr
+  assert "does NOT fit" in refused.stdout and "over the budget on device" in refused.stdout
 
 
 def test_the_comparison_sets_prediction_beside_measurement():
