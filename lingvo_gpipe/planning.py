@@ -244,8 +244,9 @@ def compare(planned: Planned, step_seconds: Sequence[float],
                measured_action_s=[list(a) for a in measured_timeline.action_times()])
   if peaks is not None:
     names, values = peaks
-    predicted = [sum(prediction.peak_bytes)] if len(names) == 1 else \
-        list(prediction.peak_bytes[:len(names)])
+    # every replica's devices, in the order the devices were given
+    per_device = list(prediction.peak_bytes) * prediction.shape.num_replicas
+    predicted = [sum(per_device)] if len(names) == 1 else per_device[:len(names)]
     out.update(allocators=names, measured_peak_bytes=values,
                peak_error=[m / p - 1 for m, p in zip(values, predicted)])
   return out

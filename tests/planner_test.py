@@ -415,6 +415,12 @@ def test_the_comparison_sets_prediction_beside_measurement():
   two = planning.compare(planned, [1.0, 0.5], (["GPU:0", "GPU:1"], [110.0, 270.0]))
   assert two["measured_step_s"] is None  # fewer than 3 steps
   assert two["peak_error"] == [pytest.approx(0.1), pytest.approx(-0.1)]
+  # Two replicas of one cell on two devices sharing one allocator: both devices' peaks.
+  replicated = step_model.Prediction(step_model.PlanShape(2, (4,), 1, "never", "gpipe"), 0.5,
+                                     0.0, (100.0,))
+  found = planning.compare(planning.Planned(None, replicated, Machine(2, np.inf)), [1.0],
+                           (["CPU:0"], [260.0]))
+  assert found["peak_error"] == [pytest.approx(0.3)]
 
 
 def test_machine_figures_are_measured_on_the_devices():
