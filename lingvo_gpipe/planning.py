@@ -29,7 +29,6 @@ from lingvo_gpipe.pipeline import calibration, layer_profiler, planner, step_mod
 from lingvo_gpipe.pipeline.layer import PipeliningLayer
 from lingvo_gpipe.tasks import base_task
 
-PLAN_MODES = ("", "auto", "check")
 COSTS_VERSION = "layer costs v5 (two sizes, weight share, products, split backward)"
 MACHINE_FIELDS = ("action_overhead_s", "update_s_per_byte", "link_latency_s",
                   "link_bytes_per_s", "cores")
