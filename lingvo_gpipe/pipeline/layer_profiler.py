@@ -85,16 +85,16 @@ def measure_layer_costs(layer_params: Sequence[Any], input_specs: Any, steps: in
     full: also time the forward alone, the input gradients alone and the layer at
       `small_batch` examples, and count what TensorFlow keeps for the backward (the
       planner's needs). False (the partitioner's): only forward + backward at the
-      batch is timed, recorded as backward_s with forward_s 0 and kept_bytes 0, at
-      half the runs and no extra trace.
+      batch is timed, call included (never 0), recorded as backward_s with forward_s
+      0 and kept_bytes 0.
     device: where the layer's variables live and its calls run (the device a plan's
       cells run on: a worker's device measures that worker's speed).
     small_batch: the second size the times are fitted at (full only; default a
       quarter of the batch, at least 1; none when the batch is 1).
 
   Returns:
-    One LayerCost per layer: median seconds with the cost of calling an empty
-    function on `device` taken off (the engine's calls are inside its loop), the
+    One LayerCost per layer: median seconds (full: with the cost of calling an empty
+    function on `device` taken off, as the engine's calls are inside its loop), the
     bytes of its trainable weights (float32 master weights whatever the compute
     dtype) and of its input, and the bytes TensorFlow keeps of its forward for the
     backward (both in the layer's compute dtype, `fprop_dtype`).
@@ -120,7 +120,9 @@ def _measure_layer_costs(layer_params, input_specs, steps, full, small_batch):
     first = not costs  # its inputs are the data: no gradient is sent back for them
     forward_backward = _gradient_function(layer, call, weights=True, inputs=not first)
     outputs = call(*flat)
-    timed = _Timer(steps, call_s)
+    # The partitioner's costs (not full) keep the call's own cost: a layer too small
+    # to time would otherwise cost 0 and move between cells for free.
+    timed = _Timer(steps, call_s if full else 0.0)
     both_s = timed(forward_backward, flat)
     if not full:
       costs.append(LayerCost(0.0, both_s, _nbytes(layer.trainable_variables),
