@@ -44,47 +44,57 @@ class Setting:
   log: Callable[[str], None] = print
 
 
-def layer_costs(params: Params, setting: Setting) -> tuple[list[layer_profiler.LayerCost], int]:
-  """(each main-stack layer's costs, measured on the first device or read from the
-  cache, and the training batch size)."""
-  specs, layer_params = base_task.probe_main_stack(params.task, params.train_input)
-  batch_size = tf.nest.flatten(specs)[0].shape[0]
+@dataclasses.dataclass(frozen=True)
+class MainStack:
+  """The task's main stack as the planner sees it (base_task.probe_main_stack): the
+  nested input specs of its first layer (batch first), its layers' params, and the
+  training batch size."""
+  specs: Any
+  layer_params: tuple[Any, ...]
+  batch_size: int
+
+  @classmethod
+  def of(cls, params: Params) -> MainStack:
+    specs, layer_params = base_task.probe_main_stack(params.task, params.train_input)
+    return cls(specs, tuple(layer_params), tf.nest.flatten(specs)[0].shape[0])
+
+
+def layer_costs(stack: MainStack, setting: Setting) -> list[layer_profiler.LayerCost]:
+  """Each layer's costs, measured on the first device or read from the cache."""
   device = setting.devices[0]
 
   def measure() -> list[layer_profiler.LayerCost]:
-    setting.log(f"Measuring the costs of the {len(layer_params)} layers at batch "
-                f"{batch_size} on {device} ...")
-    return layer_profiler.measure_layer_costs(layer_params, specs, device=device)
+    setting.log(f"Measuring the costs of the {len(stack.layer_params)} layers at batch "
+                f"{stack.batch_size} on {device} ...")
+    return layer_profiler.measure_layer_costs(stack.layer_params, stack.specs, device=device)
 
   if not setting.cost_cache:
-    return measure(), batch_size
+    return measure()
   # The layers and their inputs, not the pipeline's settings: one entry serves every plan.
-  key = [COSTS_VERSION, [lp.to_text() for lp in layer_params], specs, platform.node(),
-         tf.__version__, device]
-  costs = layer_profiler.cached_layer_costs(setting.cost_cache, key, measure,
-                                            warn=setting.log, num_layers=len(layer_params))
-  return costs, batch_size
+  key = [COSTS_VERSION, [lp.to_text() for lp in stack.layer_params], stack.specs,
+         platform.node(), tf.__version__, device]
+  return layer_profiler.cached_layer_costs(setting.cost_cache, key, measure,
+                                           warn=setting.log,
+                                           num_layers=len(stack.layer_params))
 
 
-def machine(params: Params, setting: Setting,
-            costs: Sequence[layer_profiler.LayerCost]) -> step_model.Machine:
+def machine(params: Params, stack: MainStack, costs: Sequence[layer_profiler.LayerCost],
+            setting: Setting) -> step_model.Machine:
   """The devices' Machine: figures measured on them (calibration.py; how many compute
   at once with the model's most costly layer at a quarter of the batch) or read from
   the cache."""
   slot_factor = planner.slot_factor(params.task.train.optimizer)
-  specs, layer_params = base_task.probe_main_stack(params.task, params.train_input)
   heaviest = max(range(len(costs)), key=lambda i: costs[i].step_s)
-  spec = layer_profiler.layer_input_specs(layer_params, specs)[heaviest]
-  batch = tf.nest.flatten(spec)[0].shape[0]
-  quarter = tf.nest.map_structure(
-      lambda s: tf.TensorSpec([max(1, batch // 4)] + s.shape[1:], s.dtype), spec)
 
   def measure() -> dict:
     setting.log(f"Measuring the engine's cost per action, the update, the links and how "
                 f"many of the {len(setting.devices)} devices compute at once ...")
+    spec = layer_profiler.layer_input_specs(stack.layer_params, stack.specs)[heaviest]
+    quarter = tf.nest.map_structure(
+        lambda s: tf.TensorSpec([max(1, s.shape[0] // 4)] + s.shape[1:], s.dtype), spec)
     found = calibration.measure_machine(
         setting.devices, setting.memory_bytes, params.task.train.optimizer, slot_factor,
-        work=layer_profiler.layer_work(layer_params[heaviest], quarter))
+        work=layer_profiler.layer_work(stack.layer_params[heaviest], quarter))
     setting.log(f"Measured: {found.action_overhead_s * 1e3:.3f} ms per action, update "
                 f"{found.update_s_per_byte * 1e9:.3f} ns per weight byte, hand-off "
                 f"{found.link_latency_s * 1e3:.3f} ms + {found.link_bytes_per_s / 1e9:.3g} "
@@ -98,9 +108,11 @@ def machine(params: Params, setting: Setting,
     return entry
 
   if setting.cost_cache:
-    key = ["machine v4", params.task.train.optimizer.to_text(),
-           layer_params[heaviest].to_text(), quarter, platform.node(), tf.__version__,
-           list(setting.devices)]
+    # (the layers and the first's inputs fix the heaviest layer's inputs: not traced
+    # unless measured)
+    key = ["machine v5", params.task.train.optimizer.to_text(),
+           [lp.to_text() for lp in stack.layer_params], stack.specs, heaviest,
+           platform.node(), tf.__version__, list(setting.devices)]
     figures = layer_profiler.cached_record(setting.cost_cache, key, measure, setting.log,
                                            decode=decode, encode=lambda r: r)
   else:
@@ -155,8 +167,10 @@ def plan_run(params: Params, setting: Setting, auto: bool) -> Planned:
     planner.PlanError: auto, and no plan fits the budget.
     ParamsError: the params' own configuration cannot be built on the devices.
   """
-  costs, batch_size = layer_costs(params, setting)
-  found = machine(params, setting, costs)
+  stack = MainStack.of(params)
+  costs = layer_costs(stack, setting)
+  found = machine(params, stack, costs, setting)
+  batch_size = stack.batch_size
   if auto:
     best = planner.plan(costs, found, batch_size, top=1)[0]
     setting.log(f"Plan: {best.params_override()}")

@@ -199,12 +199,15 @@ def _plan(params, devices: list[str]) -> int:
   what the params as given would take, and last one JSON line with the best plan's
   --params_override."""
   from lingvo_gpipe import planning
+  from lingvo_gpipe.core.hyperparams import ParamsError
   from lingvo_gpipe.pipeline import layer_profiler, planner, step_model
 
   setting = _plan_setting(devices)
   try:
-    costs, batch_size = planning.layer_costs(params, setting)
-    machine = planning.machine(params, setting, costs)
+    stack = planning.MainStack.of(params)
+    costs = planning.layer_costs(stack, setting)
+    machine = planning.machine(params, stack, costs, setting)
+    batch_size = stack.batch_size
   except layer_profiler.CostCacheError as e:
     raise UsageFailure(f"--cost_cache: {e}") from None
   start = time.perf_counter()
@@ -220,7 +223,7 @@ def _plan(params, devices: list[str]) -> int:
   try:
     shape = planning.own_shape(params, devices)
     own = step_model.predict(costs, machine, shape, batch_size)
-  except Exception as e:  # noqa: BLE001 (a configuration that cannot be built: say why)
+  except (ParamsError, ValueError) as e:  # a configuration these devices cannot build
     print(f"The params as given cannot be predicted here: {e}")
   if own is not None:
     need = max(own.peak_bytes)

@@ -72,30 +72,34 @@ class Plan:
 
 
 class _MemoryModel:
-  """Prefix sums of the layers' bytes at one micro-batch size: `peak(k, starts, ends)`
-  gives cell k of [start, end) its `step_model` bytes (held + working set, and the
+  """Prefix sums of the layers' bytes at one micro-batch size: `peak(starts, ends, ...)`
+  gives cells [start, end) their `step_model` bytes (held + working set, and the
   batch of inputs on cell 0), elementwise over arrays of starts and ends."""
 
   def __init__(self, costs: Sequence[LayerCost], micro_batch: float, slot_factor: float,
                batch_input_bytes: float):
     scale = micro_batch / costs[0].batch
-    self.weights = np.concatenate([[0.0], np.cumsum([c.weight_bytes for c in costs])]) * (
-        3.0 + slot_factor)
-    self.kept = np.concatenate([[0.0], np.cumsum([c.kept_bytes * scale for c in costs])])
-    self.products = np.concatenate([[0.0], np.cumsum([c.product_bytes * scale
-                                                      for c in costs])])
+
+    def prefix(values: list[float]) -> np.ndarray:
+      return np.concatenate([[0.0], np.cumsum(values)])
+
+    self.weights = prefix([c.weight_bytes for c in costs])
+    self.kept = prefix([c.kept_bytes * scale for c in costs])
+    self.products = prefix([c.product_bytes * scale for c in costs])
     # a cell's input is its first layer's; its output the next cell's input (none last)
     self.inputs = np.array([c.input_bytes * scale for c in costs] + [0.0])
+    self.slot_factor = slot_factor
     self.batch_input_bytes = batch_input_bytes
 
   def peak(self, starts: Any, ends: Any, in_flight: int, awaiting: int, recompute: bool,
            first: bool) -> Any:
     kept = self.kept[ends] - self.kept[starts]
-    stash = self.inputs[starts] if recompute else kept
-    products = self.products[ends] - self.products[starts]
-    return (self.weights[ends] - self.weights[starts] + in_flight * stash +
-            awaiting * products + self.inputs[starts] + self.inputs[ends] +
-            (kept if recompute else 0.0) + (self.batch_input_bytes if first else 0.0))
+    held = step_model.held_bytes(
+        self.weights[ends] - self.weights[starts], self.inputs[starts] if recompute else kept,
+        self.products[ends] - self.products[starts], self.inputs[starts], self.inputs[ends],
+        in_flight, awaiting, self.slot_factor)
+    return (held + step_model.working_bytes(kept, recompute) +
+            (self.batch_input_bytes if first else 0.0))
 
 
 def _batch_input_bytes(costs: Sequence[LayerCost], per_replica_batch: int) -> float:
@@ -233,13 +237,14 @@ def plan(costs: Sequence[LayerCost], machine: Machine, batch_size: int,
                 continue
               shape = _best_shape(costs, machine, replicas, num_cells, m, recompute, name, v,
                                   batch_size)
-              need = max(step_model.device_peaks(
-                  shape.make_schedule(), step_model.cell_costs(costs, shape, batch_size,
-                                                               machine),
-                  machine.slot_factor, _batch_input_bytes(costs, per_replica), replicas))
+              layout = shape.make_schedule()
+              cells = step_model.cell_costs(costs, shape, batch_size, machine)
+              need = max(step_model.device_peaks(layout, cells, machine.slot_factor,
+                                                 _batch_input_bytes(costs, per_replica),
+                                                 replicas))
               if need <= machine.memory_bytes:
-                candidates.append((step_model.lower_bound_s(costs, machine, shape,
-                                                            batch_size), shape))
+                candidates.append((step_model.lower_bound_s(layout, cells, machine, replicas,
+                                                            m), shape))
               else:
                 smallest_need = min(smallest_need, need)
   if not candidates:

@@ -53,6 +53,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Sequence
+from typing import Any
 
 from lingvo_gpipe.pipeline import schedule
 from lingvo_gpipe.pipeline.layer import recomputes
@@ -236,40 +237,40 @@ def predict(costs: Sequence[LayerCost], machine: Machine, shape: PlanShape,
                     max(finish), action_s)
 
 
-def lower_bound_s(costs: Sequence[LayerCost], machine: Machine, shape: PlanShape,
-                  batch_size: int) -> float:
+def lower_bound_s(plan: schedule.PipelineSchedule, cells: Sequence[CellCost],
+                  machine: Machine, num_replicas: int, num_micro_batches: int) -> float:
   """A bound `predict`'s step never falls below, without simulating: the busiest
   device's actions back to back and its update (with fewer cores than devices, also
   all devices' work over the cores), plus the all-reduce. The search simulates plans
   in the order of this bound and stops where it passes the plans it keeps."""
-  plan = shape.make_schedule()
-  cells = cell_costs(costs, shape, batch_size, machine)
   busy = [0.0] * plan.num_devices
   weights = [0.0] * plan.num_devices
   for k, c in enumerate(cells):
-    busy[plan.device_of[k]] += shape.num_micro_batches * (c.forward_s + c.backward_s)
+    busy[plan.device_of[k]] += num_micro_batches * (c.forward_s + c.backward_s)
     weights[plan.device_of[k]] += c.weight_bytes
   updates = [w * machine.update_s_per_byte for w in weights]
   bound = max(b + u for b, u in zip(busy, updates))
   if machine.cores is not None and machine.cores < plan.num_devices:
     bound = max(bound, (sum(busy) + sum(updates)) / machine.cores)
-  if shape.num_replicas > 1:
-    bound += (2.0 * (shape.num_replicas - 1) / shape.num_replicas * max(weights) /
+  if num_replicas > 1:
+    bound += (2.0 * (num_replicas - 1) / num_replicas * max(weights) /
               machine.allreduce_bytes_per_s)
   return bound
 
 
-def held_bytes(cell: CellCost, in_flight: int, awaiting: int, slot_factor: float) -> float:
+def held_bytes(weight_bytes: Any, stash_bytes: Any, product_bytes: Any, input_bytes: Any,
+               output_bytes: Any, in_flight: int, awaiting: int, slot_factor: float) -> Any:
   """What a cell holds on its device through the step (module docstring): weights,
-  sums and their copy, slots, stash and product slots, the inbox."""
-  return (cell.weight_bytes * (3.0 + slot_factor) + in_flight * cell.stash_bytes +
-          awaiting * cell.product_bytes + cell.input_bytes + cell.output_bytes)
+  sums and their copy, slots, stash and product slots, the inbox. Elementwise over
+  arrays too (the planner's split search evaluates many cells at once)."""
+  return (weight_bytes * (3.0 + slot_factor) + in_flight * stash_bytes +
+          awaiting * product_bytes + input_bytes + output_bytes)
 
 
-def working_bytes(cell: CellCost) -> float:
-  """The largest working set of one of the cell's actions: a re-materialized
-  backward's recomputed forward (without re-materialization it is in the stash)."""
-  return cell.kept_bytes if cell.recompute else 0.0
+def working_bytes(kept_bytes: Any, recompute: bool) -> Any:
+  """The largest working set of one of a cell's actions: a re-materialized backward's
+  recomputed forward (without re-materialization it is in the stash)."""
+  return kept_bytes if recompute else 0.0
 
 
 def device_peaks(plan: schedule.PipelineSchedule, cells: Sequence[CellCost],
@@ -281,10 +282,14 @@ def device_peaks(plan: schedule.PipelineSchedule, cells: Sequence[CellCost],
   peaks = []
   for d in range(plan.num_devices):
     mine = [k for k in range(plan.num_cells) if plan.device_of[k] == d]
-    held = sum(held_bytes(cells[k], plan.max_in_flight(k), plan.max_awaiting_weights(k),
+    held = sum(held_bytes(cells[k].weight_bytes, cells[k].stash_bytes,
+                          cells[k].product_bytes, cells[k].input_bytes,
+                          cells[k].output_bytes, plan.max_in_flight(k),
+                          plan.max_awaiting_weights(k),
                           slot_factor + (2.0 if num_replicas > 1 else 0.0))
                for k in mine)
-    peaks.append(held + max(working_bytes(cells[k]) for k in mine) +
+    peaks.append(held + max(working_bytes(cells[k].kept_bytes, cells[k].recompute)
+                            for k in mine) +
                  (batch_input_bytes if 0 in mine else 0.0))
   return tuple(peaks)
 
