@@ -38,6 +38,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from lingvo_gpipe.core import stacked_variables
 from lingvo_gpipe.pipeline import tf_internals
 
 CHECKPOINT_NAME = "ckpt"
@@ -146,7 +147,7 @@ def _variables_by_path(obj: Any, prefix: str = "", seen: set[int] | None = None
     seen.add(id(child))
     # As the checkpoint escapes a name ('.' → '..', '/' → '.S': a dict key 'a/b').
     path = prefix + name.replace(".", "..").replace("/", ".S")
-    if isinstance(child, tf.Variable):
+    if isinstance(child, (tf.Variable, stacked_variables.RowVariable)):
       yield path, child
     else:
       yield from _variables_by_path(child, path + "/", seen)

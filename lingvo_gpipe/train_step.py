@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from lingvo_gpipe.core import base_layer, loss_scale, variable_chunks
+from lingvo_gpipe.core import base_layer, loss_scale, stacked_variables, variable_chunks
 from lingvo_gpipe.pipeline import device_loop, hybrid, timeline
 from lingvo_gpipe.pipeline.device_loop import Metrics
 from lingvo_gpipe.pipeline.layer import PipelineError, PipeliningLayer
@@ -153,9 +153,19 @@ class TrainStep:
 
 def non_finite_variables(variables: Sequence[tf.Variable]) -> list[str]:
   """The names of the floating-point variables holding an inf or a NaN (eagerly; for
-  the error message once `variable_chunks.all_finite` said so)."""
-  return [v.name for v in variables
-          if v.dtype.is_floating and not np.all(np.isfinite(v.numpy()))]
+  the error message once `variable_chunks.all_finite` said so); for a stacked
+  variable, those of its rows that do."""
+  names = []
+  for v in variables:
+    if not v.dtype.is_floating:
+      continue
+    finite = np.isfinite(v.numpy())
+    stack = stacked_variables.stack_of(v)
+    if stack is None:
+      names += [] if finite.all() else [v.name]
+    else:
+      names += [row.name for row, ok in zip(stack.rows, finite) if not ok.all()]
+  return names
 
 
 class StackWithLoss(tf.Module):

@@ -8,7 +8,7 @@ import tensorflow as tf
 from numerics import assert_all_close, assert_close
 
 from lingvo_gpipe import train_step
-from lingvo_gpipe.core import base_layer, layers, optimizers
+from lingvo_gpipe.core import base_layer, layers, optimizers, stacked_variables
 from lingvo_gpipe.core.base_layer import BaseLayer
 from lingvo_gpipe.pipeline import layer as gpipe
 
@@ -86,7 +86,8 @@ def pipelined_loss_and_grads(model, wrapped=None):
   def step():
     with base_layer.step_context(training=True, step=tf.constant(STEP, tf.int64)):
       metrics, grads = train_step.loss_and_gradients(
-          wrapped, {"inputs": (x, skip), "target": target}, model.trainable_variables)
+          wrapped, {"inputs": (x, skip), "target": target},
+          stacked_variables.trainable_weights(model))
     return metrics["loss"][0], grads
 
   loss, grads = step()
@@ -104,7 +105,7 @@ def fprop_loss_and_grads(model):
     return loss, tf.gradients(loss, model.trainable_variables)
 
   loss, grads = step()
-  return loss.numpy(), [g.numpy() for g in grads]
+  return loss.numpy(), stacked_variables.per_weight(model, [g.numpy() for g in grads])
 
 
 @pytest.fixture(scope="module")
@@ -192,7 +193,7 @@ def test_two_training_steps_give_the_same_weights(cpu_devices, num_cells, recomp
   for _ in range(2):
     run({"inputs": (x, skip), "target": target})
   assert int(global_step.numpy()) == 2
-  assert_all_close([v.numpy() for v in model.trainable_variables],
+  assert_all_close([v.numpy() for v in stacked_variables.trainable_weights(model)],
                    [v.numpy() for v in variables])
 
 
@@ -212,7 +213,9 @@ def test_checkpoints_move_between_sequential_and_pipeline(tmp_path, cpu_devices)
   path = tf.train.Checkpoint(model=ref).save(str(tmp_path / "ckpt"))
   pipe = model_params(gpipe.PipeliningLayer, num_cells=2, devices=cpu_devices[:2]).instantiate()
   tf.train.Checkpoint(model=pipe).restore(path).assert_consumed()
-  for a, b in zip(ref.trainable_variables, pipe.trainable_variables):
+  pipe_weights = stacked_variables.trainable_weights(pipe)
+  assert len(pipe_weights) == len(ref.trainable_variables)
+  for a, b in zip(ref.trainable_variables, pipe_weights, strict=True):
     np.testing.assert_array_equal(a.numpy(), b.numpy())
 
 
@@ -428,7 +431,8 @@ def test_nested_map_between_cells_matches_unpartitioned(cpu_devices):
   def step():
     with base_layer.step_context(training=True):
       metrics, grads = train_step.loss_and_gradients(
-          train_step.StackWithLoss(pipe, loss_of_state), batch, pipe.trainable_variables)
+          train_step.StackWithLoss(pipe, loss_of_state), batch,
+          stacked_variables.trainable_weights(pipe))
     return metrics["loss"][0], grads
 
   got_loss, got_grads = step()

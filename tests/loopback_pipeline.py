@@ -29,7 +29,7 @@ def main() -> None:
     import tensorflow as tf
 
     from lingvo_gpipe import train_step
-    from lingvo_gpipe.core import base_layer, layers
+    from lingvo_gpipe.core import base_layer, layers, stacked_variables
     from lingvo_gpipe.pipeline import layer as gpipe
 
     stack = [layers.Linear.Params().set(name=f"fc{i}", input_dim=16, output_dim=16,
@@ -66,7 +66,8 @@ def main() -> None:
       def run(model=remote):
         with base_layer.step_context(training=True, step=tf.constant(4, tf.int64)):
           metrics, grads = train_step.loss_and_gradients(
-              train_step.StackWithLoss(model, head), {"inputs": x}, model.trainable_variables)
+              train_step.StackWithLoss(model, head), {"inputs": x},
+              stacked_variables.trainable_weights(model))
         return metrics["loss"][0], grads
 
       loss, grads = run()
@@ -82,7 +83,7 @@ def main() -> None:
     time.sleep(1.5)
     after = read_memory_log(log)
     print(json.dumps({"devices": remote.cell_devices, "variable_devices":
-                      [v.device for v in remote.trainable_variables],
+                      [v.device for v in stacked_variables.trainable_weights(remote)],
                       "max_relative_difference": worst,
                       "memory_before": before, "memory_after": after,
                       "block_bytes": int(tf.size(block)) * 4}))

@@ -14,7 +14,7 @@ import tensorflow as tf
 from tensorflow.python.debug.lib import debug_events_reader
 
 from lingvo_gpipe import train_step
-from lingvo_gpipe.core import layers, optimizers
+from lingvo_gpipe.core import layers, optimizers, stacked_variables
 from lingvo_gpipe.pipeline.layer import PipeliningLayer
 
 COMPUTE_OPS = {"MatMul", "Conv2D", "Conv2DBackpropInput", "Conv2DBackpropFilter", "Tanh",
@@ -114,7 +114,7 @@ def test_every_compute_op_executes_on_its_cells_device(cpu_devices, tmp_path, sc
     recomputed = recompute == "always" or (recompute == "except_last" and cell_of[i] == 0)
     assert seen[(i, "forward")] == num_micro * 2 * (2 if recomputed else 1), (i, seen)
     assert seen[(i, "gradient")] >= num_micro, (i, seen)
-  for var in model.trainable_variables:
+  for var in stacked_variables.trainable_weights(model):
     index = _layer_index(var.name, "fc")
     assert _device(var.device) == _device(devices[cell_of[index]])
     for slot in opt.slots_of(var).values():

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from lingvo_gpipe.core import hyperparams
+from lingvo_gpipe.core import hyperparams, stacked_variables
 
 Params = hyperparams.Params
 InstantiableParams = hyperparams.InstantiableParams
@@ -370,6 +370,8 @@ class BaseLayer(hyperparams.Instantiable, tf.Module):
     """A floating variable or tensor read as this layer's compute dtype (the master
     weights stay float32; the cast's gradient reaches them in their own dtype);
     anything else as it is."""
+    if isinstance(value, stacked_variables.RowVariable):
+      value = value.value()
     if not isinstance(value, (tf.Tensor, tf.Variable)) or not value.dtype.is_floating \
         or value.dtype == self._fprop_dtype:
       return value
@@ -470,6 +472,13 @@ class BaseLayer(hyperparams.Instantiable, tf.Module):
       setattr(self, name, VariableShape(f"{self.path}/{name}", tuple(shape), dtype, trainable))
       return getattr(self, name)
     seed = (self.seed_for(name), 0)
+    if stacked_variables.deferring() and trainable and tf.as_dtype(dtype).is_floating:
+      # A row of its cell's stacked variable, made by the pipeline once its cell is built.
+      var = stacked_variables.RowVariable(
+          f"{self.path}/{name}", shape, dtype, trainable,
+          initial_value=lambda: initial_value(init, shape, dtype, seed))
+      setattr(self, name, var)
+      return var
     var = tf.Variable(lambda: initial_value(init, shape, dtype, seed), trainable=trainable,
                       name=f"{self.path}/{name}", dtype=dtype)
     setattr(self, name, var)

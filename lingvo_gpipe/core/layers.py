@@ -12,7 +12,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from lingvo_gpipe.core import base_layer
+from lingvo_gpipe.core import base_layer, stacked_variables
 from lingvo_gpipe.core.base_layer import BaseLayer, weight_init
 from lingvo_gpipe.core.hyperparams import ParamsError
 
@@ -54,7 +54,8 @@ def _matmul(inputs: tf.Tensor, weight: tf.Tensor) -> tf.Tensor:
   variable through it: the caller computes that part of the variable's gradient
   (StepContext), from the recorded inputs, which are in the compute dtype."""
   products = base_layer.current_context().weight_products
-  if products is None or not isinstance(weight, tf.Variable) or not weight.trainable:
+  if (products is None or not isinstance(weight, (tf.Variable, stacked_variables.RowVariable))
+      or not weight.trainable):
     return _matmul_cast(inputs, weight)
   out = _matmul_cast(inputs, tf.stop_gradient(weight.read_value()))
   return products.record(weight, inputs, out)

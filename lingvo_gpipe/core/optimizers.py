@@ -29,7 +29,7 @@ from collections.abc import Sequence
 
 import tensorflow as tf
 
-from lingvo_gpipe.core import lr_schedules, variable_chunks
+from lingvo_gpipe.core import lr_schedules, stacked_variables, variable_chunks
 from lingvo_gpipe.core.hyperparams import Instantiable, InstantiableParams, ParamsError
 
 
@@ -59,6 +59,9 @@ class Optimizer(Instantiable, tf.Module):
     self.params = params
     self.lr_schedule = params.lr_schedule.instantiate()
     self.slots: dict[str, dict[str, tf.Variable]] = {}
+    # A stacked variable's slots, by its key: found by tf.Module (self.variables), not
+    # checkpointed (their rows are, in self.slots).
+    object.__setattr__(self, "_stacked_slots", {})
 
   def _slot_shapes(self, var: tf.Variable) -> dict[str, tuple[list[int], float]]:
     """{slot name: (shape, initial value)} for `var`."""
@@ -70,20 +73,35 @@ class Optimizer(Instantiable, tf.Module):
     return self._slot_shapes(var)
 
   def create_slots(self, variables: Sequence[tf.Variable]) -> None:
-    """Creates the slots of each variable on that variable's device (idempotent)."""
+    """Creates the slots of each variable on that variable's device (idempotent).
+
+    A stacked variable (stacked_variables) gets stacked slots, one variable per slot
+    kind; each of its rows' slots is a row of those, checkpointed under the row's key
+    as an unstacked variable's slot is.
+    """
     for var in variables:
       key = _slot_key(var)
-      if key in self.slots:
+      if key in self.slots or key in self._stacked_slots:
         continue
+      stack = stacked_variables.stack_of(var)
+      shapes = (self._slot_shapes(var) if stack is None else
+                {name: ([len(stack.rows), *shape], init)
+                 for name, (shape, init) in self._slot_shapes(stack.rows[0]).items()})
       with tf.device(var.device):
-        self.slots[key] = {
-            name: tf.Variable(tf.fill(shape, tf.cast(init, var.dtype)), trainable=False,
-                              name=f"{key}/{name}")
-            for name, (shape, init) in self._slot_shapes(var).items()
-        }
+        slots = {name: tf.Variable(tf.fill(shape, tf.cast(init, var.dtype)), trainable=False,
+                                   name=f"{key}/{name}")
+                 for name, (shape, init) in shapes.items()}
+      if stack is None:
+        self.slots[key] = slots
+        continue
+      self._stacked_slots[key] = slots
+      rows_of = {name: stack.rows_like(slot, name).rows for name, slot in slots.items()}
+      for i, row in enumerate(stack.rows):
+        self.slots[_slot_key(row)] = {name: rows[i] for name, rows in rows_of.items()}
 
   def slots_of(self, var: tf.Variable) -> dict[str, tf.Variable]:
-    return self.slots[_slot_key(var)]
+    key = _slot_key(var)
+    return self._stacked_slots[key] if key in self._stacked_slots else self.slots[key]
 
   def learning_rate(self, step: tf.Tensor) -> tf.Tensor:
     return self.params.learning_rate * self.lr_schedule.value(step)
@@ -119,6 +137,7 @@ class Optimizer(Instantiable, tf.Module):
     scalars: dict[tuple[str, tf.DType], dict[str, tf.Tensor]] = {}
     for chunk in variable_chunks.chunks(variables):
       first = variables[chunk[0]]
+      stacked = stacked_variables.stack_of(first) is not None
       with tf.device(first.device):
         key = (first.device, first.dtype)
         if key not in scalars:
@@ -127,19 +146,19 @@ class Optimizer(Instantiable, tf.Module):
                            [self.slots_of(variables[i]) for i in chunk],
                            [grads[i] for i in chunk], scalars[key],
                            None if grad_scale is None else tf.cast(grad_scale, first.dtype),
-                           condition)
+                           condition, stacked)
     return lr, grad_norm
 
   @variable_chunks.chunk_function
-  def _update_chunk(self, variables, slots, grads, scalars, grad_scale, condition):
+  def _update_chunk(self, variables, slots, grads, scalars, grad_scale, condition, stacked):
     """Updates variables of one device, shape and dtype (traced once per chunk size),
-    where `condition` (None: always)."""
+    where `condition` (None: always); `stacked`: they are VariableStacks' variables."""
     def update() -> tf.Tensor:
       for var, var_slots, grad in zip(variables, slots, grads):
         grad = tf.cast(grad, var.dtype)
         if grad_scale is not None:
           grad = grad * grad_scale
-        self._update(var, grad, var_slots, scalars)
+        self._update(var, grad, var_slots, scalars, stacked)
       return tf.constant(True)
 
     if condition is None:
@@ -153,7 +172,9 @@ class Optimizer(Instantiable, tf.Module):
     device shares: at least the learning rate "lr"."""
     return {"lr": lr}
 
-  def _update(self, var, grad, slots, scalars) -> None:
+  def _update(self, var, grad, slots, scalars, stacked: bool) -> None:
+    """Updates `var` (stacked: a VariableStack's variable [n, *shape], whose rows are
+    the weights: per-weight statistics are taken per row)."""
     raise NotImplementedError
 
 
@@ -173,7 +194,7 @@ class SGD(Optimizer):
   def _step_scalars(self, lr, step, dtype):
     return {"lr": lr, "momentum": tf.cast(self.params.momentum, dtype)}
 
-  def _update(self, var, grad, slots, scalars):
+  def _update(self, var, grad, slots, scalars, stacked):
     if not self.params.momentum:
       tf.raw_ops.ResourceApplyGradientDescent(var=var.handle, alpha=scalars["lr"], delta=grad)
       return
@@ -207,7 +228,7 @@ class RMSProp(Optimizer):
     return {"lr": lr, "rho": tf.cast(p.decay, dtype), "momentum": tf.cast(p.momentum, dtype),
             "epsilon": tf.cast(p.epsilon, dtype)}
 
-  def _update(self, var, grad, slots, scalars):
+  def _update(self, var, grad, slots, scalars, stacked):
     tf.raw_ops.ResourceApplyRMSProp(var=var.handle, ms=slots["ms"].handle,
                                     mom=slots["mom"].handle, grad=grad, **scalars)
 
@@ -238,7 +259,7 @@ class Adam(Optimizer):
     return {"lr": lr, "beta1": beta1, "beta2": beta2, "beta1_power": tf.pow(beta1, t),
             "beta2_power": tf.pow(beta2, t), "epsilon": tf.cast(p.epsilon, dtype)}
 
-  def _update(self, var, grad, slots, scalars):
+  def _update(self, var, grad, slots, scalars, stacked):
     tf.raw_ops.ResourceApplyAdam(var=var.handle, m=slots["m"].handle, v=slots["v"].handle,
                                  grad=grad, **scalars)
 
@@ -291,7 +312,7 @@ class Adafactor(Optimizer):
     t = tf.cast(step, dtype) + 1.0
     return {"lr": lr, "beta2": 1.0 - tf.pow(t, -self.params.decay_exponent)}
 
-  def _update(self, var, grad, slots, scalars):
+  def _update(self, var, grad, slots, scalars, stacked):
     p = self.params
     lr, beta2 = scalars["lr"], scalars["beta2"]
     grad_sq = tf.square(grad) + p.epsilon1
@@ -306,12 +327,15 @@ class Adafactor(Optimizer):
     else:
       v = slots["v"].assign(beta2 * slots["v"] + (1.0 - beta2) * grad_sq)
       update = grad * tf.math.rsqrt(v)
+    # Per weight: over all its axes, or a stack row's (all but the first).
+    axes = list(range(1, var.shape.rank)) if stacked else None
     if p.clipping_threshold > 0:
-      rms = tf.sqrt(tf.reduce_mean(tf.square(update)))
+      rms = tf.sqrt(tf.reduce_mean(tf.square(update), axis=axes, keepdims=stacked))
       update = update / tf.maximum(rms / p.clipping_threshold, 1.0)
     if p.beta1 > 0:
       update = slots["m"].assign(p.beta1 * slots["m"] + (1.0 - p.beta1) * update)
     step_size = lr
     if p.multiply_by_parameter_scale:
-      step_size = lr * tf.maximum(tf.sqrt(tf.reduce_mean(tf.square(var))), p.epsilon2)
+      step_size = lr * tf.maximum(
+          tf.sqrt(tf.reduce_mean(tf.square(var), axis=axes, keepdims=stacked)), p.epsilon2)
     var.assign_sub(step_size * update)

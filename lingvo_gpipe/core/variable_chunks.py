@@ -26,6 +26,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from lingvo_gpipe.core import stacked_variables
 from lingvo_gpipe.pipeline.tf_internals import NOT_INLINED
 
 MAX_CHUNK = 32
@@ -37,12 +38,13 @@ chunk_function = functools.partial(tf.function, autograph=False,
 
 
 def chunks(variables: Sequence[Any], by_device: bool = True) -> list[list[int]]:
-  """Positions of `variables` grouped by (device, shape, dtype) (by_device=False: by
-  shape and dtype) in first-seen order, each group cut into runs of at most MAX_CHUNK
+  """Positions of `variables` grouped by (device, shape, dtype, whether stacked)
+  (by_device=False: without the device) in first-seen order, each group cut into runs of at most MAX_CHUNK
   whose sizes are powers of two (so few distinct signatures get traced)."""
   groups: dict[tuple, list[int]] = {}
   for i, v in enumerate(variables):
-    key = (v.device if by_device else None, tuple(v.shape.as_list()), v.dtype)
+    key = (v.device if by_device else None, tuple(v.shape.as_list()), v.dtype,
+           stacked_variables.stack_of(v) is not None)
     groups.setdefault(key, []).append(i)
   out = []
   for positions in groups.values():
@@ -111,7 +113,9 @@ def _unstack_rows(stacked: tf.Tensor) -> list[tf.Tensor]:
 
 class StackedLayout:
   """Where each of `variables`' tensors (a cell's running gradient sums) lives: one
-  tensor [n, *shape] per shape and dtype, row i the i-th variable of that shape. A
+  tensor [n, *shape] per shape and dtype, row i the i-th variable of that shape; the
+  rows of a stacked variable (stacked_variables.RowVariable) in a tensor of their own,
+  in their stack's order, so that tensor is the stack's gradient. A
   pipeline's device loop carries a cell's sums as these few tensors instead of one
   loop variable per variable (whose plumbing through the loop and its branches was
   most of the cost of tracing a deep cell).
@@ -125,30 +129,55 @@ class StackedLayout:
   (docs/benchmarks.md, "Mixed precision").
   """
 
-  def __init__(self, variables: Sequence[tf.Variable]):
+  def __init__(self, variables: Sequence[Any]):
     self.shapes = [tuple(v.shape.as_list()) for v in variables]
+    self._variables = list(variables)
     groups: dict[tuple, list[int]] = {}
     for i, v in enumerate(variables):
-      groups.setdefault((self.shapes[i], v.dtype), []).append(i)
-    # per group: (positions, shape, dtype)
-    self._groups = [(positions, shape, dtype) for (shape, dtype), positions in groups.items()]
+      stack = stacked_variables.stack_of_row(v)
+      groups.setdefault((self.shapes[i], v.dtype, id(stack) if stack else None), []).append(i)
+    # per group: (positions, shape, dtype, the VariableStack whose rows they are, or None)
+    self._groups = []
+    for (shape, dtype, _), positions in groups.items():
+      stack = stacked_variables.stack_of_row(variables[positions[0]])
+      if stack is not None and [variables[i] for i in positions] != stack.rows:
+        raise ValueError(f"{stack.variable.name}: a layout needs all its rows in order")
+      self._groups.append((positions, shape, dtype, stack))
 
   def specs(self) -> list[tf.TensorSpec]:
     return [tf.TensorSpec([len(positions), *shape], dtype)
-            for positions, shape, dtype in self._groups]
+            for positions, shape, dtype, _ in self._groups]
 
   def zeros(self) -> list[tf.Tensor]:
     return [tf.zeros(spec.shape, spec.dtype) for spec in self.specs()]
 
-  def add(self, stacked: Sequence[tf.Tensor], tensors: Sequence[Any]) -> list[tf.Tensor]:
-    """stacked + one tensor (or None: nothing) per variable (`stacked` unchanged)."""
-    return [_add_rows(s, [tensors[i] for i in positions], shape)
-            for s, (positions, shape, _) in zip(stacked, self._groups)]
+  def add(self, stacked: Sequence[tf.Tensor], tensors: Sequence[Any],
+          stack_tensors: dict[int, tf.Tensor] | None = None) -> list[tf.Tensor]:
+    """stacked + one tensor (or None: nothing) per variable, + stack_tensors[id(stack)]
+    (a stack's whole [n, *shape], where given) (`stacked` unchanged)."""
+    out = []
+    for s, (positions, shape, _, stack) in zip(stacked, self._groups):
+      whole = (stack_tensors or {}).get(id(stack)) if stack is not None else None
+      if whole is not None:
+        s = s + whole
+      out.append(_add_rows(s, [tensors[i] for i in positions], shape))
+    return out
 
   def unstack(self, stacked: Sequence[tf.Tensor]) -> list[tf.Tensor]:
     """The stacked tensors → one tensor per variable."""
     out: list[Any] = [None] * len(self.shapes)
-    for s, (positions, _, _) in zip(stacked, self._groups):
+    for s, (positions, _, _, _) in zip(stacked, self._groups):
       for i, part in zip(positions, _unstack_rows(s)):
         out[i] = part
+    return out
+
+  def by_variable(self, stacked: Sequence[tf.Tensor]) -> list[tuple[tf.Variable, tf.Tensor]]:
+    """The stacked tensors → (tf.Variable, its tensor) pairs: a stacked variable's
+    whole tensor [n, *shape] once, every other variable's row."""
+    out = []
+    for s, (positions, _, _, stack) in zip(stacked, self._groups):
+      if stack is not None:
+        out.append((stack.variable, s))
+      else:
+        out.extend(zip([self._variables[i] for i in positions], _unstack_rows(s)))
     return out

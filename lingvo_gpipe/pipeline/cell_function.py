@@ -55,7 +55,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from lingvo_gpipe.core import base_layer, variable_chunks
+from lingvo_gpipe.core import base_layer, stacked_variables, variable_chunks
 from lingvo_gpipe.core.base_layer import BaseLayer
 from lingvo_gpipe.pipeline import tf_internals
 from lingvo_gpipe.pipeline.tf_internals import NOT_INLINED
@@ -90,11 +90,14 @@ def _dense(g: Any) -> Any:
 
 
 def _accumulate(layout: variable_chunks.StackedLayout, sums: Sequence[tf.Tensor],
-                grads: Sequence[Any]) -> list[tf.Tensor]:
+                grads: Sequence[Any], stack_grads: dict[int, Any] | None = None
+                ) -> list[tf.Tensor]:
   """sums (the stacked tensors of `layout`) + grads (one per variable; None adds
-  nothing)."""
+  nothing) + stack_grads ({id(VariableStack): its whole gradient [n, *shape] or
+  None})."""
   with tf.name_scope(ACCUMULATE_SCOPE):
-    return layout.add(sums, [None if g is None else _dense(g) for g in grads])
+    return layout.add(sums, [None if g is None else _dense(g) for g in grads],
+                      {k: _dense(g) for k, g in (stack_grads or {}).items() if g is not None})
 
 
 def _zeros_for_none(grads: Sequence[Any], like: Sequence[tf.Tensor]) -> list[tf.Tensor]:
@@ -189,7 +192,9 @@ class _Traced:
   head_structure: Any = None
   output_structure: Any = None
   stats_structure: tuple[tuple[BaseLayer, Any], ...] = ()
-  variables: list[tf.Variable] | None = None
+  variables: list[Any] | None = None
+  # The slices of the cell's stacked variables the current trace read, by id(row).
+  rows: dict[int, tf.Tensor] = dataclasses.field(default_factory=dict)
   # The running gradient sums of `variables` as stacked tensors, one per shape and dtype.
   layout: variable_chunks.StackedLayout | None = None
   # Per deferred weight product (in the order the layers make them): the position of
@@ -228,8 +233,12 @@ class CellFunctions:
   def __init__(self, layers: Sequence[BaseLayer], device: str | None, index: int,
                recompute: bool, head: Head | None = None, needs_input_grads: bool = True,
                defer_weight_gradients: bool = False,
-               run_layers: Callable[[Sequence[BaseLayer], Any], Any] = call_layers):
+               run_layers: Callable[[Sequence[BaseLayer], Any], Any] = call_layers,
+               stacks: Sequence[stacked_variables.VariableStack] = ()):
     self.layers = list(layers)
+    # The cell's stacked variables: each body reads each once and differentiates
+    # against its rows (stacked_variables.bound).
+    self.stacks = list(stacks)
     # How the layers run on the cell's inputs: `call_layers`, or through functions
     # that layers of one kind share (LayerFunctions.call_layers).
     self.run_layers = run_layers
@@ -265,8 +274,10 @@ class CellFunctions:
     micro_batch, example_offset = tf.unstack(call_info)
     with base_layer.step_context(training=True, step=step, micro_batch=micro_batch,
                                  example_offset=example_offset, layer_stats=stats,
-                                 spans=None, weight_products=products):
+                                 spans=None, weight_products=products), \
+        stacked_variables.bound(self.stacks) as rows:
       traced = self._traced
+      traced.rows = rows
       outputs = self.run_layers(self.layers,
                                 tf.nest.pack_sequence_as(traced.input_structure, flat_inputs))
       if self.head is not None:
@@ -327,9 +338,13 @@ class CellFunctions:
     products = self._record_products(products.products if products else [])
     input_sources = float_inputs if self.needs_input_grads else []
     product_outputs = [p.outputs for p in products]
+    # A stacked variable's rows are differentiated as the slices this trace read.
+    rows = self._traced.rows
+    sources = [rows[id(v)] if isinstance(v, stacked_variables.RowVariable) else v
+               for v in variables]
     # NONE, not ZERO: a variable reached only through deferred products gets no
     # gradient here, and its sum is passed on without adding zeros.
-    grads = tape.gradient(differentiated, input_sources + variables + product_outputs,
+    grads = tape.gradient(differentiated, input_sources + sources + product_outputs,
                           output_gradients=list(output_grads),
                           unconnected_gradients=tf.UnconnectedGradients.NONE)
     input_grads = _zeros_for_none(grads[:len(input_sources)], input_sources)
@@ -367,9 +382,14 @@ class CellFunctions:
       raise RuntimeError(f"cell {self.index}: a second trace made other weight products")
     return products
 
-  def _record_variables(self, watched: Sequence[tf.Variable]) -> list[tf.Variable]:
+  def _record_variables(self, watched: Sequence[tf.Variable]) -> list[Any]:
+    """The variables a trace read, as the cell's sums lay them out: the rows of its
+    stacks (each stack's rows in order), then every other variable read (a tf.Variable;
+    `watched` holds the stacks themselves, which are read whole)."""
     traced = self._traced
-    variables = list(watched)
+    own = {s.variable.ref() for s in self.stacks}
+    variables = ([row for s in self.stacks for row in s.rows]
+                 + [v for v in watched if v.ref() not in own])
     if traced.variables is None:
       traced.variables = variables
       traced.layout = variable_chunks.StackedLayout(variables)
@@ -495,9 +515,12 @@ class CellFunctions:
                      for g, spec in zip(grads[:len(sig.inputs)], sig.inputs)
                      if spec.dtype.is_floating]
     by_handle = {id(c): g for c, g in zip(pair.captured_inputs, grads[num_args:])}
-    variable_grads = [by_handle.get(id(v.handle)) for v in sig.variables]
-    return (input_grads, _accumulate(sig.layout, sums, variable_grads), product_inputs,
-            product_grads)
+    # A stack's gradient comes whole ([n, *shape]: the forward read it whole).
+    variable_grads = [None if isinstance(v, stacked_variables.RowVariable)
+                      else by_handle.get(id(v.handle)) for v in sig.variables]
+    stack_grads = {id(s): by_handle.get(id(s.variable.handle)) for s in self.stacks}
+    return (input_grads, _accumulate(sig.layout, sums, variable_grads, stack_grads),
+            product_inputs, product_grads)
 
   def weight_gradients(self, sums: Sequence[tf.Tensor], inputs: Sequence[tf.Tensor],
                        output_grads: Sequence[tf.Tensor]) -> list[tf.Tensor]:

@@ -53,7 +53,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import tensorflow as tf
 
-from lingvo_gpipe.core import base_layer
+from lingvo_gpipe.core import base_layer, stacked_variables
 from lingvo_gpipe.pipeline import channels, tf_internals, timeline
 from lingvo_gpipe.pipeline.cell_function import CallSignature, CellFunctions
 from lingvo_gpipe.pipeline.schedule import (
@@ -73,16 +73,21 @@ class StepGradients:
   variables: list[tf.Variable]
   gradients: list[tf.Tensor]
 
-  def gradients_for(self, variables: Sequence[tf.Variable]) -> list[tf.Tensor]:
-    """Gradients in the order of `variables`; zeros for variables no cell used."""
+  def gradients_for(self, variables: Sequence[Any]) -> list[tf.Tensor]:
+    """Gradients in the order of `variables` (tf.Variables, or a stacked variable's
+    rows: `stacked_variables.trainable_weights`); zeros for variables no cell used."""
     by_ref = {v.ref(): g for v, g in zip(self.variables, self.gradients)}
     grads = []
     for v in variables:
-      if v.ref() in by_ref:
+      stack = stacked_variables.stack_of_row(v)
+      if stack is not None and stack.variable.ref() in by_ref:
+        with tf.device(v.device):
+          grads.append(by_ref[stack.variable.ref()][v.row])
+      elif v.ref() in by_ref:
         grads.append(by_ref[v.ref()])
       else:
         with tf.device(v.device):
-          grads.append(tf.zeros_like(v))
+          grads.append(tf.zeros(v.shape, v.dtype))
     return grads
 
 
@@ -720,8 +725,8 @@ def _mean_gradients(cells: Sequence[CellFunctions], signatures: list[list[CallSi
   """The cells' summed gradients (each backward seeded with its micro-batch's loss
   weight, times the loss scale S if there is one) divided by Σ w_m, the whole batch's
   `loss_weight`, and by S: the gradient of the weighted mean loss. One per variable,
-  in first-use order; a variable two cells share (tied weights) gets the sum of
-  theirs."""
+  in first-use order (a stacked variable's [n, *shape] whole); a variable two
+  cells share (tied weights) gets the sum of theirs."""
   with tf.device(cells[-1].device):
     if loss_scale is not None:
       loss_weight = loss_weight * tf.cast(loss_scale, loss_weight.dtype)
@@ -733,8 +738,9 @@ def _mean_gradients(cells: Sequence[CellFunctions], signatures: list[list[CallSi
     sig = signatures[k][0]
     with tf.device(cell.device):
       scale = tf.identity(inverse_weight)
-      sums = sig.layout.unstack([s * tf.cast(scale, s.dtype) for s in finals[k].sums])
-    for v, g in zip(sig.variables, sums):
+      gradients_of = sig.layout.by_variable([s * tf.cast(scale, s.dtype)
+                                             for s in finals[k].sums])
+    for v, g in gradients_of:
       if v.ref() in position:  # a variable shared by two cells (tied weights)
         gradients[position[v.ref()]] += g
       else:

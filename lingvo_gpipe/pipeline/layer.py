@@ -33,7 +33,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from lingvo_gpipe.core import base_layer, hyperparams, model_stats
+from lingvo_gpipe.core import base_layer, hyperparams, model_stats, stacked_variables
 from lingvo_gpipe.core.base_layer import BaseLayer
 from lingvo_gpipe.core.hyperparams import ParamsError
 from lingvo_gpipe.pipeline import (
@@ -116,6 +116,8 @@ def check_pipeline_params(p: hyperparams.Params, path: str) -> None:
     raise bad("bytes_per_param", "> 0")
   if not isinstance(p.share_layer_functions, bool):
     raise bad("share_layer_functions", "True or False")
+  if not isinstance(p.stack_variables, bool):
+    raise bad("stack_variables", "True or False")
   for device in p.devices:
     if not known_device(device):
       raise PipelineError(f"{path}: devices names {device!r}, which this process does "
@@ -172,6 +174,12 @@ class PipeliningLayer(BaseLayer):
              "dropout seeds (pipeline/layer_function.py): tracing and the first step's "
              "cost grow with the kinds of layer, not their number. False: each layer is "
              "traced into its cell's functions on its own.")
+    p.define("stack_variables", True, "A cell's trainable weights of one shape and dtype are "
+             "rows of one variable, and so are their optimizer slots "
+             "(core/stacked_variables.py): the step's variables grow with the cells and "
+             "kinds of weight, not the layers. Layers, inspection and checkpoints still "
+             "see one variable per weight (checkpoints restore across this setting). "
+             "False: one tf.Variable per weight.")
     p.define("memory_cap_bytes", None, "If set, the most bytes of weights and optimizer state "
              "one cell may hold; see bytes_per_param.")
     p.define("bytes_per_param", 12, "Bytes per parameter for the memory cap (float32 weight "
@@ -188,11 +196,26 @@ class PipeliningLayer(BaseLayer):
     self.cell_devices = self._assign_devices(len(self.cells))
     layer_devices = [self.cell_devices[k] for k, cell in enumerate(self.cells)
                      for _ in range(cell.start, cell.end)]
-    self.create_children("layers", p.layers, devices=layer_devices)
+    with stacked_variables.deferred(p.stack_variables):
+      self.create_children("layers", p.layers, devices=layer_devices)
     self._function_cache = _FunctionCache(p.share_layer_functions)
+    self._function_cache.stacks = self._stack_variables()
     self._channel_prefix = channels.channel_prefix(self.path)
     # Made once (a schedule these cells and micro-batches cannot run fails here).
     self._function_cache.plan = self._make_plan()
+
+  def _stack_variables(self) -> list[list[stacked_variables.VariableStack]]:
+    """Per cell, the stacks holding its layers' deferred variables (none unless
+    params.stack_variables), created on the cell's device. Kept where tf.Module finds
+    them (self.variables) but does not checkpoint them: the rows are checkpointed."""
+    stacks = []
+    for k in range(len(self.cells)):
+      rows = [v for layer in self.cell_layers(k) for sublayer in layer.walk()
+              for v in sublayer.own_variables() if isinstance(v, stacked_variables.RowVariable)]
+      with tf.device(self.cell_devices[k]):
+        stacks.append(stacked_variables.stack(rows, name=f"{self.path}/cell_{k}"))
+    object.__setattr__(self, "_variable_stacks", [s.variable for cell in stacks for s in cell])
+    return stacks
 
   # -- partition and placement ----------------------------------------------------
 
@@ -308,7 +331,8 @@ class PipeliningLayer(BaseLayer):
                                    self._recompute_cell(k), head if k == last else None,
                                    needs_input_grads=k > 0,
                                    defer_weight_gradients=k in self._deferring_cells(),
-                                   run_layers=self._function_cache.call_layers)
+                                   run_layers=self._function_cache.call_layers,
+                                   stacks=self._function_cache.stacks[k])
                      for k in range(len(self.cells))]
     return cache[head]
 
@@ -381,7 +405,8 @@ class PipeliningLayer(BaseLayer):
     if not ctx.training:
       x = structure
       for k in range(len(self.cells)):
-        with tf.device(self.cell_devices[k]):
+        with tf.device(self.cell_devices[k]), \
+            stacked_variables.bound(self._function_cache.stacks[k]):
           x = self._function_cache.call_layers(self.cell_layers(k), x)
       return x
     sizes, offsets = self._micro_batches(structure, self.params.num_micro_batches)
@@ -423,3 +448,5 @@ class _FunctionCache:
     # `layers` in order on x, through the shared functions when there are some.
     self.call_layers = self.layers.call_layers if self.layers is not None else call_layers
     self.plan: schedule.PipelineSchedule | None = None
+    # Per cell, its stacked variables (stacked_variables.VariableStack).
+    self.stacks: list[list[stacked_variables.VariableStack]] = []

@@ -10,7 +10,7 @@ docs/benchmarks.md). Here the layers of a pipeline that are of one *kind* share 
   layer_fn(variables, inputs, info, seeds) → (outputs, flat batch statistics)
 
 - variables: the layer's variables (its own, then its descendants', in `walk()`
-  order) enter as arguments. tf.function traces once for variables of equal shapes
+  order) enter as arguments (a stacked variable's row as the tensor its cell read). tf.function traces once for variables of equal shapes
   and dtypes, and the gradient of a call reaches the variables passed to it.
 - info: int64 [3], the StepContext's (global step, micro-batch, example offset).
 - seeds: int64 [S], this layer's dropout seeds (`base_layer.seed_tensor`), in the
@@ -40,7 +40,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from lingvo_gpipe.core import base_layer
+from lingvo_gpipe.core import base_layer, stacked_variables
 from lingvo_gpipe.core.base_layer import BaseLayer
 from lingvo_gpipe.pipeline.tf_internals import NOT_INLINED
 
@@ -110,7 +110,9 @@ class _KindFunction:
     (its own, then its descendants', in `walk()` order) are the function's first
     argument."""
     sublayers = list(layer.walk())
-    variables = [v for sublayer in sublayers for v in sublayer.own_variables()]
+    # A stacked variable's row enters as the tensor its cell read (stacked_variables).
+    variables = [v.value() if isinstance(v, stacked_variables.RowVariable) else v
+                 for sublayer in sublayers for v in sublayer.own_variables()]
     concrete = self.function.get_concrete_function(variables, inputs, info, _SEEDS)
     seeds = tf.constant([sublayers[i].seed_for(purpose) for i, purpose in self.layout.seeds],
                         tf.int64, shape=[len(self.layout.seeds)])

@@ -1,0 +1,272 @@
+"""A pipeline cell's weights stored as a few stacked variables, checkpointed per layer.
+
+A deep pipeline made one `tf.Variable` per weight and optimizer slot: about 42 per
+64-wide Transformer layer, 70,000 for `lm.TransformerL1663`. Each cost eager creation,
+a captured handle in the training step, an argument Grappler and the executor set
+up, and host memory (docs/benchmarks.md, "Time to the first step"). Here the
+trainable weights of one cell that share a shape and dtype are rows of one variable
+[n, *shape] (`VariableStack`), and each optimizer slot kind is one variable of the
+same shape: the step's variables grow with the cells and the kinds of weight, not
+with the layers.
+
+What the layers and the user see is unchanged:
+
+- each layer attribute is a `RowVariable`, a view of its row: readable as a tensor
+  (`tf.convert_to_tensor`, arithmetic, `numpy()`), assignable, named as the variable
+  it stands for;
+- a checkpoint saves each row under the layer's own key (`.../w/.ATTRIBUTES/
+  VARIABLE_VALUE`) and restores it into its row (Trackable's `_serialize_to_tensors`
+  / `_restore_from_tensors`), so checkpoints of unstacked models restore into stacked
+  ones and back; the stacks themselves are not checkpointed;
+- `tf.Module.variables` lists the stacks (they are held in a plain list the module
+  walks but does not track).
+
+Inside a cell's traced bodies, `bound(stacks)` reads each stack once and splits it
+into its rows (dim-0 slices share the stack's buffer: no copy); each RowVariable
+then reads as its row's tensor, which is what a cell differentiates against, so
+each row's gradient is added into its row of the cell's running sums
+(`variable_chunks.StackedLayout`), and the sums of a stack are the stack's gradient.
+
+  with deferred(): build layers       → trainable floating variables as unbound rows
+  stack(rows, name)                   → [VariableStack], one per (shape, dtype)
+  with bound(stacks): trace a cell    → rows read as slices of one read per stack
+  stack_of(variable)                  → the VariableStack a tf.Variable holds, or None
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import tensorflow as tf
+from tensorflow.python.trackable import base as trackable
+
+_STATE = threading.local()
+
+
+class RowVariable(trackable.Trackable):
+  """Row `row` of a VariableStack, standing in for one variable of a layer.
+
+  Made unbound by `BaseLayer.create_variable` under `deferred()` (holding its initial
+  value's recipe), bound to its stack by `stack`.
+  """
+
+  def __init__(self, name: str, shape: Sequence[int], dtype: tf.DType, trainable: bool,
+               initial_value: Callable[[], tf.Tensor] | None = None):
+    self._name = name
+    self._shape = tf.TensorShape(shape)
+    self._dtype = tf.as_dtype(dtype)
+    self._trainable = trainable
+    self._initial_value = initial_value
+    self._stack: VariableStack | None = None
+    self._row = -1
+
+  # -- what a variable tells about itself -------------------------------------------
+
+  @property
+  def name(self) -> str:
+    return f"{self._name}:0"
+
+  @property
+  def shape(self) -> tf.TensorShape:
+    return self._shape
+
+  @property
+  def dtype(self) -> tf.DType:
+    return self._dtype
+
+  @property
+  def trainable(self) -> bool:
+    return self._trainable
+
+  @property
+  def stack(self) -> VariableStack:
+    if self._stack is None:
+      raise RuntimeError(f"{self._name}: a deferred variable read before its stack was made")
+    return self._stack
+
+  @property
+  def row(self) -> int:
+    return self._row
+
+  @property
+  def device(self) -> str:
+    return self.stack.variable.device
+
+  def ref(self) -> RowVariable:
+    """Hashable identity, as tf.Variable.ref() (a row is its own key)."""
+    return self
+
+  def __repr__(self) -> str:
+    where = f"row {self._row} of {self._stack.variable.name}" if self._stack else "unbound"
+    return f"<RowVariable {self._name!r} shape={self._shape} dtype={self._dtype.name} ({where})>"
+
+  # -- reading and writing -----------------------------------------------------------
+
+  def value(self) -> tf.Tensor:
+    """The row as a tensor: the slice `bound` made in the graph being traced, else
+    one read of the row."""
+    bindings = getattr(_STATE, "bindings", None)
+    if bindings:
+      graph = tf.compat.v1.get_default_graph()
+      for frame_graph, frame in reversed(bindings):
+        if frame_graph is graph and id(self) in frame:
+          return frame[id(self)]
+    return tf.gather(self.stack.variable, self._row)
+
+  read_value = value
+
+  def numpy(self) -> Any:
+    return self.value().numpy()
+
+  def assign(self, value: Any, read_value: bool = False) -> Any:
+    value = tf.convert_to_tensor(value, self._dtype)
+    op = self.stack.variable.scatter_update(
+        tf.IndexedSlices(tf.reshape(value, [1, *self._shape.as_list()]), [self._row]))
+    return self.value() if read_value else op
+
+  # -- checkpoints: saved and restored under the layer's own key ----------------------
+
+  def _serialize_to_tensors(self) -> dict[str, tf.Tensor]:
+    return {trackable.VARIABLE_VALUE_KEY: self.value()}
+
+  def _restore_from_tensors(self, restored_tensors: dict[str, tf.Tensor]) -> Any:
+    return self.assign(restored_tensors[trackable.VARIABLE_VALUE_KEY])
+
+  # -- used as a tensor --------------------------------------------------------------
+
+  def __add__(self, other):
+    return self.value() + other
+
+  def __radd__(self, other):
+    return other + self.value()
+
+  def __sub__(self, other):
+    return self.value() - other
+
+  def __rsub__(self, other):
+    return other - self.value()
+
+  def __mul__(self, other):
+    return self.value() * other
+
+  def __rmul__(self, other):
+    return other * self.value()
+
+  def __truediv__(self, other):
+    return self.value() / other
+
+  def __matmul__(self, other):
+    return self.value() @ other
+
+  def __rmatmul__(self, other):
+    return other @ self.value()
+
+  def __neg__(self):
+    return -self.value()
+
+  def __getitem__(self, index):
+    return self.value()[index]
+
+
+tf.register_tensor_conversion_function(
+    RowVariable, lambda row, dtype=None, name=None, as_ref=False: (
+        row.value() if dtype is None or dtype == row.dtype else tf.cast(row.value(), dtype)))
+
+
+class VariableStack:
+  """One tf.Variable [n, *shape] holding rows `rows` (RowVariables of one shape and
+  dtype), row i of the variable being rows[i]."""
+
+  def __init__(self, variable: tf.Variable, rows: Sequence[RowVariable]):
+    self.variable = variable
+    self.rows = list(rows)
+    for i, row in enumerate(self.rows):
+      row._stack, row._row = self, i
+    variable._variable_stack = self  # noqa: SLF001 (read back by stack_of)
+
+  def rows_like(self, variable: tf.Variable, suffix: str) -> VariableStack:
+    """A stack of `variable` (e.g. an optimizer slot [n, *shape'] of this stack) whose
+    rows are named after this one's: row i '<row i's name>/<suffix>'."""
+    rows = [RowVariable(f"{row.name.removesuffix(':0')}/{suffix}", variable.shape[1:],
+                        variable.dtype, trainable=False) for row in self.rows]
+    return VariableStack(variable, rows)
+
+
+def stack_of(variable: Any) -> VariableStack | None:
+  """The VariableStack `variable` (a tf.Variable) holds, or None."""
+  return getattr(variable, "_variable_stack", None)
+
+
+def stack_of_row(variable: Any) -> VariableStack | None:
+  """The VariableStack whose row `variable` is (a bound RowVariable), or None."""
+  return variable._stack if isinstance(variable, RowVariable) else None
+
+
+def trainable_weights(module: tf.Module) -> list[Any]:
+  """`module.trainable_variables` with each stacked variable replaced by its rows:
+  one entry per weight, in the order tf.Module lists an unstacked model's variables
+  (so the lists of a stacked and an unstacked build of one model align)."""
+  return list(module._flatten(predicate=lambda x: (  # noqa: SLF001 (tf.Module's walk)
+      (isinstance(x, RowVariable) and x.trainable)
+      or (isinstance(x, tf.Variable) and x.trainable and stack_of(x) is None))))
+
+
+def per_weight(module: tf.Module, values: Sequence[Any]) -> list[Any]:
+  """`values` aligned with `module.trainable_variables` (e.g. their gradients, or
+  numpy arrays) → aligned with `trainable_weights(module)`: a stack's value split
+  into its rows."""
+  by_ref = {v.ref(): x for v, x in zip(module.trainable_variables, values, strict=True)}
+  return [by_ref[w.stack.variable.ref()][w.row] if isinstance(w, RowVariable)
+          else by_ref[w.ref()] for w in trainable_weights(module)]
+
+
+@contextlib.contextmanager
+def deferred(enabled: bool = True) -> Iterator[None]:
+  """Within (this thread), `BaseLayer.create_variable` makes unbound RowVariables for
+  trainable floating-point variables, to be stacked by `stack`."""
+  previous = getattr(_STATE, "deferred", False)
+  _STATE.deferred = enabled
+  try:
+    yield
+  finally:
+    _STATE.deferred = previous
+
+
+def deferring() -> bool:
+  return getattr(_STATE, "deferred", False)
+
+
+def stack(rows: Sequence[RowVariable], name: str) -> list[VariableStack]:
+  """One VariableStack per (shape, dtype) of `rows` (in first-seen order, rows in
+  their order), created on the current device with each row's own initial value."""
+  groups: dict[tuple, list[RowVariable]] = {}
+  for row in rows:
+    groups.setdefault((tuple(row.shape.as_list()), row.dtype), []).append(row)
+  stacks = []
+  for i, group in enumerate(groups.values()):
+    variable = tf.Variable(lambda g=group: tf.stack([r._initial_value() for r in g]),
+                           trainable=True, name=f"{name}/stack_{i}", dtype=group[0].dtype)
+    stacks.append(VariableStack(variable, group))
+    for row in group:
+      row._initial_value = None
+  return stacks
+
+
+@contextlib.contextmanager
+def bound(stacks: Sequence[VariableStack]) -> Iterator[dict[int, tf.Tensor]]:
+  """Within, the rows of `stacks` read (in the current graph) as slices of one read
+  of each stack. Yields {id(row): tensor}: what a cell differentiates against."""
+  frame: dict[int, tf.Tensor] = {}
+  for s in stacks:
+    with tf.name_scope("stack_rows"):
+      for row, tensor in zip(s.rows, tf.unstack(s.variable.read_value())):
+        frame[id(row)] = tensor
+  bindings = _STATE.__dict__.setdefault("bindings", [])
+  bindings.append((tf.compat.v1.get_default_graph(), frame))
+  try:
+    yield frame
+  finally:
+    bindings.pop()
