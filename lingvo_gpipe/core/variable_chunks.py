@@ -39,8 +39,8 @@ chunk_function = functools.partial(tf.function, autograph=False,
 
 def chunks(variables: Sequence[Any], by_device: bool = True) -> list[list[int]]:
   """Positions of `variables` grouped by (device, shape, dtype, whether stacked)
-  (by_device=False: without the device) in first-seen order, each group cut into runs of at most MAX_CHUNK
-  whose sizes are powers of two (so few distinct signatures get traced)."""
+  (by_device=False: without the device) in first-seen order, each group cut into runs
+  of at most MAX_CHUNK whose sizes are powers of two (so few distinct signatures get traced)."""
   groups: dict[tuple, list[int]] = {}
   for i, v in enumerate(variables):
     key = (v.device if by_device else None, tuple(v.shape.as_list()), v.dtype,

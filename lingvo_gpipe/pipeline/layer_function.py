@@ -10,8 +10,9 @@ docs/benchmarks.md). Here the layers of a pipeline that are of one *kind* share 
   layer_fn(variables, inputs, info, seeds) → (outputs, flat batch statistics)
 
 - variables: the layer's variables (its own, then its descendants', in `walk()`
-  order) enter as arguments (a stacked variable's row as the tensor its cell read). tf.function traces once for variables of equal shapes
-  and dtypes, and the gradient of a call reaches the variables passed to it.
+  order; a stacked variable's row as the tensor its cell read) enter as arguments.
+  tf.function traces once for variables of equal shapes and dtypes, and the
+  gradient of a call reaches the variables passed to it.
 - info: int64 [3], the StepContext's (global step, micro-batch, example offset).
 - seeds: int64 [S], this layer's dropout seeds (`base_layer.seed_tensor`), in the
   order the trace asked for them; so layers sharing a trace still draw exactly the
