@@ -1,0 +1,166 @@
+"""Stacked variables (core/stacked_variables.py): a pipeline cell's weights of one shape
+as one variable, checkpointed per weight, against the same model built with one
+tf.Variable per weight."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from numerics import REORDERED, TRAINED, assert_all_close
+
+from lingvo_gpipe import train_step
+from lingvo_gpipe.core import layers, optimizers, stacked_variables
+from lingvo_gpipe.pipeline.layer import PipeliningLayer
+
+LEGACY = Path(__file__).resolve().parent / "data" / "legacy_unstacked_adam_k2" / "ckpt"
+
+
+def model_params(num_blocks: int = 4, **pipeline):
+  """What tests/data/make_legacy_unstacked_checkpoint.py built: FeedForwardBlocks (a
+  layer norm and two projections each, five weight shapes) in a pipeline."""
+  blocks = [layers.FeedForwardBlock.Params().set(name=f"ff{i}", input_dim=8, hidden_dim=16)
+            for i in range(num_blocks)]
+  settings = dict(num_cells=2, num_micro_batches=2)
+  settings.update(pipeline)
+  return PipeliningLayer.Params().set(name="stack", layers=blocks, random_seed=7, **settings)
+
+
+def build(optimizer=None, **pipeline):
+  """(model, optimizer with slots, the training step, its batch)."""
+  model = model_params(**pipeline).instantiate()
+  opt = (optimizer or optimizers.Adam.Params().set(learning_rate=0.05)).instantiate()
+  opt.create_slots(model.trainable_variables)
+  wrapped = train_step.StackWithLoss(model, lambda out, _: {
+      "loss": (tf.reduce_mean(tf.square(out)), tf.constant(6.0))})
+  step = tf.function(train_step.TrainStep(wrapped, opt, tf.Variable(0, dtype=tf.int64)))
+  batch = {"inputs": tf.constant(np.random.RandomState(0).randn(6, 8), tf.float32)}
+  return model, opt, step, batch
+
+
+def checkpoint_tensors(path: str) -> dict[str, np.ndarray]:
+  reader = tf.train.load_checkpoint(path)
+  return {key: reader.get_tensor(key) for key, _ in tf.train.list_variables(path)
+          if key != "_CHECKPOINTABLE_OBJECT_GRAPH"}
+
+
+def test_a_cell_holds_one_variable_per_weight_shape(cpu_devices):
+  model = model_params(devices=cpu_devices[:2]).instantiate()
+  # Two blocks per cell, five shapes per block: [8] (norm scale, norm bias, outer
+  # bias: one stack), [8, 16], [16], [16, 8].
+  assert len(model.trainable_variables) == 2 * 4
+  for variable in model.trainable_variables:
+    stack = stacked_variables.stack_of(variable)
+    assert stack is not None and variable.shape[0] == len(stack.rows)
+    for i, row in enumerate(stack.rows):
+      assert row.device == variable.device
+      np.testing.assert_array_equal(row.numpy(), variable.numpy()[i])
+  weights = stacked_variables.trainable_weights(model)
+  assert len(weights) == 4 * 6
+  assert {w.device for w in weights[:12]} == {model.trainable_variables[0].device}
+
+
+def test_weights_are_those_of_one_variable_per_weight_in_the_same_order(cpu_devices):
+  stacked = model_params(devices=cpu_devices[:2]).instantiate()
+  plain = model_params(devices=cpu_devices[:2], stack_variables=False).instantiate()
+  assert not any(stacked_variables.stack_of(v) for v in plain.trainable_variables)
+  got, want = stacked_variables.trainable_weights(stacked), plain.trainable_variables
+  assert [w.name for w in got] == [v.name for v in want]
+  for w, v in zip(got, want, strict=True):
+    np.testing.assert_array_equal(w.numpy(), v.numpy())
+
+
+def test_a_row_assigns_into_its_stack_only(cpu_devices):
+  model = model_params(devices=cpu_devices[:2]).instantiate()
+  row = model.layers[1].inner.b
+  before = row.stack.variable.numpy()
+  row.assign(np.arange(16, dtype=np.float32))
+  after = row.stack.variable.numpy()
+  np.testing.assert_array_equal(after[row.row], np.arange(16))
+  np.testing.assert_array_equal(np.delete(after, row.row, 0), np.delete(before, row.row, 0))
+
+
+@pytest.mark.parametrize("num_cells", [1, 2, 4])
+def test_a_checkpoint_of_unstacked_variables_restores_bit_for_bit(tmp_path, cpu_devices,
+                                                                  num_cells):
+  """The checkpoint written by the engine before stacking (K=2, Adam after two steps)
+  restores into K ∈ {1, 2, 4} with every weight and slot equal to the bit, and the
+  restored model saves under the same keys the same tensors."""
+  model, opt, _, _ = build(num_cells=num_cells, devices=cpu_devices[:num_cells])
+  tf.train.Checkpoint(model=model, optimizer=opt).read(str(LEGACY)).assert_consumed()
+  saved = tf.train.Checkpoint(model=model, optimizer=opt).write(str(tmp_path / "again"))
+  got, want = checkpoint_tensors(saved), checkpoint_tensors(str(LEGACY))
+  assert sorted(got) == sorted(want)
+  assert any("/m/.ATTRIBUTES" in key for key in want)  # the Adam slots are in it
+  for key in want:
+    np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+
+
+def test_checkpoints_move_between_stacked_and_unstacked_and_across_k(tmp_path, cpu_devices):
+  """K=4 stacked → K=1 unstacked → K=2 stacked: each restores what the last saved."""
+  model, opt, step, batch = build(num_cells=4, devices=cpu_devices)
+  step(batch)
+  path = tf.train.Checkpoint(model=model, optimizer=opt).write(str(tmp_path / "k4"))
+  plain, plain_opt, _, _ = build(num_cells=1, stack_variables=False, devices=cpu_devices[:1])
+  tf.train.Checkpoint(model=plain, optimizer=plain_opt).read(path).assert_consumed()
+  path = tf.train.Checkpoint(model=plain, optimizer=plain_opt).write(str(tmp_path / "k1"))
+  again, again_opt, _, _ = build(num_cells=2, devices=cpu_devices[:2])
+  tf.train.Checkpoint(model=again, optimizer=again_opt).read(path).assert_consumed()
+  for a, b in zip(stacked_variables.trainable_weights(model),
+                  stacked_variables.trainable_weights(again), strict=True):
+    np.testing.assert_array_equal(a.numpy(), b.numpy())
+    for name, slot in opt.slots_of(a).items():
+      np.testing.assert_array_equal(slot.numpy(), again_opt.slots_of(b)[name].numpy())
+
+
+@pytest.mark.parametrize("optimizer", [
+    optimizers.Adam.Params().set(learning_rate=0.05),
+    optimizers.SGD.Params().set(learning_rate=0.1, momentum=0.9),
+    optimizers.RMSProp.Params().set(learning_rate=0.01),
+    # Per-weight statistics: factored second moments (both dims >= 8), update clipping
+    # and the parameter scale, each per row of a stack.
+    optimizers.Adafactor.Params().set(learning_rate=0.1, min_dim_size_to_factor=8,
+                                      clipping_threshold=0.01, beta1=0.5),
+], ids=["adam", "sgd", "rmsprop", "adafactor"])
+def test_training_steps_equal_those_of_one_variable_per_weight(cpu_devices, optimizer):
+  """Three steps (clipped by global norm) of the stacked pipeline against the same
+  pipeline with one tf.Variable per weight: the same weights and slots."""
+  optimizer = optimizer.copy().set(clip_gradient_norm=0.5)
+  stacked, stacked_opt, stacked_step, batch = build(optimizer, devices=cpu_devices[:2])
+  plain, plain_opt, plain_step, _ = build(optimizer, stack_variables=False,
+                                          devices=cpu_devices[:2])
+  for _ in range(3):
+    stacked_step(batch)
+    plain_step(batch)
+  # Adafactor's per-weight means over a stack's rows sum in another order than over
+  # one weight, and its first steps divide by them (u = g / sqrt(g²)): TRAINED's bound
+  # (seen 65 ulps of the slots' scale); the element-wise optimizers stay within
+  # REORDERED.
+  ulps = TRAINED if optimizer.cls is optimizers.Adafactor else REORDERED
+  got = stacked_variables.trainable_weights(stacked)
+  assert_all_close([w.numpy() for w in got], [v.numpy() for v in plain.trainable_variables],
+                   ulps=ulps)
+  assert_all_close([s.numpy() for w in got for s in stacked_opt.slots_of(w).values()],
+                   [s.numpy() for v in plain.trainable_variables
+                    for s in plain_opt.slots_of(v).values()], ulps=ulps)
+
+
+def test_a_non_finite_row_is_named_by_its_weight(cpu_devices):
+  model = model_params(devices=cpu_devices[:2]).instantiate()
+  model.layers[2].outer.w.assign(np.full([16, 8], np.nan, np.float32))
+  assert train_step.non_finite_variables(model.trainable_variables) == [
+      model.layers[2].outer.w.name]
+
+
+def step_captures(num_blocks: int, stack: bool) -> int:
+  """How many tensors (variable handles and slots) the traced training step of a
+  2-cell pipeline of `num_blocks` identical blocks captures."""
+  _, _, step, batch = build(num_blocks=num_blocks, stack_variables=stack)
+  return len(step.get_concrete_function(batch).captured_inputs)
+
+
+def test_the_steps_arguments_do_not_grow_with_identical_layers():
+  """The step's captured variables and slots are per cell and weight shape: as many
+  for 16 blocks as for 4 (one tf.Variable per weight: 6 more per block and slot)."""
+  assert step_captures(4, stack=True) == step_captures(16, stack=True)
+  assert step_captures(16, stack=False) - step_captures(4, stack=False) >= 12 * 6 * 3
