@@ -18,7 +18,9 @@ Configurations (synthetic data, logical CPU devices, one per cell):
 
 --apart runs each configuration a second time with every layer traced on its own
 (task.pipeline.share_layer_functions=False), named <config>_apart: the engine before
-layers of one kind shared a traced function, measured in the same run.
+layers of one kind shared a traced function, measured in the same run. --unstacked
+does the same with one tf.Variable per weight (task.pipeline.stack_variables=False),
+named <config>_unstacked: the engine before weights were stacked per cell.
 
 The models are registered in a param file written to a temporary directory and
 passed with --params_path, as a user would.
@@ -66,6 +68,7 @@ PARAM_FILE = textwrap.dedent('''
       LAYERS, CELLS, MICRO_BATCHES, BATCH = 8, 2, 4, 32
       TRANSLATION = False
       SHARE = True
+      STACK = True
 
       def task(self):
         vocab = self.train_input().instantiate().vocab.size
@@ -77,7 +80,7 @@ PARAM_FILE = textwrap.dedent('''
           p.stack = transformer.lm_stack(vocab, num_layers=self.LAYERS, residual_keep_prob=0.9,
                                          **WIDTH)
         p.pipeline.set(num_cells=self.CELLS, num_micro_batches=self.MICRO_BATCHES,
-                       share_layer_functions=self.SHARE)
+                       share_layer_functions=self.SHARE, stack_variables=self.STACK)
         p.train.optimizer = optimizers.Adam.Params().set(learning_rate=1e-3)
         p.train.set(save_interval_steps=100000, summary_interval_steps=100000,
                     log_interval_steps=1)
@@ -110,9 +113,11 @@ def configs(args) -> dict[str, dict]:
                                 TRANSLATION=True)
   if "l1663" in args.only.split(","):
     out["l1663"] = dict(LAYERS=1663, CELLS=128, MICRO_BATCHES=512, BATCH=512)
+  base = list(out.items())
   if args.apart:
-    out.update({f"{name}_apart": dict(settings, SHARE=False)
-                for name, settings in list(out.items())})
+    out.update({f"{name}_apart": dict(settings, SHARE=False) for name, settings in base})
+  if args.unstacked:
+    out.update({f"{name}_unstacked": dict(settings, STACK=False) for name, settings in base})
   return out
 
 
@@ -167,6 +172,8 @@ def main() -> None:
                       default=[8, 32, 128])
   parser.add_argument("--apart", action="store_true",
                       help="also run each configuration with every layer traced apart")
+  parser.add_argument("--unstacked", action="store_true",
+                      help="also run each configuration with one tf.Variable per weight")
   parser.add_argument("--steps", type=int, default=6, help="steps per run (>= 4)")
   parser.add_argument("--only", default="", help="comma-separated configuration names")
   args = parser.parse_args()
@@ -192,7 +199,7 @@ def main() -> None:
   if "first_step_s_l8_m4" in summary and "first_step_s_l8_m32" in summary:
     summary["first_step_ratio_l8_m32_over_m4"] = round(
         summary["first_step_s_l8_m32"] / summary["first_step_s_l8_m4"], 3)
-  for suffix in ("", "_apart"):
+  for suffix in ("", "_apart", "_unstacked"):
     depth = [(d, summary[f"first_step_s_depth{d}{suffix}"]) for d in args.depths
              if f"first_step_s_depth{d}{suffix}" in summary]
     if len(depth) >= 2:

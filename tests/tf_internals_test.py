@@ -272,3 +272,30 @@ def test_inplace_add_writes_into_its_input():
   for _ in range(2):  # the constant start is not written into: the second call agrees
     np.testing.assert_array_equal(chained(start, rows).numpy(),
                                   start.numpy() + np.stack([r.numpy() for r in rows]))
+
+
+def test_unstacking_a_variable_read_copies_nothing():
+  """Item 11: the rows of an unstacked variable read [16, 256, 256] (256 KiB each)
+  take no new memory, eagerly and inside a function; a row-by-row product does (the
+  allocator's count works)."""
+  def allocated() -> int:
+    return tf.config.experimental.get_memory_info("CPU:0")["current"]
+
+  stack = tf.Variable(tf.random.normal([16, 256, 256]))
+  value = stack.read_value()
+  before = allocated()
+  rows = tf.unstack(value)
+  assert allocated() - before < 256 * 1024
+  doubled = [row * 2.0 for row in rows]
+  assert allocated() - before >= 16 * 256 * 1024
+  del rows, doubled
+
+  @tf.function
+  def row_sums():
+    return tf.stack([tf.reduce_sum(row) for row in tf.unstack(stack.read_value())])
+
+  row_sums()
+  before = allocated()
+  tf.config.experimental.reset_memory_stats("CPU:0")
+  np.testing.assert_allclose(row_sums().numpy(), stack.numpy().sum(axis=(1, 2)), rtol=1e-4)
+  assert tf.config.experimental.get_memory_info("CPU:0")["peak"] - before < 256 * 1024

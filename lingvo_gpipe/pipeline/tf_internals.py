@@ -91,6 +91,19 @@ test named beside it, then `TENSORFLOW_CHECKED` is updated.
     if DeepCopy were folded away, the sums would be written into a buffer a later
     step reads. Pinned by `tests/tf_internals_test.py::test_inplace_add_writes_into_its_input`
     and the equivalence grid of `tests/gpipe_test.py` (two training steps included).
+11. `tf.unstack` of a variable's read [n, *shape] (`stacked_variables.bound`) returns
+    rows that share the read's buffer when each row's bytes keep the allocator's
+    alignment (rows of 64-byte multiples on these machines; smaller rows are copied,
+    and are small): a cell reads each of its stacked weights once per call without
+    copying them. If it copied, every forward and recompute would hold a second copy
+    of its cell's weights. Pinned by
+    `tests/tf_internals_test.py::test_unstacking_a_variable_read_copies_nothing`.
+12. Trackable's `_serialize_to_tensors` / `_restore_from_tensors` (protected) and
+    tf.Module's `_flatten` (private): a `stacked_variables.RowVariable` saves and
+    restores under its layer's own checkpoint key, and `trainable_weights` walks a
+    module's attributes for its rows in tf.Module's order. Pinned by
+    `tests/stacked_variables_test.py` (a checkpoint of one tf.Variable per weight
+    restored bit for bit; the weights listed in the unstacked model's order).
 """
 
 from __future__ import annotations
