@@ -28,10 +28,13 @@ passed with --params_path, as a user would.
   python bench/startup_time.py                  # everything (about 10 minutes here)
   python bench/startup_time.py --only l8_m4,l8_m32
 
-The last line printed is one JSON object: first_step_s_<config>, steady_step_s_<config>
-and peak_rss_gb_<config> (the trainer process's peak resident memory) for each,
-first_step_ratio_l8_m32_over_m4, and first_step_s_per_layer: the least-squares slope of
-the depth sweep's first-step times over L.
+The last line printed is one JSON object: first_step_s_<config>, steady_step_s_<config>,
+peak_rss_gb_<config> (the trainer process's peak resident memory), model_built_s_<config>
+and step_traced_s_<config> (when the trainer began and finished tracing the step) for
+each, first_step_ratio_l8_m32_over_m4, and first_step_s_per_layer and
+peak_rss_gb_per_layer: the least-squares slopes of the depth sweep's first-step times and
+peaks over L. Each configuration's line also gives the resident memory as each phase
+(model built, step traced, first step) ended.
 """
 
 from __future__ import annotations
@@ -129,6 +132,15 @@ def slope(points: list[tuple[float, float]]) -> float:
           / sum((x - mean_x) ** 2 for x, _ in points))
 
 
+def resident_gb(pid: int) -> float:
+  """The process's resident set now (VmRSS), GB; its peak is read at exit."""
+  with open(f"/proc/{pid}/status") as status:
+    for line in status:
+      if line.startswith("VmRSS:"):
+        return round(int(line.split()[1]) / 2**20, 2)  # kB
+  return float("nan")
+
+
 def run_one(name: str, settings: dict, param_dir: Path, steps: int) -> dict:
   """Runs the trainer on `name`; returns its first-step and steady step seconds."""
   logdir = tempfile.mkdtemp(prefix=f"startup_{name}_")
@@ -140,14 +152,20 @@ def run_one(name: str, settings: dict, param_dir: Path, steps: int) -> dict:
   start = time.perf_counter()
   proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                           env=env, cwd=REPO)
-  first_step = built = None
+  first_step = built = model_built = None
+  phase_rss: dict[str, float] = {}  # the trainer's resident GB as each phase ends
   step_times = []
   for line in proc.stdout:
     now = time.perf_counter() - start
-    if line.startswith("Built the training step"):
+    if line.startswith("Building the training step"):
+      model_built = now
+      phase_rss["model_built"] = resident_gb(proc.pid)
+    elif line.startswith("Built the training step"):
       built = now
+      phase_rss["step_traced"] = resident_gb(proc.pid)
     elif line.startswith("First step done"):
       first_step = now
+      phase_rss["first_step"] = resident_gb(proc.pid)
     elif line.startswith("step "):
       step_times.append(now)
   stderr = proc.stderr.read()
@@ -158,6 +176,7 @@ def run_one(name: str, settings: dict, param_dir: Path, steps: int) -> dict:
   # Step 1's line follows "First step done"; steady steps are the intervals after it.
   intervals = [b - a for a, b in zip(step_times[1:], step_times[2:])]
   return {"first_step_s": round(first_step, 1), "built_s": round(built, 1),
+          "model_built_s": round(model_built, 1), "rss_gb_at": phase_rss,
           "steady_step_s": round(statistics.median(intervals), 4) if intervals else None,
           "peak_rss_gb": round(usage.ru_maxrss / 2**20, 2)}  # ru_maxrss: KiB on Linux
 
@@ -190,20 +209,25 @@ def main() -> None:
                    "machine": f"{platform.machine()} {os.cpu_count()} cores"}
   for name in names:
     result = run_one(name, all_configs[name], param_dir, args.steps)
-    print(f"{name:18s} first step {result['first_step_s']:7.1f} s  (step built at "
-          f"{result['built_s']:.1f} s)  steady step {result['steady_step_s']} s  peak "
-          f"{result['peak_rss_gb']} GB", flush=True)
+    print(f"{name:18s} first step {result['first_step_s']:7.1f} s  (model built at "
+          f"{result['model_built_s']:.1f} s, step traced at {result['built_s']:.1f} s)  "
+          f"steady step {result['steady_step_s']} s  peak {result['peak_rss_gb']} GB  "
+          f"resident at each phase's end {result['rss_gb_at']}", flush=True)
     summary[f"first_step_s_{name}"] = result["first_step_s"]
     summary[f"peak_rss_gb_{name}"] = result["peak_rss_gb"]
     summary[f"steady_step_s_{name}"] = result["steady_step_s"]
+    summary[f"model_built_s_{name}"] = result["model_built_s"]
+    summary[f"step_traced_s_{name}"] = result["built_s"]
   if "first_step_s_l8_m4" in summary and "first_step_s_l8_m32" in summary:
     summary["first_step_ratio_l8_m32_over_m4"] = round(
         summary["first_step_s_l8_m32"] / summary["first_step_s_l8_m4"], 3)
   for suffix in ("", "_apart", "_unstacked"):
-    depth = [(d, summary[f"first_step_s_depth{d}{suffix}"]) for d in args.depths
-             if f"first_step_s_depth{d}{suffix}" in summary]
-    if len(depth) >= 2:
-      summary[f"first_step_s_per_layer{suffix}"] = round(slope(depth), 4)
+    for figure, per_layer in (("first_step_s", "first_step_s_per_layer"),
+                              ("peak_rss_gb", "peak_rss_gb_per_layer")):
+      depth = [(d, summary[f"{figure}_depth{d}{suffix}"]) for d in args.depths
+               if f"{figure}_depth{d}{suffix}" in summary]
+      if len(depth) >= 2:
+        summary[f"{per_layer}{suffix}"] = round(slope(depth), 5)
   print(json.dumps(summary))
 
 

@@ -163,14 +163,6 @@ class StackedLayout:
       out.append(_add_rows(s, [tensors[i] for i in positions], shape))
     return out
 
-  def unstack(self, stacked: Sequence[tf.Tensor]) -> list[tf.Tensor]:
-    """The stacked tensors → one tensor per variable."""
-    out: list[Any] = [None] * len(self.shapes)
-    for s, (positions, _, _, _) in zip(stacked, self._groups):
-      for i, part in zip(positions, _unstack_rows(s)):
-        out[i] = part
-    return out
-
   def by_variable(self, stacked: Sequence[tf.Tensor]) -> list[tuple[tf.Variable, tf.Tensor]]:
     """The stacked tensors → (tf.Variable, its tensor) pairs: a stacked variable's
     whole tensor [n, *shape] once, every other variable's row."""
