@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import os
 import threading
 import time
@@ -45,6 +46,21 @@ from lingvo_gpipe.core.hyperparams import Params
 from lingvo_gpipe.pipeline import hybrid, schedule_chart, tf_internals, timeline
 from lingvo_gpipe.pipeline.layer import PipelineError, requested_cells
 from lingvo_gpipe.tasks import base_task
+
+
+@contextlib.contextmanager
+def cyclic_gc_paused():
+  """Python's cyclic garbage collector off within (then on as it was): building a deep
+  model and tracing its step make millions of objects that all live on, and each
+  collection walks them again (5% of a 512-layer model's start; docs/benchmarks.md).
+  Reference counting still frees what is dropped."""
+  was_enabled = gc.isenabled()
+  gc.disable()
+  try:
+    yield
+  finally:
+    if was_enabled:
+      gc.enable()
 
 
 class TrainerError(RuntimeError):
@@ -159,12 +175,13 @@ class Trainer:
     # One task per data-parallel replica (task.pipeline.num_replicas); replica 0 is the
     # one checkpointed, evaluated and decoded. Each replica has its own optimizer (slots
     # live with their variables).
-    self.replicas = _build_replicas(
-        base_task.with_partition_costs(params.task, params.train_input, log))
-    self.task = self.replicas.replicas[0]
-    self.optimizers = [train_p.optimizer.instantiate() for _ in self.replicas.replicas]
-    for optimizer, variables in zip(self.optimizers, self.replicas.trainable_variables):
-      optimizer.create_slots(variables)
+    with cyclic_gc_paused():  # a deep model's objects, nearly all of them kept
+      self.replicas = _build_replicas(
+          base_task.with_partition_costs(params.task, params.train_input, log))
+      self.task = self.replicas.replicas[0]
+      self.optimizers = [train_p.optimizer.instantiate() for _ in self.replicas.replicas]
+      for optimizer, variables in zip(self.optimizers, self.replicas.trainable_variables):
+        optimizer.create_slots(variables)
     self.global_step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step")
     # The dynamic loss scale where a layer computes in float16 (None otherwise): saved
     # with the run only then, so float32 and bfloat16 checkpoints are as before.
@@ -435,7 +452,7 @@ class Trainer:
     self.log(f"Building the training step ({what}) ...")
     start = time.perf_counter()
     traced = tf.function(self.train_step, input_signature=[self.train_input.batch_spec()])
-    with tf_internals.step_options():  # the step's own Grappler settings
+    with tf_internals.step_options(), cyclic_gc_paused():  # (its own Grappler settings)
       traced.get_concrete_function()
     self.log(f"Built the training step in {time.perf_counter() - start:.1f} s")
 

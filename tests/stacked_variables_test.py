@@ -10,25 +10,28 @@ import tensorflow as tf
 from numerics import REORDERED, TRAINED, assert_all_close
 
 from lingvo_gpipe import train_step
-from lingvo_gpipe.core import layers, optimizers, stacked_variables
+from lingvo_gpipe.core import layers, model_stats, optimizers, stacked_variables
 from lingvo_gpipe.pipeline.layer import PipeliningLayer
 
 LEGACY = Path(__file__).resolve().parent / "data" / "legacy_unstacked_adam_k2" / "ckpt"
 
 
-def model_params(num_blocks: int = 4, **pipeline):
+def model_params(num_blocks: int = 4, keep_prob: float = 1.0, **pipeline):
   """What tests/data/make_legacy_unstacked_checkpoint.py built: FeedForwardBlocks (a
-  layer norm and two projections each, five weight shapes) in a pipeline."""
-  blocks = [layers.FeedForwardBlock.Params().set(name=f"ff{i}", input_dim=8, hidden_dim=16)
+  layer norm and two projections each, four weight shapes) in a pipeline; keep_prob < 1
+  adds dropout on each block's hidden activations and output."""
+  blocks = [layers.FeedForwardBlock.Params().set(name=f"ff{i}", input_dim=8, hidden_dim=16,
+                                                 relu_keep_prob=keep_prob,
+                                                 residual_keep_prob=keep_prob)
             for i in range(num_blocks)]
   settings = dict(num_cells=2, num_micro_batches=2)
   settings.update(pipeline)
   return PipeliningLayer.Params().set(name="stack", layers=blocks, random_seed=7, **settings)
 
 
-def build(optimizer=None, **pipeline):
+def build(optimizer=None, keep_prob: float = 1.0, **pipeline):
   """(model, optimizer with slots, the training step, its batch)."""
-  model = model_params(**pipeline).instantiate()
+  model = model_params(keep_prob=keep_prob, **pipeline).instantiate()
   opt = (optimizer or optimizers.Adam.Params().set(learning_rate=0.05)).instantiate()
   opt.create_slots(model.trainable_variables)
   wrapped = train_step.StackWithLoss(model, lambda out, _: {
@@ -46,7 +49,7 @@ def checkpoint_tensors(path: str) -> dict[str, np.ndarray]:
 
 def test_a_cell_holds_one_variable_per_weight_shape(cpu_devices):
   model = model_params(devices=cpu_devices[:2]).instantiate()
-  # Two blocks per cell, five shapes per block: [8] (norm scale, norm bias, outer
+  # Two blocks per cell, four shapes per block: [8] (norm scale, norm bias, outer
   # bias: one stack), [8, 16], [16], [16, 8].
   assert len(model.trainable_variables) == 2 * 4
   for variable in model.trainable_variables:
@@ -74,10 +77,48 @@ def test_a_row_assigns_into_its_stack_only(cpu_devices):
   model = model_params(devices=cpu_devices[:2]).instantiate()
   row = model.layers[1].inner.b
   before = row.stack.variable.numpy()
-  row.assign(np.arange(16, dtype=np.float32))
+  np.testing.assert_array_equal(row.assign(np.arange(16, dtype=np.float32)), np.arange(16))
+  np.testing.assert_array_equal(row.assign_add(np.ones(16, np.float32)), np.arange(1, 17))
+  np.testing.assert_array_equal(row.assign_sub(np.full(16, 2, np.float32)),
+                                np.arange(-1, 15))
   after = row.stack.variable.numpy()
-  np.testing.assert_array_equal(after[row.row], np.arange(16))
+  np.testing.assert_array_equal(after[row.row], np.arange(-1, 15))
   np.testing.assert_array_equal(np.delete(after, row.row, 0), np.delete(before, row.row, 0))
+
+
+def test_a_row_read_in_a_nested_graph_is_its_cells_slice(cpu_devices):
+  """Inside a cond branch (a graph within the traced cell), a row still reads as the
+  slice its cell differentiates against, so its gradient is not lost."""
+  model = model_params(devices=cpu_devices[:2]).instantiate()
+  row = model.layers[0].inner.b  # [16]
+
+  @tf.function
+  def gradient():
+    with stacked_variables.bound([row.stack]) as rows:
+      with tf.GradientTape() as tape:
+        tape.watch(rows[id(row)])
+        y = tf.cond(tf.constant(True), lambda: tf.reduce_sum(row * 2.0),
+                    lambda: tf.constant(0.0))
+      return tape.gradient(y, rows[id(row)])
+
+  np.testing.assert_array_equal(gradient(), np.full(16, 2.0, np.float32))
+
+
+def test_a_row_refuses_what_a_variable_refuses(cpu_devices):
+  """A value of another shape (even of the same size), a conversion to another dtype,
+  and an optimizer given rows instead of their stacks raise, naming the weight."""
+  model = model_params(devices=cpu_devices[:2]).instantiate()
+  w = model.layers[0].inner.w  # [8, 16]
+  with pytest.raises(ValueError, match=r"ff0/inner/w.*shape \(16, 8\)"):
+    w.assign(np.zeros([16, 8], np.float32))
+  with pytest.raises(ValueError, match="Incompatible type conversion.*bfloat16"):
+    tf.convert_to_tensor(w, tf.bfloat16)
+  opt = optimizers.Adam.Params().instantiate()
+  with pytest.raises(ValueError, match="pass the model's trainable_variables"):
+    opt.create_slots(stacked_variables.trainable_weights(model))
+  np.testing.assert_array_equal((1.0 / w).numpy(), 1.0 / w.numpy())  # operators as a tensor
+  with pytest.raises(TypeError):
+    iter(w)
 
 
 @pytest.mark.parametrize("num_cells", [1, 2, 4])
@@ -143,6 +184,47 @@ def test_training_steps_equal_those_of_one_variable_per_weight(cpu_devices, opti
   assert_all_close([s.numpy() for w in got for s in stacked_opt.slots_of(w).values()],
                    [s.numpy() for v in plain.trainable_variables
                     for s in plain_opt.slots_of(v).values()], ulps=ulps)
+
+
+@pytest.mark.parametrize("pipeline", [
+    dict(num_cells=2, num_micro_batches=3),
+    dict(num_cells=2, num_micro_batches=2, schedule="zb_h1"),
+    dict(num_cells=2, num_micro_batches=4, weight_gradient_group=2),
+    dict(num_cells=2, num_micro_batches=2, recompute="never"),
+], ids=["gpipe", "zb_h1", "group2", "no_recompute"])
+def test_dropout_and_deferred_weight_gradients_equal_one_variable_per_weight(
+    cpu_devices, pipeline):
+  """Two Adam steps with dropout on every block (each layer's seeds are its own) and
+  with weight gradients deferred (rows read through weight products): the stacked
+  pipeline's losses, weights and slots equal those of one tf.Variable per weight."""
+  runs = []
+  for stack in (True, False):
+    model, opt, step, batch = build(keep_prob=0.7, stack_variables=stack,
+                                    devices=cpu_devices[:2], **pipeline)
+    losses = np.array([step(batch)[0]["loss"].numpy() for _ in range(2)])
+    weights = (stacked_variables.trainable_weights(model) if stack
+               else model.trainable_variables)
+    runs.append((losses, [w.numpy() for w in weights],
+                 [s.numpy() for w in weights for s in opt.slots_of(w).values()]))
+  (losses, weights, slots), (want_losses, want_weights, want_slots) = runs
+  assert_all_close(losses, want_losses)
+  assert_all_close(weights, want_weights)
+  assert_all_close(slots, want_slots)
+
+
+def test_layer_statistics_do_not_depend_on_stacking(cpu_devices):
+  """inspect_model's per-layer counts and the cells' descriptions: the same whether a
+  cell's weights are stacked or not (and the parameter counts those of the weights)."""
+  stacked = model_params(devices=cpu_devices[:2])
+  plain = stacked.copy().set(stack_variables=False)
+  spec = tf.TensorSpec([6, 8], tf.float32)
+  got, want = model_stats.analyze(stacked, spec), model_stats.analyze(plain, spec)
+  assert [(s.path, s.num_params, s.flops) for s in got] == [
+      (s.path, s.num_params, s.flops) for s in want]
+  model = stacked.instantiate()
+  assert model.describe_cells() == plain.instantiate().describe_cells()
+  assert sum(c["params"] for c in model.describe_cells()) == sum(
+      int(np.prod(w.shape)) for w in stacked_variables.trainable_weights(model))
 
 
 def test_a_non_finite_row_is_named_by_its_weight(cpu_devices):

@@ -26,11 +26,22 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from typing import Any
 
 import tensorflow as tf
 
 from lingvo_gpipe.core import lr_schedules, stacked_variables, variable_chunks
 from lingvo_gpipe.core.hyperparams import Instantiable, InstantiableParams, ParamsError
+
+
+def _refuse_rows(variables: Sequence[Any]) -> None:
+  """Raises on a row of a stacked variable: an optimizer updates the stack whole."""
+  rows = [v.name for v in variables if isinstance(v, stacked_variables.RowVariable)]
+  if rows:
+    raise ValueError(
+        f"{len(rows)} rows of stacked variables given to the optimizer ({rows[0]}, ...): "
+        "pass the model's trainable_variables (the stacks), not "
+        "stacked_variables.trainable_weights (one entry per weight)")
 
 
 def _slot_key(var: tf.Variable) -> str:
@@ -69,8 +80,14 @@ class Optimizer(Instantiable, tf.Module):
 
   def slot_shapes(self, var: tf.Variable) -> dict[str, tuple[list[int], float]]:
     """{slot name: (shape, initial value)} of the slots `create_slots` makes for `var`
-    (the planner's memory model counts them)."""
-    return self._slot_shapes(var)
+    (the planner's memory model counts them): a stacked variable's [n, *shape] are
+    its rows' slots stacked (per-weight statistics, e.g. Adafactor's factors, are
+    per row)."""
+    stack = stacked_variables.stack_of(var)
+    if stack is None:
+      return self._slot_shapes(var)
+    return {name: ([len(stack.rows), *shape], init)
+            for name, (shape, init) in self._slot_shapes(stack.rows[0]).items()}
 
   def create_slots(self, variables: Sequence[tf.Variable]) -> None:
     """Creates the slots of each variable on that variable's device (idempotent).
@@ -79,25 +96,30 @@ class Optimizer(Instantiable, tf.Module):
     kind; each of its rows' slots is a row of those, checkpointed under the row's key
     as an unstacked variable's slot is.
     """
+    _refuse_rows(variables)
+    # Gathered in a plain dict and assigned once: each insertion into the tracked
+    # dict tf.Module makes of self.slots copies it (quadratic in the slots; 4 s of
+    # a 512-layer model's start).
+    new_slots: dict[str, dict[str, Any]] = {}
     for var in variables:
       key = _slot_key(var)
-      if key in self.slots or key in self._stacked_slots:
+      if key in self.slots or key in new_slots or key in self._stacked_slots:
         continue
       stack = stacked_variables.stack_of(var)
-      shapes = (self._slot_shapes(var) if stack is None else
-                {name: ([len(stack.rows), *shape], init)
-                 for name, (shape, init) in self._slot_shapes(stack.rows[0]).items()})
+      shapes = self.slot_shapes(var)
       with tf.device(var.device):
         slots = {name: tf.Variable(tf.fill(shape, tf.cast(init, var.dtype)), trainable=False,
                                    name=f"{key}/{name}")
                  for name, (shape, init) in shapes.items()}
       if stack is None:
-        self.slots[key] = slots
+        new_slots[key] = slots
         continue
       self._stacked_slots[key] = slots
       rows_of = {name: stack.rows_like(slot, name).rows for name, slot in slots.items()}
       for i, row in enumerate(stack.rows):
-        self.slots[_slot_key(row)] = {name: rows[i] for name, rows in rows_of.items()}
+        new_slots[_slot_key(row)] = {name: rows[i] for name, rows in rows_of.items()}
+    if new_slots:
+      self.slots = {**self.slots, **new_slots}
 
   def slots_of(self, var: tf.Variable) -> dict[str, tf.Variable]:
     key = _slot_key(var)
@@ -124,6 +146,7 @@ class Optimizer(Instantiable, tf.Module):
     """
     if len(grads) != len(variables):
       raise ValueError(f"{len(grads)} gradients for {len(variables)} variables")
+    _refuse_rows(variables)
     grads = [tf.convert_to_tensor(g) for g in grads]
     if grad_norm is None:
       grad_norm = variable_chunks.global_norm(grads, variables)

@@ -23,7 +23,8 @@ What the layers and the user see is unchanged:
   walks but does not track).
 
 Inside a cell's traced bodies, `bound(stacks)` reads each stack once and splits it
-into its rows (dim-0 slices share the stack's buffer: no copy); each RowVariable
+into its rows (dim-0 slices share the stack's buffer where rows keep the
+allocator's alignment: tf_internals item 11); each RowVariable
 then reads as its row's tensor, which is what a cell differentiates against, so
 each row's gradient is added into its row of the cell's running sums
 (`variable_chunks.StackedLayout`), and the sums of a stack are the stack's gradient.
@@ -37,6 +38,7 @@ each row's gradient is added into its row of the cell's running sums
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -107,14 +109,17 @@ class RowVariable(trackable.Trackable):
   # -- reading and writing -----------------------------------------------------------
 
   def value(self) -> tf.Tensor:
-    """The row as a tensor: the slice `bound` made in the graph being traced, else
-    one read of the row."""
+    """The row as a tensor: the slice `bound` made in the graph being traced (or in a
+    graph enclosing it: a cond or loop body inside a cell captures it), else one
+    read of the row."""
     bindings = getattr(_STATE, "bindings", None)
     if bindings:
       graph = tf.compat.v1.get_default_graph()
-      for frame_graph, frame in reversed(bindings):
-        if frame_graph is graph and id(self) in frame:
-          return frame[id(self)]
+      while graph is not None:
+        for frame_graph, frame in reversed(bindings):
+          if frame_graph is graph and id(self) in frame:
+            return frame[id(self)]
+        graph = getattr(graph, "outer_graph", None)
     return tf.gather(self.stack.variable, self._row)
 
   read_value = value
@@ -122,11 +127,36 @@ class RowVariable(trackable.Trackable):
   def numpy(self) -> Any:
     return self.value().numpy()
 
-  def assign(self, value: Any, read_value: bool = False) -> Any:
+  def _update(self, method: str, value: Any, read_value: bool) -> Any:
+    """stack.<method>(value as this row) (scatter_update / _add / _sub); then the row
+    as it is after, or the update op."""
     value = tf.convert_to_tensor(value, self._dtype)
-    op = self.stack.variable.scatter_update(
+    if not value.shape.is_compatible_with(self._shape):
+      raise ValueError(f"{self._name}: cannot assign a value of shape {value.shape} to a "
+                       f"variable of shape {self._shape}")
+    op = getattr(self.stack.variable, method)(
         tf.IndexedSlices(tf.reshape(value, [1, *self._shape.as_list()]), [self._row]))
-    return self.value() if read_value else op
+    if not read_value:
+      return op
+    with tf.control_dependencies([op]):
+      return tf.gather(self.stack.variable, self._row)
+
+  def assign(self, value: Any, use_locking: bool = False, name: str | None = None,
+             read_value: bool = True) -> Any:
+    """As tf.Variable.assign: writes `value` (this row's shape) into the row; returns
+    the row's new value (read_value) or the update."""
+    del use_locking, name
+    return self._update("scatter_update", value, read_value)
+
+  def assign_add(self, delta: Any, use_locking: bool = False, name: str | None = None,
+                 read_value: bool = True) -> Any:
+    del use_locking, name
+    return self._update("scatter_add", delta, read_value)
+
+  def assign_sub(self, delta: Any, use_locking: bool = False, name: str | None = None,
+                 read_value: bool = True) -> Any:
+    del use_locking, name
+    return self._update("scatter_sub", delta, read_value)
 
   # -- checkpoints: saved and restored under the layer's own key ----------------------
 
@@ -134,47 +164,42 @@ class RowVariable(trackable.Trackable):
     return {trackable.VARIABLE_VALUE_KEY: self.value()}
 
   def _restore_from_tensors(self, restored_tensors: dict[str, tf.Tensor]) -> Any:
-    return self.assign(restored_tensors[trackable.VARIABLE_VALUE_KEY])
+    return self.assign(restored_tensors[trackable.VARIABLE_VALUE_KEY], read_value=False)
 
-  # -- used as a tensor --------------------------------------------------------------
+  # -- used as a tensor: every operator a tf.Tensor overloads, on the row's value
+  # (as tf.Variable; == and != stay identity, so a row is its own hashable key) -------
 
-  def __add__(self, other):
-    return self.value() + other
-
-  def __radd__(self, other):
-    return other + self.value()
-
-  def __sub__(self, other):
-    return self.value() - other
-
-  def __rsub__(self, other):
-    return other - self.value()
-
-  def __mul__(self, other):
-    return self.value() * other
-
-  def __rmul__(self, other):
-    return other * self.value()
-
-  def __truediv__(self, other):
-    return self.value() / other
-
-  def __matmul__(self, other):
-    return self.value() @ other
-
-  def __rmatmul__(self, other):
-    return other @ self.value()
-
-  def __neg__(self):
-    return -self.value()
-
-  def __getitem__(self, index):
-    return self.value()[index]
+  __iter__ = None  # not iterable (without it, __getitem__ would make it so)
 
 
-tf.register_tensor_conversion_function(
-    RowVariable, lambda row, dtype=None, name=None, as_ref=False: (
-        row.value() if dtype is None or dtype == row.dtype else tf.cast(row.value(), dtype)))
+def _overload(operator: str) -> None:
+  tensor_operator = getattr(tf.Tensor, operator)
+
+  def run_on_value(row, *args, **kwargs):
+    return tensor_operator(row.value(), *args, **kwargs)
+
+  functools.update_wrapper(run_on_value, tensor_operator)
+  setattr(RowVariable, operator, run_on_value)
+
+
+for _operator in tf.Tensor.OVERLOADABLE_OPERATORS - {"__eq__", "__ne__"}:
+  _overload(_operator)
+
+
+def _row_to_tensor(row: RowVariable, dtype: tf.DType | None = None, name: str | None = None,
+                   as_ref: bool = False) -> tf.Tensor:
+  """As a tf.Variable converts: to its own dtype only (a half-precision layer casts
+  its weights itself, `BaseLayer.to_fprop_dtype`)."""
+  del name
+  if as_ref:
+    raise ValueError(f"{row.name}: a row of a stacked variable has no reference to take")
+  if dtype is not None and not row.dtype.is_compatible_with(dtype):
+    raise ValueError(f"Incompatible type conversion requested to type {dtype.name!r} for "
+                     f"variable {row.name!r} of type {row.dtype.name!r}")
+  return row.value()
+
+
+tf.register_tensor_conversion_function(RowVariable, _row_to_tensor)
 
 
 class VariableStack:

@@ -131,13 +131,16 @@ class Replicas:
     self.replicas = list(replicas)
     self.input_devices = list(input_devices)
     self.num_replicas = len(self.replicas)
+    # Listed once: a layer makes its variables when built, and tf.Module's walk of a
+    # deep model takes seconds.
+    self._trainable = [list(rep.trainable_variables) for rep in self.replicas]
     self._all_reduce = GradientAllReduce(self.trainable_variables) \
         if self.num_replicas > 1 else None
 
   @property
   def trainable_variables(self) -> list[list[tf.Variable]]:
     """Per replica, its trainable variables (the same order in every replica)."""
-    return [list(rep.trainable_variables) for rep in self.replicas]
+    return [list(variables) for variables in self._trainable]
 
   def shard(self, batch: Any) -> list[Any]:
     """Splits every tensor of a nested batch [R·B, ...] into R shards [B, ...], shard r

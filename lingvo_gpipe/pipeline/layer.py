@@ -177,8 +177,11 @@ class PipeliningLayer(BaseLayer):
     p.define("stack_variables", True, "A cell's trainable weights of one shape and dtype are "
              "rows of one variable, and so are their optimizer slots "
              "(core/stacked_variables.py): the step's variables grow with the cells and "
-             "kinds of weight, not the layers. Layers, inspection and checkpoints still "
-             "see one variable per weight (checkpoints restore across this setting). "
+             "kinds of weight, not the layers. Each layer's weights are still its "
+             "attributes (RowVariables: read, assign, numpy) and checkpoints keep one "
+             "key per weight (they restore across this setting), but tf.Module's "
+             "variable lists hold the stacks: a layer inside the pipeline lists none "
+             "(stacked_variables.trainable_weights lists one entry per weight). "
              "False: one tf.Variable per weight.")
     p.define("memory_cap_bytes", None, "If set, the most bytes of weights and optimizer state "
              "one cell may hold; see bytes_per_param.")

@@ -21,6 +21,9 @@ from lingvo_gpipe.pipeline.layer import PipeliningLayer  # noqa: E402
 
 
 def main() -> None:
+  if hasattr(PipeliningLayer.Params(), "stack_variables"):
+    sys.exit("this engine stacks variables: run with the package of commit b44a798 first on "
+             "the path (see the docstring); the fixture is unchanged")
   out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "legacy_unstacked_adam_k2")
   blocks = [layers.FeedForwardBlock.Params().set(name=f"ff{i}", input_dim=8, hidden_dim=16)
             for i in range(4)]
