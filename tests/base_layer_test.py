@@ -101,3 +101,16 @@ def test_einsum_flops_count_contracted_dims():
     out = tf.einsum("btd,dk->btk", a, b)
   assert model_stats.op_flops(out.op) == 2 * 2 * 3 * 7 * 5
   assert math.isclose(model_stats.op_flops(out.op), 420)
+
+
+def test_param_counts_equal_the_built_layers_variables():
+  """Layers differing only in name are counted once by kind; another width or another
+  class is its own kind. Against the variables each layer makes when built."""
+  params = [layers.Linear.Params().set(name="a", input_dim=8, output_dim=16),
+            layers.Linear.Params().set(name="b", input_dim=8, output_dim=16),
+            layers.Linear.Params().set(name="c", input_dim=8, output_dim=32),
+            layers.FeedForwardBlock.Params().set(name="d", input_dim=8, hidden_dim=16)]
+  built = [sum(int(np.prod(v.shape)) for v in p.instantiate().trainable_variables)
+           for p in params]
+  assert model_stats.param_counts(params) == built
+  assert built[:3] == [8 * 16 + 16, 8 * 16 + 16, 8 * 32 + 32]
