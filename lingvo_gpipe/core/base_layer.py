@@ -124,6 +124,13 @@ def inherit_fprop_dtype(params: InstantiableParams, dtype: tf.DType) -> Instanti
   return params
 
 
+def params_kind(params: InstantiableParams) -> tuple:
+  """What layers built from `params` have in common whatever their name: the class and
+  every other param (as text). Layers of one kind have the same variables and compute
+  the same function of them."""
+  return params.cls, params.copy().set(name="").to_text()
+
+
 # ---------------------------------------------------------------------------
 # The step context.
 # ---------------------------------------------------------------------------

@@ -100,7 +100,7 @@ def param_counts(params_list: Sequence[InstantiableParams]) -> list[int]:
   counts = []
   with base_layer.shapes_only():
     for params in params_list:
-      kind = (params.cls, params.copy().set(name="").to_text())
+      kind = base_layer.params_kind(params)
       if kind not in by_kind:
         by_kind[kind] = params.instantiate().num_params()
       counts.append(by_kind[kind])

@@ -49,9 +49,8 @@ _SEEDS = tf.TensorSpec([None], tf.int64)
 
 
 def kind_of(layer: BaseLayer, training: bool) -> tuple:
-  """What layers sharing a function have in common: class, params but the name, mode."""
-  params = layer.params.copy().set(name="")
-  return type(layer), params.to_text(), training
+  """What layers sharing a function have in common: their kind of params, the mode."""
+  return (*base_layer.params_kind(layer.params), training)
 
 
 @dataclasses.dataclass(frozen=True)
