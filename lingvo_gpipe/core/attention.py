@@ -9,10 +9,11 @@ multilingual models, where 32 heads of 64 make a 2048-wide attention in a
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import tensorflow as tf
 
-from lingvo_gpipe.core import layers
+from lingvo_gpipe.core import base_layer, layers
 from lingvo_gpipe.core.base_layer import BaseLayer, Params, weight_init
 from lingvo_gpipe.core.hyperparams import ParamsError
 
@@ -22,19 +23,23 @@ _MASK_LOGIT = -1e9
 
 
 def attention_bias(key_paddings: tf.Tensor | None, query_length: int | tf.Tensor,
-                   causal: bool) -> tf.Tensor | None:
+                   causal: bool, query_offset: Any = 0) -> tf.Tensor | None:
   """Additive logits bias [B or 1, 1, T, S] from key paddings [B, S] and causality.
 
-  key_paddings is 1.0 at padded positions. With `causal`, query t sees keys <= t.
-  The bias is float32 whatever the paddings' dtype (-1e9 is beyond float16's range):
-  the attention's softmax is computed in float32.
+  key_paddings is 1.0 at padded positions. With `causal`, query t sees keys <= t,
+  the queries being positions query_offset .. query_offset+T−1 of the keys' sequence
+  (a token slice's; 0: the whole sequence). The bias is float32 whatever the
+  paddings' dtype (-1e9 is beyond float16's range): the attention's softmax is
+  computed in float32.
   """
   bias = None
   if key_paddings is not None:
     bias = tf.cast(key_paddings, tf.float32)[:, None, None, :] * _MASK_LOGIT
   if causal:
     length = layers.shape_list(key_paddings)[1] if key_paddings is not None else query_length
-    future = 1.0 - tf.linalg.band_part(tf.ones([query_length, length]), -1, 0)
+    future = 1.0 - tf.linalg.band_part(tf.ones([query_length, length]),
+                                       tf.constant(-1, tf.int64),
+                                       tf.cast(query_offset, tf.int64))
     causal_bias = future[None, None, :, :] * _MASK_LOGIT
     bias = causal_bias if bias is None else bias + causal_bias
   return bias
@@ -47,6 +52,11 @@ class MultiHeadAttention(BaseLayer):
   → [B, T, D]. Q, K, V and output projections each have D·N·H weights (+ biases).
   The projections and both products run in the compute dtype; the logits' bias and
   softmax in float32 (mixed precision keeps the softmax float32).
+
+  Self-attention on a token slice (`StepContext.token_slice`) attends to the keys
+  and values of the whole sequence so far: the slice's are added to the slice cache
+  ([B, N, S_full, H] each, core/token_slices.py), and `bias` must cover those S_full
+  keys (causally: it alone hides the positions after the query).
   """
 
   @classmethod
@@ -77,7 +87,7 @@ class MultiHeadAttention(BaseLayer):
     self.create_child("post", layers.Linear.Params().set(
         input_dim=hidden, output_dim=p.input_dim, has_bias=p.use_bias))
     self.create_child("atten_dropout", layers.Dropout.Params().set(
-        keep_prob=p.atten_keep_prob))
+        keep_prob=p.atten_keep_prob, token_axis=2))  # probs [B, N, T, S]: queries on 2
 
   def _split_heads(self, x: tf.Tensor) -> tf.Tensor:
     """[B, T, N·H] → [B, N, T, H]."""
@@ -87,10 +97,13 @@ class MultiHeadAttention(BaseLayer):
 
   def fprop(self, query: tf.Tensor, memory: tf.Tensor | None = None,
             bias: tf.Tensor | None = None) -> tf.Tensor:
+    token_slice = base_layer.current_context().token_slice if memory is None else None
     memory = query if memory is None else memory
     q = self._split_heads(self.query(query)) * (1.0 / math.sqrt(self.head_dim))
     k = self._split_heads(self.key(memory))
     v = self._split_heads(self.value(memory))
+    if token_slice is not None:  # the keys and values of the slices before, and these
+      k, v = token_slice.extend(k, axis=2), token_slice.extend(v, axis=2)
     logits = layers.at_least_float32(tf.matmul(q, k, transpose_b=True))  # [B, N, T, S]
     if bias is not None:
       logits += tf.cast(bias, logits.dtype)

@@ -160,6 +160,9 @@ class StepContext:
       default): an ordinary product.
     loss_scale: S, a float32 scalar: the backward of the loss is seeded with S
       (core/loss_scale.py) and the summed gradients are divided by it; None: 1.
+    token_slice: the slice of the sequences this forward pass computes and the cache
+      of the slices before it (`core/token_slices.TokenSlice`), or None: whole
+      sequences.
   """
   training: bool = False
   step: Any = 0
@@ -169,6 +172,7 @@ class StepContext:
   spans: list | None = None
   weight_products: WeightProducts | None = None
   loss_scale: Any = None
+  token_slice: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -326,6 +330,10 @@ class BaseLayer(hyperparams.Instantiable, tf.Module):
   # and draws its seeds through `seed_tensor`. A subclass keeping other per-instance
   # state that fprop reads sets it to False.
   shares_traces = True
+  # How the layer treats the sequence axis of its inputs, for token slices
+  # (core/token_slices.py): "tokenwise", "causal", or None (it may mix all positions;
+  # a pipeline refuses num_token_slices > 1 over it).
+  token_slicing: str | None = None
 
   @classmethod
   def Params(cls) -> InstantiableParams:  # noqa: N802

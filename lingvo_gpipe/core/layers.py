@@ -12,7 +12,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from lingvo_gpipe.core import base_layer, stacked_variables
+from lingvo_gpipe.core import base_layer, stacked_variables, token_slices
 from lingvo_gpipe.core.base_layer import BaseLayer, weight_init
 from lingvo_gpipe.core.hyperparams import ParamsError
 
@@ -109,6 +109,8 @@ def _check_positive(layer: BaseLayer, **values: Any) -> None:
 
 class Linear(BaseLayer):
   """y = activation(x · W + b). Input [..., input_dim] → output [..., output_dim]."""
+
+  token_slicing = token_slices.TOKENWISE
 
   @classmethod
   def Params(cls):  # noqa: N802
@@ -257,6 +259,8 @@ class GlobalPooling(BaseLayer):
 class Activation(BaseLayer):
   """An element-wise nonlinearity; shape unchanged."""
 
+  token_slicing = token_slices.TOKENWISE
+
   @classmethod
   def Params(cls):  # noqa: N802
     p = super().Params()
@@ -342,6 +346,8 @@ class LayerNorm(BaseLayer):
   dtype its gradient is written out (`half_layer_norm`) so that the backward keeps
   only the half-dtype input, not float32 copies of it: what a fused layer-norm
   kernel does, and what lets mixed precision halve a pre-norm block's activations."""
+
+  token_slicing = token_slices.TOKENWISE
 
   @classmethod
   def Params(cls):  # noqa: N802
@@ -475,12 +481,16 @@ class Dropout(BaseLayer):
   micro-batches draws the masks of unpartitioned training. Inputs are batch-major.
   """
 
+  token_slicing = token_slices.TOKENWISE
+
   @classmethod
   def Params(cls):  # noqa: N802
     p = super().Params()
     p.define("keep_prob", 1.0, "Probability of keeping an element, in (0, 1].")
     p.define("noise_shape_broadcast_dims", None,
              "Axes along which the mask is shared (e.g. [1] for all time steps).")
+    p.define("token_axis", 1, "The sequence axis of the inputs: on a token slice "
+             "(core/token_slices.py) the mask is the whole sequence's, cut along it.")
     return p
 
   def __init__(self, params):
@@ -498,13 +508,25 @@ class Dropout(BaseLayer):
     for axis in broadcast:
       shape[axis] = 1
     row_offset = 0 if 0 in broadcast else ctx.example_offset
-    keep = keep_mask(tf.stack(shape), dropout_seed(self), row_offset, p.keep_prob,
-                     inputs.dtype)
+    token_slice = ctx.token_slice
+    if token_slice is None or p.token_axis in broadcast:
+      keep = keep_mask(tf.stack(shape), dropout_seed(self), row_offset, p.keep_prob,
+                       inputs.dtype)
+    else:
+      # The whole sequence's mask, cut to the slice: each element keeps the draw of
+      # its token's position (S slices draw S whole masks; their cost, not their
+      # values, differs from the unsliced model's).
+      shape[p.token_axis] = token_slice.full_length
+      keep = token_slice.window(
+          keep_mask(tf.stack(shape), dropout_seed(self), row_offset, p.keep_prob,
+                    inputs.dtype), p.token_axis, inputs.shape[p.token_axis])
     return inputs * keep / p.keep_prob
 
 
 class Embedding(BaseLayer):
   """Looks up ids. int ids [...] → [..., embedding_dim]."""
+
+  token_slicing = token_slices.TOKENWISE
 
   @classmethod
   def Params(cls):  # noqa: N802
@@ -547,6 +569,8 @@ class Softmax(BaseLayer):
 
   The projection runs in the compute dtype; the logits (bias, clipping) and the
   cross-entropy are float32 whatever it is: the loss and its softmax stay float32."""
+
+  token_slicing = token_slices.TOKENWISE
 
   @classmethod
   def Params(cls):  # noqa: N802
@@ -607,6 +631,8 @@ class FeedForwardBlock(BaseLayer):
 
   x [..., input_dim] → x + dropout(W2 · act(W1 · layer_norm(x)))  [..., input_dim]
   """
+
+  token_slicing = token_slices.TOKENWISE
 
   @classmethod
   def Params(cls):  # noqa: N802

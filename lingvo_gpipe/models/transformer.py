@@ -19,16 +19,19 @@ the number of layers, and logits can be clipped (`logits_abs_max`).
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import tensorflow as tf
 
-from lingvo_gpipe.core import attention, layers
-from lingvo_gpipe.core.base_layer import BaseLayer, InstantiableParams
+from lingvo_gpipe.core import attention, layers, token_slices
+from lingvo_gpipe.core.base_layer import BaseLayer, InstantiableParams, current_context
 
 
-def sinusoid_positions(length: tf.Tensor | int, dim: int) -> tf.Tensor:
-  """The Transformer's fixed position signal [length, dim] (sin on even, cos on odd)."""
-  positions = tf.cast(tf.range(length), tf.float32)[:, None]
+def sinusoid_positions(length: tf.Tensor | int, dim: int, offset: Any = 0) -> tf.Tensor:
+  """The Transformer's fixed position signal [length, dim] (sin on even, cos on odd)
+  of positions offset .. offset+length−1."""
+  positions = tf.cast(tf.range(length, dtype=tf.int64) + tf.cast(offset, tf.int64),
+                      tf.float32)[:, None]
   half = dim // 2
   rates = tf.exp(tf.range(half, dtype=tf.float32) * (-math.log(10000.0) / max(half - 1, 1)))
   angles = positions * rates[None, :]
@@ -79,7 +82,15 @@ class TransformerLayer(BaseLayer):
   def transform(self, x: tf.Tensor, paddings: tf.Tensor, memory: tf.Tensor | None = None,
                 memory_paddings: tf.Tensor | None = None) -> tf.Tensor:
     p = self.params
-    bias = attention.attention_bias(paddings, layers.shape_list(x)[1], p.causal)
+    token_slice = current_context().token_slice
+    if token_slice is None:
+      bias = attention.attention_bias(paddings, layers.shape_list(x)[1], p.causal)
+    else:  # x: a slice of the sequence; the keys are the whole sequence so far
+      if not p.causal or p.cross_attention:
+        raise ValueError(f"{self.path}: token slices need causal self-attention only")
+      key_paddings = token_slice.extend(paddings, axis=1)  # [B, T] of the whole sequence
+      bias = attention.attention_bias(key_paddings, layers.shape_list(x)[1], True,
+                                      query_offset=token_slice.offset)
     x = self.self_atten(x, None, bias)
     if p.cross_attention:
       x = self.cross_atten(x, memory, attention.attention_bias(memory_paddings, None, False))
@@ -87,7 +98,13 @@ class TransformerLayer(BaseLayer):
 
 
 class TransformerLmLayer(TransformerLayer):
-  """(x [B, T, D], paddings [B, T]) → (x', paddings); causal self-attention."""
+  """(x [B, T, D], paddings [B, T]) → (x', paddings); causal self-attention.
+
+  Runs on token slices (core/token_slices.py): its cache holds the key paddings
+  [B, T] and the attention's keys and values [B, N, T, H] of the slices before.
+  """
+
+  token_slicing = token_slices.CAUSAL
 
   @classmethod
   def Params(cls):  # noqa: N802
@@ -137,9 +154,14 @@ class TokenEmbedding(BaseLayer):
         params_init=layers.weight_init("gaussian", p.embedding_dim ** -0.5)))
     self.create_child("dropout", layers.Dropout.Params().set(keep_prob=p.input_keep_prob))
 
+  token_slicing = token_slices.TOKENWISE
+
   def embed(self, ids: tf.Tensor) -> tf.Tensor:
+    """ids [B, T] → [B, T, D]; on a token slice, the positions are the slice's."""
     x = self.emb(ids)
-    positions = sinusoid_positions(tf.shape(ids)[1], self.params.embedding_dim)  # float32
+    token_slice = current_context().token_slice
+    positions = sinusoid_positions(tf.shape(ids)[1], self.params.embedding_dim,
+                                   token_slice.offset if token_slice else 0)  # float32
     x += tf.cast(positions, x.dtype)[None]
     return self.dropout(x)
 
@@ -183,6 +205,8 @@ class SoftmaxLogits(BaseLayer):
 
   As an LM layer it takes (x, paddings); after a decoder, the enc-dec tuple (uses tgt).
   """
+
+  token_slicing = token_slices.TOKENWISE
 
   @classmethod
   def Params(cls):  # noqa: N802

@@ -3,10 +3,11 @@
 `CellFunctions` wraps the layers of one cell (and, for the last cell, the task's loss
 head) in `tf.function`s:
 
-  forward(inputs, head_inputs, step, call_info)
-      → outputs (the head's metrics on the last cell), batch statistics
-  backward(inputs, head_inputs, output_grads, sums, step, call_info)   (re-materialized)
-      → input gradients, sums + variable gradients (recomputes the forward inside)
+  forward(inputs, head_inputs, step, call_info, cache)
+      → outputs (the head's metrics on the last cell), batch statistics, cache
+  backward(inputs, head_inputs, output_grads, sums, step, call_info, cache, cache_grads)
+      → input gradients, the cache's gradients, sums + variable gradients
+        (re-materialized: recomputes the forward inside)
   weight_gradients(sums, inputs [n, I] and output gradients [n, O] of each projection)
       → sums + the projections' weight gradients, one product each (only with
         a re-materialized cell with deferred weight gradients: weight_gradient_group
@@ -24,9 +25,16 @@ variables and their sums' layout), and called from its device's loop
 bodies share with their tracer per cell lives in `_Traced` (see why there).
 
 What varies per call enters as tensors: the global step, and `call_info` = int64
-[micro-batch index, example offset]; the step and the offset seed dropout exactly as
-in the unpartitioned model, so the recompute inside `backward` draws the forward's
-masks.
+[micro-batch index, example offset, token offset]; the step and the offsets seed
+dropout exactly as in the unpartitioned model, so the recompute inside `backward`
+draws the forward's masks.
+
+On token slices (a signature traced with `full_length` T: core/token_slices.py), a
+call computes tokens [token offset, +n) of its micro-batch's sequences, and `cache`
+is the flat list of the cell's causal layers' cache entries (full-length, as the
+micro-batch's latest slice left them; empty lists otherwise). The forward returns the
+entries extended by its slice; the backward takes the gradient of those (from later
+slices: `cache_grads`) and returns the gradient of the entries it read.
 
 A cell that is not re-materialized (`recompute=False`) is differentiated by
 TensorFlow's own pair for its forward function (`tf_internals.forward_backward_pair`):
@@ -55,7 +63,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from lingvo_gpipe.core import base_layer, stacked_variables, variable_chunks
+from lingvo_gpipe.core import base_layer, stacked_variables, token_slices, variable_chunks
 from lingvo_gpipe.core.base_layer import BaseLayer
 from lingvo_gpipe.pipeline import tf_internals
 from lingvo_gpipe.pipeline.tf_internals import NOT_INLINED
@@ -110,6 +118,9 @@ def _specs(tensors: Sequence[tf.Tensor]) -> list[tf.TensorSpec]:
 
 _BITS = {2: tf.int16, 4: tf.int32, 8: tf.int64}
 
+# int64 [micro-batch (schedule unit) index, example offset, token offset].
+CALL_INFO = tf.TensorSpec([3], tf.int64)
+
 
 def _as_bits(t: tf.Tensor) -> tf.Tensor:
   """A float tensor's bits as integers of its width (no copy). A function output of
@@ -156,6 +167,10 @@ class CallSignature:
   # product (shaped as product_grads) and returns the products' inputs after its
   # outputs and statistics; `saved` starts with those inputs.
   probes: tuple[tf.TensorSpec, ...] = ()
+  # Token slices: the sequences' length T (0: whole sequences) and the cell's cache
+  # entries (full-length, one per `TokenSlice.extend` of a call, in call order).
+  full_length: int = 0
+  cache: tuple[tf.TensorSpec, ...] = ()
 
   @property
   def float_inputs(self) -> list[tf.TensorSpec]:
@@ -270,11 +285,19 @@ class CellFunctions:
 
   # -- traced bodies ------------------------------------------------------------------
 
-  def _run(self, flat_inputs, flat_head_inputs, step, call_info, stats, products=None):
-    micro_batch, example_offset = tf.unstack(call_info)
+  def _run(self, flat_inputs, flat_head_inputs, step, call_info, stats, products=None,
+           cache=(), full_length=0):
+    """The layers (and head) on one call's inputs → (outputs, the cache entries
+    extended: [] unless full_length T > 0, the tokens of a slice of sequences of T
+    tokens; cache None: specs only, the entries read as zeros)."""
+    micro_batch, example_offset, token_offset = tf.unstack(call_info)
+    token_slice = (token_slices.TokenSlice(token_offset, full_length,
+                                           token_slices.SliceCache(cache))
+                   if full_length else None)
     with base_layer.step_context(training=True, step=step, micro_batch=micro_batch,
                                  example_offset=example_offset, layer_stats=stats,
-                                 spans=None, weight_products=products), \
+                                 spans=None, weight_products=products,
+                                 token_slice=token_slice), \
         stacked_variables.bound(self.stacks) as rows:
       traced = self._traced
       traced.rows = rows
@@ -283,17 +306,25 @@ class CellFunctions:
       if self.head is not None:
         outputs = self.head(outputs, tf.nest.pack_sequence_as(traced.head_structure,
                                                              flat_head_inputs))
-    return outputs
+    return outputs, (token_slice.cache.outgoing if token_slice else [])
 
-  def _forward_body(self, flat_inputs, flat_head_inputs, step, call_info):
+  def _forward_body(self, flat_inputs, flat_head_inputs, step, call_info, cache, full_length):
     stats: list = []
     with tf.GradientTape() as tape, tf.name_scope(FORWARD_SCOPE):
       # (the tape only learns which variables the cell reads)
-      outputs = self._run(flat_inputs, flat_head_inputs, step, call_info, stats)
+      outputs, cache_out = self._run(flat_inputs, flat_head_inputs, step, call_info, stats,
+                                     cache=cache, full_length=full_length)
     self._record_variables(tape.watched_variables())
     self._traced.output_structure = outputs
     self._traced.stats_structure = tuple((layer, s) for layer, s in stats)
-    return tf.nest.flatten(outputs), tf.nest.flatten([s for _, s in stats])
+    return tf.nest.flatten(outputs), tf.nest.flatten([s for _, s in stats]), cache_out
+
+  def _cache_specs_body(self, flat_inputs, flat_head_inputs, step, call_info, full_length):
+    """The forward of a token slice with the cache read as zeros, for the specs of the
+    cache entries it extends (traced once per shape, never run)."""
+    _, cache_out = self._run(flat_inputs, flat_head_inputs, step, call_info, stats=[],
+                             cache=None, full_length=full_length)
+    return cache_out
 
   def _product_outputs_body(self, flat_inputs, flat_head_inputs, step, call_info):
     """The forward, for the specs of its weight products' outputs [n, O] (traced once
@@ -310,7 +341,7 @@ class CellFunctions:
     stats: list = []
     products = base_layer.WeightProducts(probes=probes)
     with tf.name_scope(FORWARD_SCOPE):
-      outputs = self._run(flat_inputs, flat_head_inputs, step, call_info, stats, products)
+      outputs, _ = self._run(flat_inputs, flat_head_inputs, step, call_info, stats, products)
     recorded = self._record_products(products.products)
     if len(recorded) != len(probes):
       raise RuntimeError(f"cell {self.index}: {len(probes)} probes for {len(recorded)} "
@@ -319,24 +350,28 @@ class CellFunctions:
             [_as_bits(p.inputs) for p in recorded])
 
   def _backward_body(self, flat_inputs, flat_head_inputs, output_grads, sums, step,
-                     call_info):
-    """→ input gradients, sums + variable gradients, and for each deferred weight
-    product its inputs [n, I] and the gradient of its outputs [n, O] (empty lists
-    unless weight gradients are deferred)."""
+                     call_info, cache, cache_grads, full_length):
+    """→ input gradients, the gradients of the cache entries read, sums + variable
+    gradients, and for each deferred weight product its inputs [n, I] and the
+    gradient of its outputs [n, O] (empty lists unless weight gradients are
+    deferred). `cache_grads`: the gradients of the entries the forward extended."""
     float_inputs = [t for t in flat_inputs if _is_float(t)]
+    cache = list(cache)
     with tf.GradientTape() as tape:
       products = (base_layer.WeightProducts(tape) if self.defers_weight_gradients
                   else None)
       if self.needs_input_grads:
         tape.watch(float_inputs)
+      tape.watch(cache)
       with tf.name_scope(RECOMPUTE_SCOPE):
-        outputs = self._run(flat_inputs, flat_head_inputs, step, call_info,
-                            stats=None,  # statistics are reported by the forward only
-                            products=products)
+        outputs, cache_out = self._run(
+            flat_inputs, flat_head_inputs, step, call_info,
+            stats=None,  # statistics are reported by the forward only
+            products=products, cache=cache, full_length=full_length)
       differentiated = _differentiable(outputs, self.head is not None)
     variables = self._record_variables(tape.watched_variables())
     products = self._record_products(products.products if products else [])
-    input_sources = float_inputs if self.needs_input_grads else []
+    input_sources = (float_inputs if self.needs_input_grads else []) + cache
     product_outputs = [p.outputs for p in products]
     # A stacked variable's rows are differentiated as the slices this trace read.
     rows = self._traced.rows
@@ -344,14 +379,17 @@ class CellFunctions:
                for v in variables]
     # NONE, not ZERO: a variable reached only through deferred products gets no
     # gradient here, and its sum is passed on without adding zeros.
-    grads = tape.gradient(differentiated, input_sources + sources + product_outputs,
-                          output_gradients=list(output_grads),
+    grads = tape.gradient(differentiated + list(cache_out),
+                          input_sources + sources + product_outputs,
+                          output_gradients=list(output_grads) + list(cache_grads),
                           unconnected_gradients=tf.UnconnectedGradients.NONE)
     input_grads = _zeros_for_none(grads[:len(input_sources)], input_sources)
     variable_grads = grads[len(input_sources):len(input_sources) + len(variables)]
     product_grads = _zeros_for_none(grads[len(input_sources) + len(variables):],
                                     product_outputs)
-    return (input_grads, _accumulate(self._traced.layout, sums, variable_grads),
+    num_inputs = len(input_sources) - len(cache)
+    return (input_grads[:num_inputs], input_grads[num_inputs:],
+            _accumulate(self._traced.layout, sums, variable_grads),
             [p.inputs for p in products],
             product_grads)
 
@@ -401,22 +439,34 @@ class CellFunctions:
 
   # -- what the device's loop calls ----------------------------------------------------
 
-  def signature(self, input_specs: Any, head_specs: Any) -> CallSignature:
+  def signature(self, input_specs: Any, head_specs: Any, full_length: int = 0
+                ) -> CallSignature:
     """Traces the forward for one micro-batch shape (nested TensorSpecs; head_specs
     None on cells without a head), and the backward of a re-materialized cell, and
     returns what tracing found: what its calls take and give, and the structures the
-    loop packs their results into. Traced once per shape (the record is cached)."""
-    key = (tuple(tf.nest.flatten(input_specs)), tuple(tf.nest.flatten(head_specs or [])))
+    loop packs their results into. full_length: T, the inputs being token slices of
+    sequences of T tokens (0: whole sequences). Traced once per shape (the record is
+    cached)."""
+    key = (tuple(tf.nest.flatten(input_specs)), tuple(tf.nest.flatten(head_specs or [])),
+           full_length)
     if key in self._signatures:
       return self._signatures[key]
     traced = self._traced
     traced.input_structure = input_specs
     traced.head_structure = head_specs
     flat_inputs, flat_head = list(key[0]), list(key[1])
-    scalar = tf.TensorSpec([], tf.int64)
-    concrete = self._forward_fn.get_concrete_function(flat_inputs, flat_head, scalar,
-                                                      tf.TensorSpec([2], tf.int64))
-    flat_outputs, flat_stats = concrete.structured_outputs
+    scalar, info = tf.TensorSpec([], tf.int64), CALL_INFO
+    cache: list[tf.TensorSpec] = []
+    if full_length:
+      if self.defers_weight_gradients and not self.recompute:
+        raise ValueError(f"cell {self.index}: token slices with weight gradients deferred "
+                         "by a cell that is not re-materialized (zb_h1) are not supported")
+      cache = _specs(tf.function(self._cache_specs_body, autograph=False)
+                     .get_concrete_function(flat_inputs, flat_head, scalar, info, full_length)
+                     .structured_outputs)
+    concrete = self._forward_fn.get_concrete_function(flat_inputs, flat_head, scalar, info,
+                                                      cache, full_length)
+    flat_outputs, flat_stats, _ = concrete.structured_outputs
     pair = None
     probes: list[tf.TensorSpec] = []
     product_inputs, product_grads = [], []
@@ -427,15 +477,15 @@ class CellFunctions:
           self.head is not None))
       sums = traced.layout.specs()
       backward = self._backward_fn.get_concrete_function(
-          flat_inputs, flat_head, output_grads, sums, scalar, tf.TensorSpec([2], tf.int64))
-      _, _, product_inputs, product_grads = backward.structured_outputs
+          flat_inputs, flat_head, output_grads, sums, scalar, info, cache, cache, full_length)
+      _, _, _, product_inputs, product_grads = backward.structured_outputs
     else:
       if self.defers_weight_gradients:
         probes = _specs(tf.function(self._product_outputs_body, autograph=False)
-                        .get_concrete_function(flat_inputs, flat_head, scalar,
-                                               tf.TensorSpec([2], tf.int64)).structured_outputs)
+                        .get_concrete_function(flat_inputs, flat_head, scalar, info)
+                        .structured_outputs)
         concrete = self._probed_forward_fn.get_concrete_function(
-            flat_inputs, flat_head, scalar, tf.TensorSpec([2], tf.int64), probes)
+            flat_inputs, flat_head, scalar, info, probes)
         _, _, bits = concrete.structured_outputs
         product_inputs = [tf.TensorSpec(b.shape, p.dtype) for b, p in zip(bits, probes)]
         product_grads = probes
@@ -449,55 +499,70 @@ class CellFunctions:
         saved=tuple(saved), output_structure=traced.output_structure,
         stats_structure=traced.stats_structure, variables=tuple(traced.variables),
         layout=traced.layout, pair=pair, product_inputs=tuple(_specs(product_inputs)),
-        product_grads=tuple(_specs(product_grads)), probes=tuple(probes))
+        product_grads=tuple(_specs(product_grads)), probes=tuple(probes),
+        full_length=full_length, cache=tuple(cache))
     self._signatures[key] = signature
     return signature
 
   def forward(self, sig: CallSignature, flat_inputs: Sequence[tf.Tensor],
-              flat_head: Sequence[tf.Tensor], step: tf.Tensor, call_info: tf.Tensor
-              ) -> tuple[list[tf.Tensor], list[tf.Tensor], list[tf.Tensor]]:
-    """One forward call (on the caller's device): flat outputs, flat statistics, and
-    what the backward of this micro-batch needs (shaped as sig.saved)."""
+              flat_head: Sequence[tf.Tensor], step: tf.Tensor, call_info: tf.Tensor,
+              cache: Sequence[tf.Tensor] = ()
+              ) -> tuple[list[tf.Tensor], list[tf.Tensor], list[tf.Tensor], list[tf.Tensor]]:
+    """One forward call (on the caller's device): flat outputs, flat statistics, what
+    the backward of this micro-batch needs (shaped as sig.saved), and the cache
+    entries extended by this token slice (shaped as sig.cache; `cache`: as the
+    micro-batch's previous slice left them)."""
     if sig.pair is None:
-      flat_outputs, flat_stats = self._forward_fn(list(flat_inputs), list(flat_head), step,
-                                                  call_info)
-      return list(flat_outputs), list(flat_stats), list(flat_inputs) + list(flat_head)
+      flat_outputs, flat_stats, cache_out = self._forward_fn(
+          list(flat_inputs), list(flat_head), step, call_info, list(cache), sig.full_length)
+      return (list(flat_outputs), list(flat_stats), list(flat_inputs) + list(flat_head),
+              list(cache_out))
     # Zeros: one tensor per distinct shape, passed as every probe of that shape.
     zeros: dict[tuple, tf.Tensor] = {}
     probes = [zeros.setdefault((tuple(spec.shape), spec.dtype), tf.zeros(spec.shape, spec.dtype))
               for spec in sig.probes]
     results, kept = sig.pair.forward(list(flat_inputs) + list(flat_head) + [step, call_info]
-                                     + probes)
+                                     + list(cache) + probes)
     num_outputs, num_stats = len(sig.outputs), len(sig.stats)
-    product_inputs = results[num_outputs + num_stats:]
+    # After the outputs and statistics: the products' inputs (probed), or the cache.
+    extra = results[num_outputs + num_stats:]
+    product_inputs, cache_out = (extra, []) if sig.probes else ([], extra)
     return (results[:num_outputs], results[num_outputs:num_outputs + num_stats],
-            product_inputs + kept)
+            product_inputs + kept, cache_out)
 
   def backward(self, sig: CallSignature, saved: Sequence[tf.Tensor],
                output_grads: Sequence[tf.Tensor], sums: Sequence[tf.Tensor], step: tf.Tensor,
-               call_info: tf.Tensor
-               ) -> tuple[list[tf.Tensor], list[tf.Tensor], list[tf.Tensor], list[tf.Tensor]]:
+               call_info: tf.Tensor, cache: Sequence[tf.Tensor] = (),
+               cache_grads: Sequence[tf.Tensor] = ()
+               ) -> tuple[list[tf.Tensor], list[tf.Tensor], list[tf.Tensor], list[tf.Tensor],
+                          list[tf.Tensor]]:
     """One backward call (on the caller's device).
 
-    output_grads: one per differentiable output (the loss weight on the last cell).
+    output_grads: one per differentiable output (the loss weight on the last cell);
+    token slices: `cache`, the cell's cache entries as the micro-batch's last slice
+    left them (a re-materialized cell reads what its slice read of them), and
+    `cache_grads`, the gradients of the entries its forward extended.
     Returns the gradients of the floating inputs (an empty list when the cell needs
-    none), `sums` (sig.layout's stacked tensors) plus this call's variable gradients,
-    and per deferred weight product its inputs [n, I] and output gradient [n, O]
-    (empty lists unless weight gradients are deferred).
+    none), those of the cache entries its forward read, `sums` (sig.layout's stacked
+    tensors) plus this call's variable gradients, and per deferred weight product its
+    inputs [n, I] and output gradient [n, O] (empty lists unless weight gradients are
+    deferred).
     """
     if sig.pair is None:
       num_inputs = len(sig.inputs)
-      input_grads, new_sums, product_inputs, product_grads = self._backward_fn(
+      input_grads, cache_in_grads, new_sums, product_inputs, product_grads = self._backward_fn(
           list(saved[:num_inputs]), list(saved[num_inputs:]), list(output_grads), list(sums),
-          step, call_info)
-      return list(input_grads), list(new_sums), list(product_inputs), list(product_grads)
+          step, call_info, list(cache), list(cache_grads), sig.full_length)
+      return (list(input_grads), list(cache_in_grads), list(new_sums), list(product_inputs),
+              list(product_grads))
     pair = sig.pair
     num_products = len(sig.probes)
     product_inputs = [_from_bits(t, spec.dtype)
                       for t, spec in zip(saved[:num_products], sig.product_inputs)]
     saved = saved[num_products:]
-    # Seeds for every floating output of the forward function (outputs, then
-    # statistics): the given gradients for the differentiable ones, zeros elsewhere.
+    # Seeds for every floating output of the forward function (outputs, statistics,
+    # then the cache it extended): the given gradients for the differentiable ones,
+    # zeros elsewhere.
     seeds = [tf.zeros(spec.shape, spec.dtype) for spec in sig.outputs + sig.stats]
     if self.head is not None:
       seeds[sig.loss_positions()[0]] = output_grads[0]
@@ -505,8 +570,12 @@ class CellFunctions:
       differentiable = [i for i, spec in enumerate(sig.outputs) if spec.dtype.is_floating]
       for i, g in zip(differentiable, output_grads):
         seeds[i] = g
+    seeds += list(cache_grads)
     grads = pair.backward([seeds[i] for i in pair.trainable_outputs], saved)
-    num_args = len(sig.inputs) + len(sig.head_inputs) + 2 + num_products
+    first_cache = len(sig.inputs) + len(sig.head_inputs) + 2
+    cache_in_grads = [tf.zeros(spec.shape, spec.dtype) if g is None else g for g, spec in
+                      zip(grads[first_cache:first_cache + len(sig.cache)], sig.cache)]
+    num_args = first_cache + len(sig.cache) + num_products
     product_grads = [tf.zeros(spec.shape, spec.dtype) if g is None else g
                      for g, spec in zip(grads[num_args - num_products:num_args], sig.probes)]
     input_grads = []
@@ -519,7 +588,8 @@ class CellFunctions:
     variable_grads = [None if isinstance(v, stacked_variables.RowVariable)
                       else by_handle.get(id(v.handle)) for v in sig.variables]
     stack_grads = {id(s): by_handle.get(id(s.variable.handle)) for s in self.stacks}
-    return (input_grads, _accumulate(sig.layout, sums, variable_grads, stack_grads),
+    return (input_grads, cache_in_grads,
+            _accumulate(sig.layout, sums, variable_grads, stack_grads),
             product_inputs, product_grads)
 
   def weight_gradients(self, sums: Sequence[tf.Tensor], inputs: Sequence[tf.Tensor],
@@ -538,8 +608,8 @@ class CellFunctions:
     traced.head_structure = head_inputs
     flat_head = tf.nest.flatten(head_inputs) if head_inputs is not None else []
     with tf.device(self.device):
-      flat_outputs, flat_stats = self._forward_fn(tf.nest.flatten(inputs), flat_head, step,
-                                                  call_info)
+      flat_outputs, flat_stats, _ = self._forward_fn(tf.nest.flatten(inputs), flat_head, step,
+                                                     call_info, [], 0)
     return (tf.nest.pack_sequence_as(traced.output_structure, list(flat_outputs)),
             _unflatten_stats(traced.stats_structure, list(flat_stats)))
 

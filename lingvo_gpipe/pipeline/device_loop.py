@@ -22,7 +22,15 @@ hand-off received):
         added to the sums
 
 An uneven split has two micro-batch shapes; each has its own F and B branch (the
-cell's functions are traced once per shape); W has a branch per group size. Each
+cell's functions are traced once per shape); W has a branch per group size.
+
+Token slices (`plan.num_token_slices` S > 1): the table's rows are units (m, j), m's
+rows sliced along axis 1 as well; a shape class is a (rows, tokens) pair. A cell with
+causal layers keeps, per micro-batch in flight, its cache entries in a cache slot
+(taken at F(m, 0), released at B(m, 0)): F(m, j) reads them (j > 0) and writes them
+back extended; B(m, j) reads them as the last slice left them, takes the gradient of
+the entries F(m, j) wrote from the cache-gradient slot B(m, j+1) filled (zeros for
+the last slice) and fills it with the gradient of those F(m, j) read, for B(m, j−1). Each
 action's start and end are timestamped on the device (the measured timeline).
 
 The loop carries a `LoopState`: per cell a `CellState` (the sums, one stash slot per
@@ -117,7 +125,10 @@ class TableRow(NamedTuple):
   product_slot: B: the product ring slot it writes (F, W: 0);
   first_product_slot: W: the ring slot of its group's first backward, the first of
   the consecutive slots it reads (F, B: 0);
-  receive: what it receives, an index into `ActionTable.receives`, or NO_RECEIVE.
+  receive: what it receives, an index into `ActionTable.receives`, or NO_RECEIVE;
+  token_offset, token_slice: the unit's first token's position and its slice j (0
+  without token slices); cache_slot: F, B: the cache slot of its micro-batch (0
+  without token slices).
   """
   branch: Any
   micro_batch: Any
@@ -126,6 +137,9 @@ class TableRow(NamedTuple):
   product_slot: Any
   first_product_slot: Any
   receive: Any
+  token_offset: Any = 0
+  token_slice: Any = 0
+  cache_slot: Any = 0
 
 
 COLUMNS = TableRow(*range(len(TableRow._fields)))  # each field's column in the table
@@ -167,25 +181,42 @@ class Branches:
 class ActionTable:
   """A device's actions as loop data: rows int32 [A, len(COLUMNS)], one `TableRow` per
   entry of the device's order; per cell on the device, its branches and how many
-  stash and product slots it needs; the kinds of hand-off its actions receive."""
+  stash, product and cache slots it needs; the kinds of hand-off its actions receive."""
   rows: np.ndarray
   branches: dict[int, Branches]
   stash_slots: dict[int, int]
   product_slots: dict[int, int]
   receives: list[ReceiveKind]
   keys: np.ndarray  # float64 [A, 3]: cell, micro-batch, phase index (timeline.PHASES)
+  cache_slots: dict[int, int] = dataclasses.field(default_factory=dict)
+
+
+def _take_lowest(free: list[int], count: dict[int, int], k: int) -> int:
+  """The lowest free slot of cell k (a new one if none is free)."""
+  if not free:
+    free.append(count[k])
+    count[k] += 1
+  slot = min(free)
+  free.remove(slot)
+  return slot
 
 
 def action_table(plan: PipelineSchedule, d: int, shape_class: Sequence[int],
-                 offsets: Sequence[int], num_classes: int) -> ActionTable:
-  """Device d's table.
+                 offsets: Sequence[int], num_classes: int,
+                 token_offsets: Sequence[int] | None = None) -> ActionTable:
+  """Device d's table. Per unit u (micro-batch, or (m, j) with token slices):
+  shape_class[u], offsets[u] (its first example's position) and token_offsets[u]
+  (its first token's; None: 0).
 
   Stash slots (what a backward needs) are given out per cell lowest-free-first at
   each F and freed at its B, so cell k needs max_in_flight(k) of them. Product slots
   (a deferred backward's projection inputs and output gradients, kept for its W) go
   round a ring of max_awaiting_weights(k): the i-th backward of the cell writes slot
-  i mod R, and a W reads its group's consecutive backwards' slots.
+  i mod R, and a W reads its group's consecutive backwards' slots. Cache slots (token
+  slices) are given out lowest-free-first at F(m, 0) and freed at B(m, 0).
   """
+  num_slices = plan.num_token_slices
+  token_offsets = token_offsets or [0] * len(offsets)
   cells = sorted({k for k, _ in plan.device_orders[d]})
   branches, first = {}, 0
   for k in cells:
@@ -193,9 +224,12 @@ def action_table(plan: PipelineSchedule, d: int, shape_class: Sequence[int],
     branches[k] = Branches(first, num_classes, sizes)
     first = branches[k].end
   stash_slots = dict.fromkeys(cells, 0)
+  cache_slots = dict.fromkeys(cells, 0)
   product_slots = {k: plan.max_awaiting_weights(k) for k in cells}
   free: dict[int, list[int]] = {k: [] for k in cells}
+  free_caches: dict[int, list[int]] = {k: [] for k in cells}
   slot_of: dict[tuple[int, int], int] = {}
+  cache_of: dict[tuple[int, int], int] = {}  # (cell, micro-batch) → its cache slot
   backward_index: dict[tuple[int, int], int] = {}  # (cell, m) → its position among B's
   backwards_run = dict.fromkeys(cells, 0)
   groups = {k: plan.weight_groups(k) for k in cells}
@@ -206,18 +240,21 @@ def action_table(plan: PipelineSchedule, d: int, shape_class: Sequence[int],
   keys = []
   for k, action in plan.device_orders[d]:
     m, b = action.micro_batch, branches[k]
+    whole, j = divmod(m, num_slices)
     if action.phase == FORWARD:
-      if not free[k]:
-        free[k].append(stash_slots[k])
-        stash_slots[k] += 1
-      slot_of[(k, m)] = min(free[k])
-      free[k].remove(slot_of[(k, m)])
+      slot_of[(k, m)] = _take_lowest(free[k], stash_slots, k)
+      if j == 0 and num_slices > 1:
+        cache_of[(k, whole)] = _take_lowest(free_caches[k], cache_slots, k)
       rows.append(TableRow(
           branch=b.forward(shape_class[m]), micro_batch=m, offset=offsets[m],
           stash_slot=slot_of[(k, m)], product_slot=0, first_product_slot=0,
-          receive=_receive_index(receives, ReceiveKind(k, FORWARD, shape_class[m]))))
+          receive=_receive_index(receives, ReceiveKind(k, FORWARD, shape_class[m])),
+          token_offset=token_offsets[m], token_slice=j,
+          cache_slot=cache_of.get((k, whole), 0)))
     elif action.phase == BACKWARD:
       free[k].append(slot_of[(k, m)])
+      if j == 0 and num_slices > 1:
+        free_caches[k].append(cache_of[(k, whole)])
       index = backward_index[(k, m)] = backwards_run[k]
       backwards_run[k] += 1
       rows.append(TableRow(
@@ -225,7 +262,9 @@ def action_table(plan: PipelineSchedule, d: int, shape_class: Sequence[int],
           stash_slot=slot_of[(k, m)],
           product_slot=index % product_slots[k] if product_slots[k] else 0,
           first_product_slot=0,
-          receive=_receive_index(receives, ReceiveKind(k, BACKWARD, shape_class[m]))))
+          receive=_receive_index(receives, ReceiveKind(k, BACKWARD, shape_class[m])),
+          token_offset=token_offsets[m], token_slice=j,
+          cache_slot=cache_of.get((k, whole), 0)))
     else:
       group = groups[k][m]
       rows.append(TableRow(
@@ -236,21 +275,28 @@ def action_table(plan: PipelineSchedule, d: int, shape_class: Sequence[int],
     keys.append([k, m, timeline.PHASES.index(action.phase)])
   return ActionTable(np.array(rows, np.int32).reshape(-1, len(COLUMNS)), branches,
                      stash_slots, product_slots, receives,
-                     np.array(keys, np.float64).reshape(-1, 3))
+                     np.array(keys, np.float64).reshape(-1, 3), cache_slots)
 
 
 def _receive_index(receives: list[ReceiveKind], kind: ReceiveKind) -> int:
   return receives.index(kind) if kind in receives else NO_RECEIVE
 
 
-def _slice(flat: Sequence[tf.Tensor], offset: tf.Tensor, size: int) -> list[tf.Tensor]:
-  """Rows offset..offset+size of each tensor (a micro-batch of static size)."""
+def _slice(flat: Sequence[tf.Tensor], offset: tf.Tensor, size: int,
+           token_offset: tf.Tensor | None = None, length: int = 0) -> list[tf.Tensor]:
+  """Rows offset..offset+size of each tensor (a micro-batch of static size); with a
+  `length`, only its tokens token_offset..token_offset+length along axis 1 (a token
+  slice)."""
   out = []
   for t in flat:
     rank = t.shape.rank
-    begin = tf.concat([tf.reshape(tf.cast(offset, tf.int64), [1]),
-                       tf.zeros([rank - 1], tf.int64)], 0)
-    out.append(tf.slice(t, begin, tf.constant([size] + [-1] * (rank - 1), tf.int64)))
+    start = [tf.cast(offset, tf.int64)]
+    size_of = [size]
+    if length:
+      start.append(tf.cast(token_offset, tf.int64))
+      size_of.append(length)
+    begin = tf.concat([tf.stack(start), tf.zeros([rank - len(start)], tf.int64)], 0)
+    out.append(tf.slice(t, begin, tf.constant(size_of + [-1] * (rank - len(start)), tf.int64)))
   return out
 
 
@@ -332,6 +378,8 @@ class CellState(NamedTuple):
   stats: list[tf.TensorArray]          # per flat statistic, M elements
   product_inputs: list[tf.TensorArray]  # per deferred product, its ring of product slots
   product_grads: list[tf.TensorArray]   # (inputs [n, I] and output gradients [n, O])
+  cache: list[tf.TensorArray]           # per cache entry (token slices), its cache slots
+  cache_grads: list[tf.TensorArray]     # and the gradient handed to the previous slice
 
 
 class LoopState(NamedTuple):
@@ -370,14 +418,16 @@ class CellLoop:
   cell: CellFunctions
   k: int
   signatures: list[CallSignature]   # per shape class
-  sizes: list[int]                  # per shape class, its micro-batch size
+  sizes: list[tuple[int, int]]      # per shape class, its (rows, tokens; 0: whole)
   branches: Branches
   stash_slots: int
   product_slots: int
-  num_micro_batches: int
+  num_micro_batches: int            # units: micro-batches × token slices
   previous: channels.Link | None     # to cell k−1
   following: channels.Link | None    # to cell k+1
   step_inputs: StepInputs
+  cache_slots: int = 0
+  num_token_slices: int = 1
 
   # -- the cell's state ----------------------------------------------------------------
 
@@ -390,7 +440,9 @@ class CellLoop:
                  else []),
         stats=_list(sig0.stats, self.num_micro_batches),
         product_inputs=_slots(sig0.product_inputs, self.product_slots),
-        product_grads=_slots(sig0.product_grads, self.product_slots))
+        product_grads=_slots(sig0.product_grads, self.product_slots),
+        cache=_slots(sig0.cache, self.cache_slots),
+        cache_grads=_slots(sig0.cache, self.cache_slots))
 
   def handlers(self) -> list[Handler]:
     """The cell's Case branches: F and B per shape class, W per group size."""
@@ -421,24 +473,52 @@ class CellLoop:
   # -- the actions ---------------------------------------------------------------------
 
   def _call_info(self, row: TableRow) -> tf.Tensor:
-    """int64 [micro-batch index, example offset in the whole batch]."""
+    """int64 [unit index, example offset in the whole batch, token offset]."""
     offset = tf.cast(self.step_inputs.base_offset, tf.int64) + tf.cast(row.offset, tf.int64)
-    return tf.stack([tf.cast(row.micro_batch, tf.int64), offset])
+    return tf.stack([tf.cast(row.micro_batch, tf.int64), offset,
+                     tf.cast(row.token_offset, tf.int64)])
+
+  def _cache_entries(self, slots: Sequence[tf.TensorArray], row: TableRow,
+                     specs: Sequence[tf.TensorSpec], filled: tf.Tensor) -> list[tf.Tensor]:
+    """The entries in the row's cache slot of `slots`, where `filled` (a bool scalar),
+    else zeros (shaped as `specs`, its shape class's)."""
+    def read(ta: tf.TensorArray, spec: tf.TensorSpec) -> tf.Tensor:
+      value = ta.read(row.cache_slot)
+      value.set_shape(spec.shape)
+      return value
+    if filled is True:
+      return [read(ta, spec) for ta, spec in zip(slots, specs)]
+    return [tf.cond(filled, lambda ta=ta, spec=spec: read(ta, spec),
+                    lambda spec=spec: tf.zeros(spec.shape, spec.dtype))
+            for ta, spec in zip(slots, specs)]
+
+  def _write_cache(self, slots: Sequence[tf.TensorArray], row: TableRow,
+                   values: Sequence[tf.Tensor], keep: Any = True) -> list[tf.TensorArray]:
+    """`slots` with `values` in the row's cache slot, or (where `keep` is false: the
+    micro-batch's first slice is done) emptied."""
+    def kept(value: tf.Tensor) -> tf.Tensor:
+      if keep is True:
+        return value
+      empty = tf.zeros([0] + value.shape[1:].as_list(), value.dtype)
+      return tf.cond(keep, lambda: value, lambda: empty)
+    return [ta.write(row.cache_slot, kept(v)) for ta, v in zip(slots, values)]
 
   def forward(self, c: int, state: CellState, args: ActionArgs) -> ActionResult:
     """F: micro-batch m of shape class c through the cell; its outputs sent on (last
     cell: kept), what its backward needs stashed, its statistics kept."""
     sig, row = self.signatures[c], args.row
+    rows, tokens = self.sizes[c]
     if self.previous is None:
-      flat = _slice(self.step_inputs.inputs, row.offset, self.sizes[c])
+      flat = _slice(self.step_inputs.inputs, row.offset, rows, row.token_offset, tokens)
     else:
       flat = list(args.received)
-    head = (_slice(self.step_inputs.head_inputs, row.offset, self.sizes[c]) if self.cell.head
-            else [])
-    start = _timestamp(flat + head)
+    head = (_slice(self.step_inputs.head_inputs, row.offset, rows, row.token_offset, tokens)
+            if self.cell.head else [])
+    cache = self._cache_entries(state.cache, row, sig.cache, row.token_slice > 0)
+    start = _timestamp(flat + head + cache)
     flat, head = _after(flat, [start]), _after(head, [start])
-    outputs, stats, saved = self.cell.forward(sig, flat, head, self.step_inputs.step,
-                                              self._call_info(row))
+    outputs, stats, saved, cache = self.cell.forward(sig, flat, head, self.step_inputs.step,
+                                                     self._call_info(row), cache)
     kept = state.outputs
     if self.following is not None:
       sent = self.following.forward.send(outputs)
@@ -449,8 +529,9 @@ class CellLoop:
     stash[c] = [ta.write(row.stash_slot, t) for ta, t in zip(stash[c], saved)]
     state = state._replace(
         outputs=kept, stash=stash,
-        stats=[ta.write(row.micro_batch, t) for ta, t in zip(state.stats, stats)])
-    end = _timestamp(list(outputs) + list(saved) + list(stats), sent)
+        stats=[ta.write(row.micro_batch, t) for ta, t in zip(state.stats, stats)],
+        cache=self._write_cache(state.cache, row, cache))
+    end = _timestamp(list(outputs) + list(saved) + list(stats) + list(cache), sent)
     return state, start, end
 
   def backward(self, c: int, state: CellState, args: ActionArgs) -> ActionResult:
@@ -469,19 +550,26 @@ class CellLoop:
       seeds = list(args.received)
     stash = list(state.stash)
     saved, stash[c] = _take(stash[c], row.stash_slot, sig.saved)
-    start = _timestamp(seeds + saved)
+    cache = self._cache_entries(state.cache, row, sig.cache, True)
+    cache_grads = self._cache_entries(state.cache_grads, row, sig.cache,
+                                      row.token_slice < self.num_token_slices - 1)
+    start = _timestamp(seeds + saved + cache + cache_grads)
     seeds = _after(seeds, [start])
-    input_grads, sums, product_inputs, product_grads = cell.backward(
-        sig, saved, seeds, state.sums, self.step_inputs.step, self._call_info(row))
+    input_grads, cache_grads, sums, product_inputs, product_grads = cell.backward(
+        sig, saved, seeds, state.sums, self.step_inputs.step, self._call_info(row), cache,
+        cache_grads)
     sent = self.previous.backward.send(input_grads) if self.previous is not None else []
+    later_slices = row.token_slice > 0  # whose backwards still need the cache
     state = state._replace(
+        cache=self._write_cache(state.cache, row, cache, later_slices),
+        cache_grads=self._write_cache(state.cache_grads, row, cache_grads, later_slices),
         stash=stash, sums=sums,
         product_inputs=[ta.write(row.product_slot, t) for ta, t in
                         zip(state.product_inputs, product_inputs)],
         product_grads=[ta.write(row.product_slot, t) for ta, t in
                        zip(state.product_grads, product_grads)])
     end = _timestamp(list(input_grads) + list(sums) + list(product_inputs)
-                     + list(product_grads), sent)
+                     + list(product_grads) + list(cache_grads), sent)
     return state, start, end
 
   def weight_gradient(self, n: int, state: CellState, args: ActionArgs) -> ActionResult:
@@ -587,15 +675,40 @@ def _timestamp(wait_for: Sequence[Any], also: Sequence[Any] = ()) -> tf.Tensor:
     return tf.timestamp()
 
 
-def _shape_classes(sizes: Sequence[int]) -> tuple[list[int], list[int]]:
-  """(the distinct micro-batch sizes, largest first; each micro-batch's class)."""
+def _shape_classes(sizes: Sequence[Any]) -> tuple[list[Any], list[int]]:
+  """(the distinct unit shapes, largest first; each unit's class)."""
   distinct = sorted(set(sizes), reverse=True)
   return distinct, [distinct.index(s) for s in sizes]
 
 
-def _with_batch(structure: Any, size: int) -> Any:
-  return tf.nest.map_structure(
-      lambda t: tf.TensorSpec([size] + t.shape[1:].as_list(), t.dtype), structure)
+def _with_batch(structure: Any, size: int, length: int = 0) -> Any:
+  """Specs of `structure`'s tensors with `size` rows (and `length` tokens on axis 1:
+  a token slice; 0: as they are)."""
+  def spec(t: Any) -> tf.TensorSpec:
+    shape = [size] + t.shape[1:].as_list()
+    if length:
+      shape[1] = length
+    return tf.TensorSpec(shape, t.dtype)
+  return tf.nest.map_structure(spec, structure)
+
+
+@dataclasses.dataclass(frozen=True)
+class Units:
+  """A step's schedule units (micro-batches, or (m, j) slices u = m·S + j), each with
+  its shape (rows, tokens: 0 for whole sequences), first example and first token."""
+  shapes: list[tuple[int, int]]
+  offsets: list[int]
+  token_offsets: list[int]
+  full_length: int  # T of token slices (0: whole sequences)
+
+  @classmethod
+  def of(cls, sizes: Sequence[int], offsets: Sequence[int],
+         slice_lengths: Sequence[int] | None) -> Units:
+    lengths = list(slice_lengths) if slice_lengths else [0]
+    starts = [sum(lengths[:j]) for j in range(len(lengths))]
+    return cls([(size, n) for size in sizes for n in lengths],
+               [offset for offset in offsets for _ in lengths],
+               [start for _ in sizes for start in starts], sum(lengths))
 
 
 # -- one training step: run's steps --------------------------------------------------------
@@ -603,32 +716,37 @@ def _with_batch(structure: Any, size: int) -> Any:
 
 @tf.autograph.experimental.do_not_convert  # plain Python on static values
 def run(cells: Sequence[CellFunctions], plan: PipelineSchedule, inputs: Any, head_inputs: Any,
-        sizes: Sequence[int], offsets: Sequence[int], link_prefix: str) -> StepGradients:
+        sizes: Sequence[int], offsets: Sequence[int], link_prefix: str,
+        slice_lengths: Sequence[int] | None = None) -> StepGradients:
   """One training step: a loop per device, each running plan.device_orders[d].
 
   inputs: the pipeline's nested inputs [B, ...] on cells[0]'s device; head_inputs: the
   head's nested tensors [B, ...] on the last cell's device; sizes, offsets: each
-  micro-batch's size and first example's position in the batch. Batch statistics go
-  to the StepContext's layer_stats, the loops' timestamps to its spans.
+  micro-batch's size and first example's position in the batch; slice_lengths: with
+  plan.num_token_slices S > 1, the S slices' lengths (summing to the sequence length,
+  axis 1 of every input and head input). Batch statistics go to the StepContext's
+  layer_stats, the loops' timestamps to its spans.
 
   Raises:
-    ValueError: the schedule is for another number of cells or micro-batches, or puts
-      cells of different devices on one device.
+    ValueError: the schedule is for another number of cells, micro-batches or token
+      slices, or puts cells of different devices on one device.
   """
   ctx = base_layer.current_context()
-  _check_schedule(cells, plan, sizes)
+  _check_schedule(cells, plan, sizes, slice_lengths)
   step = tf.cast(ctx.step, tf.int64)
   inputs, head_inputs = tf.nest.map_structure(tf.convert_to_tensor, (inputs, head_inputs))
-  class_sizes, shape_class = _shape_classes(sizes)
-  signatures = _trace(cells, inputs, head_inputs, class_sizes)
+  units = Units.of(sizes, offsets, slice_lengths if plan.num_token_slices > 1 else None)
+  class_sizes, shape_class = _shape_classes(units.shapes)
+  signatures = _trace(cells, inputs, head_inputs, class_sizes, units.full_length)
   links = channels.links(link_prefix, [cell.device for cell in cells])
   step_inputs = StepInputs(tf.nest.flatten(inputs), tf.nest.flatten(head_inputs), step,
                            ctx.example_offset, ctx.loss_scale)
   finals: dict[int, CellState] = {}
   for d in range(len(plan.device_orders)):
-    table = action_table(plan, d, shape_class, offsets, len(class_sizes))
-    loop = _device_loop(cells, signatures, class_sizes, len(sizes), table, links,
-                        step_inputs)
+    table = action_table(plan, d, shape_class, units.offsets, len(class_sizes),
+                         units.token_offsets)
+    loop = _device_loop(cells, signatures, class_sizes, len(units.shapes), table, links,
+                        step_inputs, plan.num_token_slices)
     cell_states, times = loop.build()
     finals.update(cell_states)
     _record_times(ctx.spans, loop.device, times, table)
@@ -640,12 +758,17 @@ def run(cells: Sequence[CellFunctions], plan: PipelineSchedule, inputs: Any, hea
 
 
 def _check_schedule(cells: Sequence[CellFunctions], plan: PipelineSchedule,
-                    sizes: Sequence[int]) -> None:
-  """Raises ValueError unless `plan` is for these cells and micro-batches and each of
-  its devices' cells are on one device."""
-  if plan.num_cells != len(cells) or plan.num_micro_batches != len(sizes):
+                    sizes: Sequence[int], slice_lengths: Sequence[int] | None) -> None:
+  """Raises ValueError unless `plan` is for these cells, micro-batches and token
+  slices and each of its devices' cells are on one device."""
+  num_slices = plan.num_token_slices
+  if num_slices > 1 and len(slice_lengths or ()) != num_slices:
+    raise ValueError(f"schedule for {num_slices} token slices given slice lengths "
+                     f"{slice_lengths}")
+  if plan.num_cells != len(cells) or plan.num_micro_batches != len(sizes) * num_slices:
     raise ValueError(f"schedule for {plan.num_cells} cells × {plan.num_micro_batches} "
-                     f"micro-batches given {len(cells)} cells × {len(sizes)}")
+                     f"units given {len(cells)} cells × {len(sizes)} micro-batches × "
+                     f"{num_slices} slices")
   for device_order in plan.device_orders:
     device_cells = sorted({k for k, _ in device_order})
     devices = {cells[k].device for k in device_cells}
@@ -655,31 +778,35 @@ def _check_schedule(cells: Sequence[CellFunctions], plan: PipelineSchedule,
 
 
 def _trace(cells: Sequence[CellFunctions], inputs: Any, head_inputs: Any,
-           class_sizes: Sequence[int]) -> list[list[CallSignature]]:
-  """Each cell traced for each micro-batch shape, in order (cell k's outputs are cell
-  k+1's inputs): per cell, per shape class, its CallSignature."""
+           class_sizes: Sequence[tuple[int, int]], full_length: int = 0
+           ) -> list[list[CallSignature]]:
+  """Each cell traced for each unit shape (rows, tokens), in order (cell k's outputs
+  are cell k+1's inputs): per cell, per shape class, its CallSignature."""
   signatures: list[list[CallSignature]] = []
   for k, cell in enumerate(cells):
     per_class = []
-    for c, size in enumerate(class_sizes):
-      cell_inputs = (_with_batch(inputs, size) if k == 0
+    for c, (size, length) in enumerate(class_sizes):
+      cell_inputs = (_with_batch(inputs, size, length) if k == 0
                      else signatures[k - 1][c].unflatten_outputs(signatures[k - 1][c].outputs))
-      head = _with_batch(head_inputs, size) if cell.head is not None else None
+      head = _with_batch(head_inputs, size, length) if cell.head is not None else None
       with tf.device(cell.device):
-        per_class.append(cell.signature(cell_inputs, head))
+        per_class.append(cell.signature(cell_inputs, head, full_length))
     signatures.append(per_class)
   return signatures
 
 
 def _device_loop(cells: Sequence[CellFunctions], signatures: list[list[CallSignature]],
-                 class_sizes: list[int], num_micro_batches: int, table: ActionTable,
-                 links: list[channels.Link], step_inputs: StepInputs) -> DeviceLoop:
+                 class_sizes: list[tuple[int, int]], num_units: int, table: ActionTable,
+                 links: list[channels.Link], step_inputs: StepInputs,
+                 num_token_slices: int = 1) -> DeviceLoop:
   """The loop of the device whose table is `table`, over the cells it holds."""
   last = len(cells) - 1
   loops = {k: CellLoop(cells[k], k, signatures[k], class_sizes, branches,
-                       table.stash_slots[k], table.product_slots[k], num_micro_batches,
+                       table.stash_slots[k], table.product_slots[k], num_units,
                        previous=links[k - 1] if k > 0 else None,
-                       following=links[k] if k < last else None, step_inputs=step_inputs)
+                       following=links[k] if k < last else None, step_inputs=step_inputs,
+                       cache_slots=table.cache_slots.get(k, 0),
+                       num_token_slices=num_token_slices)
            for k, branches in table.branches.items()}
   return DeviceLoop(cells[min(loops)].device, loops, table)
 

@@ -33,7 +33,13 @@ from typing import Any
 
 import tensorflow as tf
 
-from lingvo_gpipe.core import base_layer, hyperparams, model_stats, stacked_variables
+from lingvo_gpipe.core import (
+  base_layer,
+  hyperparams,
+  model_stats,
+  stacked_variables,
+  token_slices,
+)
 from lingvo_gpipe.core.base_layer import BaseLayer
 from lingvo_gpipe.core.hyperparams import ParamsError
 from lingvo_gpipe.pipeline import (
@@ -118,6 +124,11 @@ def check_pipeline_params(p: hyperparams.Params, path: str) -> None:
     raise bad("share_layer_functions", "True or False")
   if not isinstance(p.stack_variables, bool):
     raise bad("stack_variables", "True or False")
+  if not isinstance(p.num_token_slices, int) or p.num_token_slices < 1:
+    raise bad("num_token_slices", "an int >= 1")
+  if p.num_token_slices > 1 and p.schedule not in schedule.SLICED_SCHEDULES:
+    raise bad("schedule", f"one of {schedule.SLICED_SCHEDULES} with num_token_slices="
+              f"{p.num_token_slices} (token slices run on those)")
   for device in p.devices:
     if not known_device(device):
       raise PipelineError(f"{path}: devices names {device!r}, which this process does "
@@ -183,6 +194,13 @@ class PipeliningLayer(BaseLayer):
              "variable lists hold the stacks: a layer inside the pipeline lists none "
              "(stacked_variables.trainable_weights lists one entry per weight). "
              "False: one tf.Variable per weight.")
+    p.define("num_token_slices", 1, "S: each micro-batch is also cut along the sequence "
+             "(axis 1 of every input) into S slices of near-equal length that flow "
+             "through the cells one after another (TeraPipe; core/token_slices.py, "
+             "pipeline/schedule.py): the bubble of M micro-batches becomes that of M·S "
+             "units of 1/S the work. Causal sequence models only (every layer declares "
+             "token_slicing); schedules gpipe and 1f1b. Each cell keeps its causal "
+             "layers' keys and values of the whole sequence per micro-batch in flight.")
     p.define("memory_cap_bytes", None, "If set, the most bytes of weights and optimizer state "
              "one cell may hold; see bytes_per_param.")
     p.define("bytes_per_param", 12, "Bytes per parameter for the memory cap (float32 weight "
@@ -201,6 +219,11 @@ class PipeliningLayer(BaseLayer):
                      for _ in range(cell.start, cell.end)]
     with stacked_variables.deferred(p.stack_variables):
       self.create_children("layers", p.layers, devices=layer_devices)
+    if p.num_token_slices > 1:
+      try:
+        token_slices.check_layers(self.layers, self.path)
+      except ValueError as e:
+        raise PipelineError(str(e)) from None
     self._function_cache = _FunctionCache(p.share_layer_functions)
     self._function_cache.stacks = self._stack_variables()
     self._channel_prefix = channels.channel_prefix(self.path)
@@ -353,9 +376,27 @@ class PipeliningLayer(BaseLayer):
     """
     tf_internals.disable_function_specialization()
     sizes, offsets = self._micro_batches(inputs, self.params.num_micro_batches)
+    lengths = self._slice_lengths(inputs, head_inputs)
     inputs = self._in_fprop_dtype(inputs)
     return device_loop.run(self.cell_functions(head), self.plan(), inputs, head_inputs, sizes,
-                           offsets, self._channel_prefix)
+                           offsets, self._channel_prefix, lengths)
+
+  def _slice_lengths(self, inputs: Any, head_inputs: Any) -> list[int] | None:
+    """The token slices' lengths (params.num_token_slices > 1; else None): every input
+    and head input must be [B, T, ...] with one static T."""
+    num_slices = self.params.num_token_slices
+    if num_slices == 1:
+      return None
+    lengths = {(t.shape[1] if t.shape.rank and t.shape.rank >= 2 else None)
+               for t in tf.nest.flatten((inputs, head_inputs))}
+    if len(lengths) != 1 or None in lengths:
+      raise PipelineError(f"{self.path}: num_token_slices={num_slices} needs every input "
+                          "and head input shaped [batch, tokens, ...] with one static "
+                          f"number of tokens; their axis 1: {sorted(map(str, lengths))}")
+    try:
+      return token_slices.slice_lengths(lengths.pop(), num_slices)
+    except ValueError as e:
+      raise PipelineError(f"{self.path}: {e}") from None
 
   def _in_fprop_dtype(self, inputs: Any) -> Any:
     """The pipeline's nested inputs [B, ...] with the floating ones cast to the compute
@@ -386,7 +427,8 @@ class PipeliningLayer(BaseLayer):
     deferring = self._deferring_cells()
     try:
       plan = schedule.make(p.schedule, len(self.cells), p.num_micro_batches,
-                           virtual_stages=p.virtual_stages, weight_cells=deferring)
+                           virtual_stages=p.virtual_stages, weight_cells=deferring,
+                           num_token_slices=p.num_token_slices)
     except schedule.ScheduleError as e:
       raise PipelineError(f"{self.path}: {e}") from None
     if p.schedule != "zb_h1":
@@ -419,7 +461,8 @@ class PipeliningLayer(BaseLayer):
     outputs = []
     for m, x in enumerate(self._split(structure, sizes, self.cell_devices[0])):
       call_info = tf.stack([tf.constant(m, tf.int64),
-                            tf.cast(ctx.example_offset, tf.int64) + offsets[m]])
+                            tf.cast(ctx.example_offset, tf.int64) + offsets[m],
+                            tf.constant(0, tf.int64)])  # whole sequences: token offset 0
       for cell in cells:
         x, stats = cell.call_forward(x, None, step, call_info)
         if ctx.layer_stats is not None:

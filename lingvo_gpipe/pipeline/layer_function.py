@@ -30,7 +30,8 @@ three functions per kind (`tests/layer_function_test.py`).
 
 Calls that record deferred weight products (`StepContext.weight_products`, with
 `weight_gradient_group` > 1) are not shared: their products must reach the cell's
-own tape. Nor are layers of a class with `shares_traces = False`.
+own tape. Nor are calls on token slices (`StepContext.token_slice`): their cache
+entries are the cell call's inputs and outputs, not the layer function's. Nor are layers of a class with `shares_traces = False`.
 """
 
 from __future__ import annotations
@@ -138,7 +139,8 @@ class LayerFunctions:
     ctx = base_layer.current_context()
     info = step_info()
     for layer in layers:
-      if not type(layer).shares_traces or ctx.weight_products is not None:
+      if (not type(layer).shares_traces or ctx.weight_products is not None
+          or ctx.token_slice is not None):
         x = base_layer.call_with(layer, x)
         continue
       key = (id(layer), bool(ctx.training))

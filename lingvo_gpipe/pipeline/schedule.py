@@ -45,6 +45,34 @@ and W equal, a backward that includes its weight gradients twice as long
   interleaved_1f1b (Megatron-LM 2021: D devices hold V cells each, cell k on device
   k mod D; the devices run 1F1B over their cells in rounds of D micro-batches)
 
+Token slices (TeraPipe, Li et al. 2021; `num_token_slices` S > 1, causal sequence
+models only: core/token_slices.py): each micro-batch m is cut along the sequence into
+S slices j, and the schedule's unit is (m, j), numbered u = m·S + j; an action's
+`micro_batch` is its unit (`num_micro_batches` counts units: M·S). Besides the
+dependencies above, on each cell
+
+  F(k, (m, j)) comes after F(k, (m, j−1))   (slice j reads the cache slices < j left)
+  B(k, (m, j−1)) comes after B(k, (m, j))   (the cache's gradient flows back from
+                                             later slices to earlier ones)
+
+which `PipelineSchedule` checks, naming the action. gpipe and 1f1b run over units;
+1f1b's backwards take each micro-batch's slices newest first and its warm-up is
+S + K−k−1 units (the last cell's first backward needs all S slices of micro-batch 0).
+K = 3, M = 2, S = 2 (F = B = 1 per slice; labels m.j):
+
+  gpipe
+    cell 0  F0.0 F0.1 F1.0 F1.1 .... .... .... .... B1.1 B1.0 B0.1 B0.0
+    cell 1  .... F0.0 F0.1 F1.0 F1.1 .... .... B1.1 B1.0 B0.1 B0.0 ....
+    cell 2  .... .... F0.0 F0.1 F1.0 F1.1 B1.1 B1.0 B0.1 B0.0 .... ....
+
+  1f1b
+    cell 0  F0.0 F0.1 F1.0 F1.1 .... .... B0.1 B0.0 .... B1.1 B1.0 ....
+    cell 1  .... F0.0 F0.1 F1.0 .... B0.1 B0.0 F1.1 B1.1 B1.0 .... ....
+    cell 2  .... .... F0.0 F0.1 B0.1 B0.0 F1.0 B1.1 F1.1 B1.0 .... ....
+
+A pipeline of K cells over M micro-batches idles (K−1)/(M+K−1) of the step; over
+M·S slices of 1/S the work each, (K−1)/(M·S+K−1).
+
 Idle time per device (equal cells, free hand-offs; F, B and W the times of one
 micro-batch on a device's layers; the bubble, `bubble`, is idle / (M(F+B+W) + idle)):
 
@@ -128,10 +156,11 @@ class PipelineSchedule:
   need the device's order; `on_devices` derives one from the simulated timeline."""
   name: str
   num_cells: int
-  num_micro_batches: int
+  num_micro_batches: int  # units: micro-batches × num_token_slices
   actions: tuple[tuple[Action, ...], ...]
   device_of: tuple[int, ...] = ()
   device_orders: tuple[tuple[tuple[int, Action], ...], ...] = ()
+  num_token_slices: int = 1  # S: a unit u is slice u mod S of micro-batch u // S
 
   def __post_init__(self):
     if not self.device_of:
@@ -143,6 +172,7 @@ class PipelineSchedule:
       object.__setattr__(self, "device_orders", tuple(
           tuple((k, a) for a in self.actions[k]) for k in range(len(self.actions))))
     self._check_each_cell_runs_each_action_once()
+    self._check_slices_in_order()
     self._check_devices_run_their_cells_in_order()
     self._check_links_carry_the_same_order()
     self.execution_order()  # raises ScheduleError on a deadlock
@@ -151,11 +181,40 @@ class PipelineSchedule:
   def num_devices(self) -> int:
     return len(self.device_orders)
 
+  def label(self, action: Action) -> str:
+    """'F3', or with token slices 'F<m>.<j>' (micro-batch m, slice j)."""
+    if self.num_token_slices == 1:
+      return str(action)
+    m, j = divmod(action.micro_batch, self.num_token_slices)
+    return f"{_LETTERS[action.phase]}{m}.{j}"
+
   def _error(self, k: int, position: int, why: str) -> ScheduleError:
     """`why`, with cell k's list printed and its action at `position` marked."""
-    listed = " ".join(f">{a}<" if i == position else str(a)
+    listed = " ".join(f">{self.label(a)}<" if i == position else self.label(a)
                       for i, a in enumerate(self.actions[k]))
     return ScheduleError(f"{self.name}: cell {k} {why}\n  cell {k}: {listed}")
+
+  def _check_slices_in_order(self) -> None:
+    """Each cell runs a micro-batch's slices' forwards in slice order and their
+    backwards in reverse (module docstring)."""
+    s = self.num_token_slices
+    if not isinstance(s, int) or s < 1 or self.num_micro_batches % s:
+      raise ScheduleError(f"{self.name}: num_token_slices={s} must be an int >= 1 dividing "
+                          f"the {self.num_micro_batches} units")
+    if s == 1:
+      return
+    for k, cell_actions in enumerate(self.actions):
+      done: set[Action] = set()
+      for i, action in enumerate(cell_actions):
+        m, j = divmod(action.micro_batch, s)
+        if action.phase == FORWARD and j > 0 and forward(action.micro_batch - 1) not in done:
+          raise self._error(k, i, f"runs {self.label(action)} before F{m}.{j - 1}: a slice "
+                                  "reads the cache its micro-batch's earlier slices leave")
+        if (action.phase == BACKWARD and j < s - 1
+            and backward(action.micro_batch + 1) not in done):
+          raise self._error(k, i, f"runs {self.label(action)} before B{m}.{j + 1}: the "
+                                  "gradient of a slice's cache comes from the later slices")
+        done.add(action)
 
   def _check_each_cell_runs_each_action_once(self) -> None:
     if len(self.actions) != self.num_cells or len(self.device_of) != self.num_cells:
@@ -360,7 +419,8 @@ class PipelineSchedule:
     actions = tuple(tuple(a for d in device_orders for c, a in d if c == k)
                     for k in range(self.num_cells))
     return PipelineSchedule(self.name, self.num_cells, self.num_micro_batches, actions,
-                            self.device_of, tuple(tuple(o) for o in device_orders))
+                            self.device_of, tuple(tuple(o) for o in device_orders),
+                            self.num_token_slices)
 
   def with_weight_gradients(self, group: int, cells: Sequence[int]) -> PipelineSchedule:
     """This schedule with a W after every `group`-th backward of each of `cells` (the
@@ -393,7 +453,8 @@ class PipelineSchedule:
       return self
     if len(device_of) != self.num_cells:
       raise ScheduleError(f"{self.name}: {len(device_of)} devices for {self.num_cells} cells")
-    free = PipelineSchedule(self.name, self.num_cells, self.num_micro_batches, self.actions)
+    free = PipelineSchedule(self.name, self.num_cells, self.num_micro_batches, self.actions,
+                            num_token_slices=self.num_token_slices)
     times = free.simulate()
     orders: list[list[tuple[float, int, int, Action]]] = [[] for _ in range(max(device_of) + 1)]
     for k, cell_actions in enumerate(self.actions):
@@ -401,25 +462,27 @@ class PipelineSchedule:
         orders[device_of[k]].append((times[(k, action)][0], k, i, action))
     return PipelineSchedule(self.name, self.num_cells, self.num_micro_batches, self.actions,
                             device_of, tuple(tuple((k, a) for _, k, _, a in sorted(order))
-                                             for order in orders))
+                                             for order in orders), self.num_token_slices)
 
   def format_table(self, forward_time: int = 1, backward_time: int = 1,
                    weight_time: int = 1) -> str:
     """One row per cell, one column per unit of simulated time ('..' idle)."""
     times = self.simulate(forward_time, backward_time, weight_time)
     width = int(max(end for _, end in times.values()))
+    label_width = max(2, *(len(self.label(a)) for cell in self.actions for a in cell))
     rows = []
     for k in range(self.num_cells):
-      cells = [".."] * width
+      cells = ["." * label_width] * width
       for action in self.actions[k]:
         start, end = times[(k, action)]
         for t in range(int(start), int(end)):
-          cells[t] = str(action).ljust(2)
+          cells[t] = self.label(action).ljust(label_width)
       rows.append(f"cell {k}  " + " ".join(cells))
     return "\n".join(rows)
 
   def __str__(self) -> str:
-    return "\n".join(f"cell {k}: {' '.join(map(str, a))}" for k, a in enumerate(self.actions))
+    return "\n".join(f"cell {k}: {' '.join(map(self.label, a))}"
+                     for k, a in enumerate(self.actions))
 
   def device_action_lists(self) -> list[list[str]]:
     """Each device's actions in torch.distributed.pipelining's compact form: cell
@@ -445,30 +508,40 @@ class PipelineSchedule:
     return "".join(",".join(row) + "\n" for row in self.device_action_lists())
 
 
-def gpipe(num_cells: int, num_micro_batches: int) -> PipelineSchedule:
-  """Fill-drain: every cell runs F0..F(M−1), then B(M−1)..B0 (the newest first, whose
-  output gradient arrives first)."""
-  m = num_micro_batches
-  cell = tuple(forward(i) for i in range(m)) + tuple(backward(i) for i in reversed(range(m)))
-  return PipelineSchedule("gpipe", num_cells, m, tuple(cell for _ in range(num_cells)))
+def gpipe(num_cells: int, num_micro_batches: int, num_token_slices: int = 1
+          ) -> PipelineSchedule:
+  """Fill-drain: every cell runs F0..F(U−1), then B(U−1)..B0 (the newest first, whose
+  output gradient arrives first), over the U = M·S units (micro-batches × slices)."""
+  s = num_token_slices
+  u = num_micro_batches * s
+  cell = tuple(forward(i) for i in range(u)) + tuple(backward(i) for i in reversed(range(u)))
+  return PipelineSchedule("gpipe", num_cells, u, tuple(cell for _ in range(num_cells)),
+                          num_token_slices=s)
 
 
-def one_f_one_b(num_cells: int, num_micro_batches: int) -> PipelineSchedule:
+def one_f_one_b(num_cells: int, num_micro_batches: int, num_token_slices: int = 1
+                ) -> PipelineSchedule:
   """PipeDream-flush: cell k runs min(K−k, M) forwards, then alternates one backward
-  and one forward while forwards remain, then runs the remaining backwards."""
-  m = num_micro_batches
+  and one forward while forwards remain, then runs the remaining backwards.
+
+  Over token slices (S > 1; Seq1F1B's order): the forwards in unit order, the
+  backwards micro-batch by micro-batch, each one's slices newest first, and a warm-up
+  of min(S + K−k−1, M·S) forwards."""
+  s = num_token_slices
+  units = num_micro_batches * s
+  backwards = [m * s + j for m in range(num_micro_batches) for j in reversed(range(s))]
   actions = []
   for k in range(num_cells):
-    warmup = min(num_cells - k, m)
+    warmup = min(num_cells - k - 1 + s, units)
     cell = [forward(i) for i in range(warmup)]
     next_forward = warmup
-    for i in range(m):
+    for i in backwards:
       cell.append(backward(i))
-      if next_forward < m:
+      if next_forward < units:
         cell.append(forward(next_forward))
         next_forward += 1
     actions.append(tuple(cell))
-  return PipelineSchedule("1f1b", num_cells, m, tuple(actions))
+  return PipelineSchedule("1f1b", num_cells, units, tuple(actions), num_token_slices=s)
 
 
 def interleaved_1f1b(num_cells: int, num_micro_batches: int,
@@ -562,19 +635,29 @@ def deferring_cells(name: str, num_cells: int, weight_gradient_group: int,
   return []
 
 
+SLICED_SCHEDULES = ("gpipe", "1f1b")  # those that run token slices
+
+
 def make(name: str, num_cells: int, num_micro_batches: int, *, virtual_stages: int = 1,
-         weight_cells: Sequence[int] = ()) -> PipelineSchedule:
+         weight_cells: Sequence[int] = (), num_token_slices: int = 1) -> PipelineSchedule:
   """The schedule called `name` (one of SCHEDULES) for K cells and M micro-batches.
 
   virtual_stages: V cells per device (interleaved_1f1b); weight_cells: the cells that
   compute weight gradients in W actions of their own, which zb_h1 places itself (the
-  other schedules get them from `with_weight_gradients`).
+  other schedules get them from `with_weight_gradients`); num_token_slices: S slices
+  per micro-batch (SLICED_SCHEDULES only), units (m, j) as the module docstring says.
   """
   if name not in SCHEDULES:
     raise ScheduleError(f"unknown pipeline schedule {name!r}; valid: {sorted(SCHEDULES)}")
   if num_cells < 1 or num_micro_batches < 1:
     raise ScheduleError(f"a schedule needs num_cells >= 1 and num_micro_batches >= 1, got "
                         f"{num_cells} and {num_micro_batches}")
+  if num_token_slices != 1:
+    if name not in SLICED_SCHEDULES:
+      raise ScheduleError(f"schedule {name!r} does not run token slices; with "
+                          f"num_token_slices={num_token_slices} use one of {SLICED_SCHEDULES}")
+    return {"gpipe": gpipe, "1f1b": one_f_one_b}[name](num_cells, num_micro_batches,
+                                                      num_token_slices)
   if name == "interleaved_1f1b":
     return interleaved_1f1b(num_cells, num_micro_batches, virtual_stages)
   if name == "zb_h1":

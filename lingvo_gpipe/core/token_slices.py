@@ -1,0 +1,146 @@
+"""Token slices: a causal sequence model run on slices of its sequences (TeraPipe).
+
+A pipeline with `num_token_slices` S > 1 cuts every micro-batch [b, T, ...] along the
+sequence (axis 1) into S slices [b, n_j, ...] of consecutive tokens that flow through
+the cells one after another (pipeline/schedule.py's units (m, j)). Token t of a causal
+model depends on tokens ≤ t only, so slice j at a layer needs, besides its own
+tokens, only what the layer kept of slices < j: the keys and values of its causal
+self-attention. A forward of a slice runs with `StepContext.token_slice` set to a
+`TokenSlice`: the slice's first position (`offset`), the sequence's length T, and the
+`SliceCache` that carries those keys and values from slice to slice.
+
+A layer's cache entry is full-length, [..., T, ...] along its sequence axis: slice j
+reads it masked to the positions before its own (`SliceCache.extend`: positions <
+offset kept, the rest zero), places its own entries at offset..offset+n_j, and passes
+the result on. Masking what it reads makes an entry's later values invisible, so the
+backward of slice j may be handed the entry as the last slice left it (the cell
+keeps one entry per micro-batch, not one per slice) and reads exactly what the
+forward read. With full-length keys, slice j's attention is [n_j, T] logits under a
+causal mask: every slice costs the same, and the S slices together compute the
+unsliced layer's [T, T] products.
+
+Gradients run the other way: the entry slice j passes on is an output of its cell
+call, whose gradient (from slices > j) the backward of slice j takes as a seed, and
+the gradient of the entry it read is handed to the backward of slice j − 1.
+
+Which layers may run on slices is a property of their class (`SLICING`): "tokenwise"
+(each position on its own: embeddings, projections, norms), "causal" (position t sees
+positions ≤ t through the cache: a causal Transformer LM layer), or None (it mixes
+positions some other way, e.g. an encoder's self-attention, a convolution, or pools
+them): `check_layers` refuses the last.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import tensorflow as tf
+
+TOKENWISE, CAUSAL = "tokenwise", "causal"
+SLICING = (TOKENWISE, CAUSAL)
+
+
+class SliceCache:
+  """The cache entries of one cell call, in the order its layers extend them.
+
+  incoming: the entries the call was given (a flat list, one per `extend` of the
+  call), or None while a trace only learns their specs (each then reads zeros).
+  After the call, `outgoing` holds the entries to pass on and `specs` their specs.
+  """
+
+  def __init__(self, incoming: Sequence[tf.Tensor] | None = None):
+    self.incoming = None if incoming is None else list(incoming)
+    self.outgoing: list[tf.Tensor] = []
+    self.specs: list[tf.TensorSpec] = []
+
+  def previous(self, spec: tf.TensorSpec) -> tf.Tensor:
+    """The next incoming entry (zeros of `spec` while specs are learnt)."""
+    i = len(self.outgoing)
+    if self.incoming is None:
+      return tf.zeros(spec.shape, spec.dtype)
+    if i >= len(self.incoming):
+      raise RuntimeError(f"a cell call extends more cache entries than the {len(self.incoming)} "
+                         "it was given")
+    entry = self.incoming[i]
+    if entry.dtype != spec.dtype or not spec.shape.is_compatible_with(entry.shape):
+      raise RuntimeError(f"cache entry {i}: given {entry.dtype.name}{entry.shape}, the layer "
+                         f"extends {spec.dtype.name}{spec.shape}")
+    return entry
+
+
+@dataclasses.dataclass
+class TokenSlice:
+  """The slice a forward pass computes: tokens offset .. offset+n−1 of sequences of
+  `full_length` tokens (n: the inputs' length along their sequence axis).
+
+  offset: int64 scalar tensor; full_length: T, static; cache: the call's SliceCache.
+  """
+  offset: tf.Tensor
+  full_length: int
+  cache: SliceCache
+
+  def positions(self, length: int) -> tf.Tensor:
+    """int64 [length]: the slice's token positions offset .. offset+length−1."""
+    return tf.range(length, dtype=tf.int64) + tf.cast(self.offset, tf.int64)
+
+  def extend(self, new: tf.Tensor, axis: int) -> tf.Tensor:
+    """new [..., n, ...] (n along `axis`: this slice's entries) → the full-length entry
+    [..., T, ...]: the incoming one at positions < offset, `new` at offset..offset+n−1,
+    zeros after. Recorded as an outgoing entry (and its spec)."""
+    shape = new.shape.as_list()
+    axis = axis % len(shape)
+    n = shape[axis]
+    if n is None or any(d is None for d in shape):
+      raise ValueError(f"token slices need static shapes; cache entry {new.shape}")
+    full_shape = shape[:axis] + [self.full_length] + shape[axis + 1:]
+    spec = tf.TensorSpec(full_shape, new.dtype)
+    previous = self.cache.previous(spec)
+    before = tf.reshape(tf.range(self.full_length, dtype=tf.int64) < tf.cast(self.offset, tf.int64),
+                        [self.full_length] + [1] * (len(shape) - axis - 1))
+    kept = tf.where(before, previous, tf.zeros_like(previous))
+    offset = tf.cast(self.offset, tf.int32)
+    pads = tf.tensor_scatter_nd_update(
+        tf.zeros([len(shape), 2], tf.int32), [[axis, 0], [axis, 1]],
+        tf.stack([offset, self.full_length - n - offset]))
+    placed = tf.pad(new, pads)
+    placed.set_shape(full_shape)
+    entry = kept + placed
+    self.cache.outgoing.append(entry)
+    self.cache.specs.append(spec)
+    return entry
+
+  def window(self, full: tf.Tensor, axis: int, length: int) -> tf.Tensor:
+    """full [..., T, ...] → its positions offset .. offset+length−1 along `axis`."""
+    rank = full.shape.rank
+    axis = axis % rank
+    begin = tf.tensor_scatter_nd_update(tf.zeros([rank], tf.int64), [[axis]],
+                                        tf.reshape(tf.cast(self.offset, tf.int64), [1]))
+    size = [-1] * rank
+    size[axis] = length
+    out = tf.slice(full, begin, tf.constant(size, tf.int64))
+    out.set_shape(full.shape[:axis].concatenate([length]).concatenate(full.shape[axis + 1:]))
+    return out
+
+
+def slice_lengths(length: int, num_slices: int) -> list[int]:
+  """Near-equal slice lengths summing to `length`; the first (length % S) one longer."""
+  if num_slices < 1 or num_slices > length:
+    raise ValueError(f"num_token_slices={num_slices} must be in 1..{length} (the sequence "
+                     f"length)")
+  base, extra = divmod(length, num_slices)
+  return [base + (1 if j < extra else 0) for j in range(num_slices)]
+
+
+def check_layers(layers: Sequence[Any], path: str) -> None:
+  """Raises ValueError naming the first of `layers` whose class does not declare that
+  it runs on token slices (`SLICING`: a class attribute `token_slicing`)."""
+  for layer in layers:
+    kind = getattr(type(layer), "token_slicing", None)
+    if kind not in SLICING:
+      raise ValueError(
+          f"{path}: num_token_slices > 1 needs layers that are causal in the sequence; "
+          f"{layer.path} ({type(layer).__name__}) is not (token_slicing={kind!r}; "
+          f"valid: {SLICING}). Encoders, convolutions and pooling mix all positions: "
+          "use num_token_slices=1")
