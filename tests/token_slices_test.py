@@ -1,0 +1,243 @@
+"""Token slices (TeraPipe): a causal LM pipelined over slices of its sequences against
+the same layers run unpartitioned on the whole batch and whole sequences."""
+
+import itertools
+import os
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from numerics import assert_all_close, assert_close, tolerance
+
+from lingvo_gpipe import train_step
+from lingvo_gpipe.core import base_layer, layers, optimizers, stacked_variables, token_slices
+from lingvo_gpipe.models import transformer
+from lingvo_gpipe.pipeline import layer as gpipe
+from lingvo_gpipe.pipeline import schedule
+from lingvo_gpipe.tasks.language_model import token_metrics
+
+VOCAB, DIM, STEP = 11, 8, 3
+
+
+def lm_params(cls, **pipeline):
+  """Embedding, two causal Transformer layers, softmax: four layers, dropout on all."""
+  stack = transformer.lm_stack(VOCAB, DIM, 16, 2, 2, residual_keep_prob=0.8,
+                               atten_keep_prob=0.7, relu_keep_prob=0.9)
+  return cls.Params().set(name="stack", layers=stack.layers, random_seed=5, **pipeline)
+
+
+def batch(batch_size: int, length: int) -> dict:
+  """ids, labels [B, T] and paddings with a padded tail on all but the first sequence."""
+  rng = np.random.default_rng(0)
+  pads = np.zeros([batch_size, length], np.float32)
+  for i in range(1, batch_size):
+    pads[i, length - 1 - (3 * i) % (length - 1):] = 1.0
+  return {"ids": tf.constant(rng.integers(0, VOCAB, [batch_size, length]), tf.int32),
+          "labels": tf.constant(rng.integers(0, VOCAB, [batch_size, length]), tf.int32),
+          "paddings": tf.constant(pads)}
+
+
+def head(logits, head_inputs):
+  return token_metrics(logits, head_inputs["labels"], head_inputs["paddings"])
+
+
+def reference(data: dict, step: int = STEP):
+  """Unpartitioned, whole sequences, GradientTape: (loss, gradients, variable names)."""
+  model = lm_params(layers.Sequential).instantiate()
+  with tf.GradientTape() as tape:
+    with base_layer.step_context(training=True, step=tf.constant(step, tf.int64)):
+      loss = head(model(data["ids"], data["paddings"]), data)["loss"][0]
+  return (loss.numpy(), [tf.convert_to_tensor(g).numpy()
+                         for g in tape.gradient(loss, model.trainable_variables)],
+          [v.name for v in model.trainable_variables])
+
+
+def assert_per_variable_close(got, want, names):
+  """Per variable (gradients, or weights), got within REORDERED of the reference, at
+  the reference's scale; but the keys' bias, whose gradient is 0 analytically (a
+  softmax does not change when a constant is added to every logit of a row), holds
+  rounding noise on both sides: it is compared at the scale of its projection
+  weight's."""
+  weight_of = {name: i for i, name in enumerate(names)}
+  for i, name in enumerate(names):
+    if name.endswith("/key/b:0"):
+      atol = tolerance(want[weight_of[name.replace("/key/b:0", "/key/w:0")]])
+      np.testing.assert_allclose(got[i], want[i], rtol=0, atol=atol, err_msg=name)
+    else:
+      assert_close(got[i], want[i], err_msg=name)
+
+
+def sliced(data: dict, devices, **pipeline):
+  """The pipeline's scheduled step: (loss, gradients)."""
+  model = lm_params(gpipe.PipeliningLayer, devices=devices, **pipeline).instantiate()
+  wrapped = train_step.StackWithLoss(model, head)
+
+  @tf.function
+  def step():
+    with base_layer.step_context(training=True, step=tf.constant(STEP, tf.int64)):
+      metrics, grads = train_step.loss_and_gradients(
+          wrapped, {"inputs": (data["ids"], data["paddings"]), "labels": data["labels"],
+                    "paddings": data["paddings"]},
+          stacked_variables.trainable_weights(model))
+    return metrics["loss"][0], grads
+
+  loss, grads = step()
+  return loss.numpy(), [g.numpy() for g in grads]
+
+
+# schedule × K ∈ {1, 2, 4} × M ∈ {1, 2} × S ∈ {2, 4, 8} × recompute: every pair of
+# values of any two once at least (test_the_grid_covers_every_pair); dropout on.
+GRID = [
+    ("gpipe", 1, 1, 2, "always"), ("1f1b", 1, 2, 4, "never"), ("gpipe", 1, 2, 8, "never"),
+    ("1f1b", 2, 1, 2, "never"), ("gpipe", 2, 2, 4, "always"), ("1f1b", 2, 1, 8, "always"),
+    ("1f1b", 4, 2, 2, "always"), ("gpipe", 4, 1, 4, "never"), ("1f1b", 4, 2, 8, "never"),
+    ("gpipe", 4, 2, 2, "never"),
+]
+FULL_GRID = list(itertools.product(["gpipe", "1f1b"], [1, 2, 4], [1, 2], [2, 4, 8],
+                                   ["always", "never"]))
+# LINGVO_GPIPE_FULL_GRID=1 runs all 72 (about 4 minutes on 2 cores).
+RUN_GRID = FULL_GRID if os.environ.get("LINGVO_GPIPE_FULL_GRID") == "1" else GRID
+
+
+def test_the_grid_covers_every_pair():
+  def pairs(rows):
+    return {(i, j, row[i], row[j]) for row in rows for i, j in itertools.combinations(range(5), 2)}
+  assert pairs(GRID) == pairs(FULL_GRID)
+
+
+@pytest.fixture(scope="module")
+def even():
+  data = batch(4, 16)
+  return data, reference(data)
+
+
+@pytest.mark.parametrize("schedule_name, num_cells, num_micro_batches, num_slices, recompute",
+                         RUN_GRID)
+def test_loss_and_gradients_equal_the_unsliced_model(even, cpu_devices, schedule_name, num_cells,
+                                                     num_micro_batches, num_slices, recompute):
+  data, (want_loss, want_grads, names) = even
+  loss, grads = sliced(data, cpu_devices[:num_cells], num_cells=num_cells,
+                       num_micro_batches=num_micro_batches, num_token_slices=num_slices,
+                       schedule=schedule_name, recompute=recompute)
+  assert_close(loss, want_loss)
+  assert_per_variable_close(grads, want_grads, names)
+
+
+def test_uneven_slices_and_micro_batches_with_grouped_weight_gradients(cpu_devices):
+  """T = 14 into 4 slices (4, 4, 3, 3), 3 sequences into 2 micro-batches (2, 1): four
+  unit shapes; weight gradients over groups of 3 backwards (deferred products)."""
+  data = batch(3, 14)
+  want_loss, want_grads, names = reference(data)
+  loss, grads = sliced(data, cpu_devices[:2], num_cells=2, num_micro_batches=2,
+                       num_token_slices=4, schedule="1f1b", weight_gradient_group=3)
+  assert_close(loss, want_loss)
+  assert_per_variable_close(grads, want_grads, names)
+
+
+def test_two_trainer_steps_give_the_unsliced_weights(cpu_devices):
+  """TrainStep (the trainer's step) at K=2, M=2, S=4 against SGD on the unpartitioned
+  model by hand: the same losses and weights after two steps. (SGD: Adam would turn
+  the keys' bias's rounding noise into ±learning-rate steps of random sign.)"""
+  data = batch(4, 16)
+  want_model = lm_params(layers.Sequential).instantiate()
+  opt = optimizers.SGD.Params().set(learning_rate=0.5).instantiate()
+  variables = want_model.trainable_variables
+  opt.create_slots(variables)
+  want_losses = []
+  for i in range(2):
+    with tf.GradientTape() as tape:
+      with base_layer.step_context(training=True, step=tf.constant(i, tf.int64)):
+        loss = head(want_model(data["ids"], data["paddings"]), data)["loss"][0]
+    want_losses.append(loss.numpy())
+    opt.apply_gradients(tape.gradient(loss, variables), variables, tf.constant(i, tf.int64))
+
+  model = lm_params(gpipe.PipeliningLayer, num_cells=2, num_micro_batches=2,
+                    num_token_slices=4, schedule="1f1b", devices=cpu_devices[:2]).instantiate()
+  pipeline_opt = optimizers.SGD.Params().set(learning_rate=0.5).instantiate()
+  pipeline_opt.create_slots(model.trainable_variables)
+  global_step = tf.Variable(0, dtype=tf.int64)
+  run = tf.function(train_step.TrainStep(train_step.StackWithLoss(model, head), pipeline_opt,
+                                         global_step))
+  losses = []
+  for _ in range(2):
+    values, _ = run({"inputs": (data["ids"], data["paddings"]), "labels": data["labels"],
+                     "paddings": data["paddings"]})
+    losses.append(values["loss"].numpy())
+  assert_all_close(losses, want_losses)
+  assert_per_variable_close([v.numpy() for v in stacked_variables.trainable_weights(model)],
+                            [v.numpy() for v in variables], [v.name for v in variables])
+
+
+def test_a_layer_on_slices_with_its_cache_equals_the_whole_sequence():
+  """A causal Transformer layer (dropout on) run slice by slice, each slice given the
+  cache entries the previous one extended, against the whole sequence."""
+  layer = transformer.TransformerLmLayer.Params().set(
+      name="layer", input_dim=DIM, hidden_dim=16, num_heads=2, residual_keep_prob=0.8,
+      atten_keep_prob=0.7, relu_keep_prob=0.9).instantiate()
+  data = batch(3, 12)
+  x = tf.random.stateless_normal([3, 12, DIM], [1, 2])
+  with base_layer.step_context(training=True, step=STEP, example_offset=5):
+    want, _ = layer.fprop(x, data["paddings"])
+  parts, entries, start = [], None, 0
+  for length in token_slices.slice_lengths(12, 3):
+    cache = token_slices.SliceCache(entries)
+    part = token_slices.TokenSlice(tf.constant(start, tf.int64), 12, cache)
+    with base_layer.step_context(training=True, step=STEP, example_offset=5, token_slice=part):
+      y, _ = layer.fprop(x[:, start:start + length], data["paddings"][:, start:start + length])
+    parts.append(y.numpy())
+    entries, start = cache.outgoing, start + length
+  # key paddings [B, T], keys and values [B, N, T, H]
+  assert [s.shape.as_list() for s in cache.specs] == [[3, 12], [3, 2, 12, 4], [3, 2, 12, 4]]
+  assert_close(np.concatenate(parts, axis=1), want.numpy())
+
+
+def test_schedules_over_slices_and_their_bubble():
+  """gpipe and 1f1b over units (m, j); with F = B the bubble is that of M·S
+  micro-batches, (K−1)/(M·S+K−1)."""
+  for name in schedule.SLICED_SCHEDULES:
+    plan = schedule.make(name, 4, 4, num_token_slices=4)
+    assert plan.num_micro_batches == 16
+    assert plan.bubble(1.0, 1.0, 0.0) == pytest.approx(3 / 19)
+  one_f_one_b = schedule.make("1f1b", 3, 2, num_token_slices=2)
+  assert str(one_f_one_b).splitlines()[2] == \
+      "cell 2: F0.0 F0.1 B0.1 F1.0 B0.0 F1.1 B1.1 B1.0"
+
+
+@pytest.mark.parametrize("actions, message", [
+    (("F1", "F0", "B1", "B0"), "runs F0.1 before F0.0"),
+    (("F0", "F1", "B0", "B1"), "runs B0.0 before B0.1"),
+])
+def test_a_schedule_running_slices_out_of_order_is_refused(actions, message):
+  parsed = tuple(schedule.from_lists("bad", [actions]).actions)
+  with pytest.raises(schedule.ScheduleError, match=message):
+    schedule.PipelineSchedule("bad", 1, 2, parsed, num_token_slices=2)
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(num_token_slices=0), "num_token_slices must be an int >= 1"),
+    (dict(num_token_slices=2, schedule="zb_h1"), "schedule must be one of"),
+])
+def test_bad_slice_params_are_named(cpu_devices, settings, message):
+  with pytest.raises(gpipe.PipelineError, match=message):
+    lm_params(gpipe.PipeliningLayer, num_cells=2, devices=cpu_devices[:2],
+              **settings).instantiate()
+
+
+def test_more_slices_than_tokens_is_named(cpu_devices):
+  model = lm_params(gpipe.PipeliningLayer, num_cells=2, num_token_slices=8,
+                    devices=cpu_devices[:2]).instantiate()
+  data = batch(2, 4)
+  with pytest.raises(gpipe.PipelineError, match="num_token_slices=8 must be in 1..4"):
+    with base_layer.step_context(training=True, layer_stats=[]):
+      train_step.loss_and_gradients(
+          train_step.StackWithLoss(model, head),
+          {"inputs": (data["ids"], data["paddings"]), "labels": data["labels"],
+           "paddings": data["paddings"]}, stacked_variables.trainable_weights(model))
+
+
+def test_layers_that_are_not_causal_refuse_slices(cpu_devices):
+  stack = transformer.encoder_decoder_stack(VOCAB, DIM, 16, 2, 1)
+  with pytest.raises(gpipe.PipelineError, match="encoder_000.*TransformerEncoderLayer"):
+    gpipe.PipeliningLayer.Params().set(name="stack", layers=stack.layers, num_cells=2,
+                                       num_token_slices=2,
+                                       devices=cpu_devices[:2]).instantiate()
