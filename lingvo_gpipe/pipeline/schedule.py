@@ -58,7 +58,7 @@ dependencies above, on each cell
 which `PipelineSchedule` checks, naming the action. gpipe and 1f1b run over units;
 1f1b's backwards take each micro-batch's slices newest first and its warm-up is
 S + K−k−1 units (the last cell's first backward needs all S slices of micro-batch 0).
-K = 3, M = 2, S = 2 (F = B = 1 per slice; labels m.j):
+K = 3, M = 2, S = 2 (F = B = 1 per slice, `format_table(1, 1, 0)`; labels m.j):
 
   gpipe
     cell 0  F0.0 F0.1 F1.0 F1.1 .... .... .... .... B1.1 B1.0 B0.1 B0.0
@@ -66,9 +66,9 @@ K = 3, M = 2, S = 2 (F = B = 1 per slice; labels m.j):
     cell 2  .... .... F0.0 F0.1 F1.0 F1.1 B1.1 B1.0 B0.1 B0.0 .... ....
 
   1f1b
-    cell 0  F0.0 F0.1 F1.0 F1.1 .... .... B0.1 B0.0 .... B1.1 B1.0 ....
-    cell 1  .... F0.0 F0.1 F1.0 .... B0.1 B0.0 F1.1 B1.1 B1.0 .... ....
-    cell 2  .... .... F0.0 F0.1 B0.1 B0.0 F1.0 B1.1 F1.1 B1.0 .... ....
+    cell 0  F0.0 F0.1 F1.0 F1.1 .... .... B0.1 .... B0.0 .... B1.1 B1.0
+    cell 1  .... F0.0 F0.1 F1.0 .... B0.1 F1.1 B0.0 .... B1.1 B1.0 ....
+    cell 2  .... .... F0.0 F0.1 B0.1 F1.0 B0.0 F1.1 B1.1 B1.0 .... ....
 
 A pipeline of K cells over M micro-batches idles (K−1)/(M+K−1) of the step; over
 M·S slices of 1/S the work each, (K−1)/(M·S+K−1).

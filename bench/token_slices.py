@@ -1,0 +1,216 @@
+"""Token slices (TeraPipe): step time and bubble of a causal LM with few sequences.
+
+A pipeline whose mini-batch holds few sequences has few micro-batches: at 4 sequences
+on K cells, M ≤ 4 and the fill-drain bubble is (K−1)/(M+K−1). Cutting every
+micro-batch into S token slices (`num_token_slices`, core/token_slices.py) makes the
+schedule's units M·S slices of 1/S the work each. This benchmark trains the
+Transformer LM stack of `bench/pipeline_speedup.py` (8 causal layers, model 512,
+hidden 2048, 8 heads) on --batch sequences of --length tokens with M = --micro_batches,
+on K one-thread loopback workers (tools/worker.py; one process per worker, like one
+sequential accelerator each), for each S of --slices:
+
+  step_seconds            median wall time of a training step (forward, recomputed
+                          forward, backward, SGD)
+  speedup_vs_s1           S=1's step ÷ this one's, measured side by side (the
+                          configurations alternate step by step)
+  bubble_measured         idle share of the workers in the measured schedule
+  bubble_planned          the schedule simulated with the step's own measured call
+                          times (what it would give with free hand-offs)
+  bubble_theoretical      (K−1)/(M·S+K−1), equal cells and units
+  peak_gb_per_worker      each worker's peak bytes in use (TensorFlow's BFC allocator:
+                          weights, slots, stash, cache, activations, transfer
+                          buffers) over two steps, in a cluster of fresh workers
+                          that run only this configuration
+
+Each cluster runs in a process of its own (a client joins one cluster per process):
+the timed one per K, and one per (K, S) for the memory.
+
+  python bench/token_slices.py                      # K ∈ {2, 4}, S ∈ {1, 2, 4, 8}
+  python bench/token_slices.py --workers 2 --length 256 --steps 5
+
+K one-thread workers need K cores to behave like K devices: on a machine with fewer
+cores (this project's have 2), K=4's workers share them, so its step times are not
+those of 4 devices; the measured bubble still counts when a worker waits on another.
+The last line printed is one JSON object: `results` per configuration, and for each
+K `k<K>_s<S>_speedup_vs_s1` and `k<K>_s<S>_bubble_over_s1` (measured bubble ÷ S=1's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")  # inherited by the worker processes
+
+
+def lm_layers(batch: int, length: int):
+  """8 causal Transformer LM layers (bench/pipeline_speedup.py's) and their inputs:
+  x [batch, length, 512], paddings [batch, length] (none padded)."""
+  import tensorflow as tf
+
+  from lingvo_gpipe.models import transformer
+
+  return ([transformer.TransformerLmLayer.Params().set(
+              name=f"layer{i}", input_dim=512, hidden_dim=2048, num_heads=8)
+           for i in range(8)],
+          (tf.random.stateless_normal([batch, length, 512], seed=[1, 2]),
+           tf.zeros([batch, length])))
+
+
+def make_step(args, num_slices: int, devices: list[str]):
+  """A traced, warmed-up training step at S = num_slices: run() → (seconds, measured
+  schedule); run.plan is its schedule."""
+  import tensorflow as tf
+
+  from lingvo_gpipe import train_step
+  from lingvo_gpipe.core import optimizers
+  from lingvo_gpipe.pipeline import layer as gpipe
+  from lingvo_gpipe.pipeline import timeline
+
+  with tf.device(devices[0]):
+    stack, inputs = lm_layers(args.batch, args.length)
+  model = gpipe.PipeliningLayer.Params().set(
+      name="lm", layers=stack, num_cells=len(devices), num_micro_batches=args.micro_batches,
+      num_token_slices=num_slices, devices=devices, schedule=args.schedule,
+      random_seed=1).instantiate()
+
+  def mean_square(outputs, _):
+    """Mean square of the outputs over a unit's tokens, weighted by its tokens (so the
+    units' weighted mean is the whole batch's mean)."""
+    out = tf.nest.flatten(outputs)[0]
+    tokens = tf.cast(tf.shape(out)[0] * tf.shape(out)[1], tf.float32)
+    return {"loss": (tf.reduce_mean(tf.square(out)), tokens)}
+
+  wrapped = train_step.StackWithLoss(model, mean_square)
+  optimizer = optimizers.SGD.Params().set(learning_rate=1e-4, momentum=0.0).instantiate()
+  optimizer.create_slots(wrapped.trainable_variables)
+  step = train_step.TrainStep(wrapped, optimizer, tf.Variable(0, dtype=tf.int64),
+                              input_device=devices[0])
+  step_fn = tf.function(step)
+  batch = {"inputs": inputs}
+
+  def run() -> tuple[float, timeline.MeasuredTimeline]:
+    start = time.perf_counter()
+    outputs, fetched = step_fn(batch)
+    outputs["loss"].numpy()
+    seconds = time.perf_counter() - start
+    return seconds, timeline.MeasuredTimeline.from_fetched([t.numpy() for t in fetched])
+
+  started = time.perf_counter()
+  run()  # trace and warm up
+  run.first_step_seconds = time.perf_counter() - started
+  run.plan = step.plan
+  return run
+
+
+def measure_memory(args) -> list[float]:
+  """Each worker's peak GB in use over two steps at K = args.workers, S = args.slices
+  (one value), fresh workers counting with the BFC allocator."""
+  import tempfile
+
+  from lingvo_gpipe.runtime.local_workers import local_cluster
+  from lingvo_gpipe.runtime.memory_log import memory_log_path, read_memory_log
+
+  os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"  # the workers inherit it
+  with tempfile.TemporaryDirectory() as logs:
+    with local_cluster(args.workers, memory_log_dir=logs) as (devices, _):
+      run = make_step(args, int(args.slices), devices)
+      run()
+      time.sleep(2.0)  # the workers log every 0.5 s
+      return [round(read_memory_log(memory_log_path(logs, k))["peak_bytes_in_use"] / 1e9, 3)
+              for k in range(args.workers)]
+
+
+def run_one_cluster(args) -> dict:
+  """All S at K = args.workers, in this process's cluster: {config: figures}."""
+  from lingvo_gpipe.runtime.local_workers import local_cluster
+
+  k, m = args.workers, args.micro_batches
+  slices = [int(s) for s in args.slices.split(",")]
+  with local_cluster(k) as (devices, _):
+    runners = {s: make_step(args, s, devices) for s in slices}
+    times: dict = {s: [] for s in runners}
+    measured: dict = {s: [] for s in runners}
+    for _ in range(args.steps):
+      for s, run in runners.items():
+        seconds, schedule = run()
+        times[s].append(seconds)
+        measured[s].append(schedule)
+    results = {}
+    base = statistics.median(times[slices[0]])
+    for s, run in runners.items():
+      step = statistics.median(times[s])
+      runs = measured[s]
+      results[f"k{k}_m{m}_s{s}"] = {
+          "step_seconds": round(step, 4),
+          "speedup_vs_s1": round(base / step, 3) if slices[0] == 1 else None,
+          "bubble_measured": round(statistics.median(r.bubble() for r in runs), 3),
+          "bubble_planned": round(statistics.median(
+              r.summary(run.plan)["pipeline/bubble_planned"] for r in runs), 3),
+          "bubble_theoretical": round((k - 1) / (m * s + k - 1), 3),
+          "first_step_seconds": round(run.first_step_seconds, 1),
+      }
+      print(f"K={k} M={m} S={s}: {results[f'k{k}_m{m}_s{s}']}", file=sys.stderr, flush=True)
+  return results
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--workers", default="2,4", help="K values, one cluster each")
+  parser.add_argument("--slices", default="1,2,4,8", help="S values (the first the base)")
+  parser.add_argument("--micro_batches", type=int, default=4)
+  parser.add_argument("--batch", type=int, default=4, help="sequences per step")
+  parser.add_argument("--length", type=int, default=512, help="tokens per sequence")
+  parser.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b"])
+  parser.add_argument("--steps", type=int, default=7, help="timed steps per configuration")
+  parser.add_argument("--one_cluster", choices=["time", "memory"],
+                      help="(internal) run --workers' single K here (memory: at the single "
+                      "S of --slices), print its JSON")
+  args = parser.parse_args()
+  if args.one_cluster:
+    args.workers = int(args.workers)
+    print(json.dumps(run_one_cluster(args) if args.one_cluster == "time"
+                     else measure_memory(args)))
+    return
+
+  def in_a_process(mode: str, k: int, slices: str) -> object:
+    command = [sys.executable, __file__, f"--one_cluster={mode}", f"--workers={k}",
+               f"--slices={slices}"] + [f"--{name}={getattr(args, name)}" for name in
+                                        ("micro_batches", "batch", "length", "schedule",
+                                         "steps")]
+    out = subprocess.run(command, check=True, stdout=subprocess.PIPE, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+  results: dict = {}
+  for k in [int(k) for k in args.workers.split(",")]:
+    timed = in_a_process("time", k, args.slices)
+    for s in args.slices.split(","):
+      timed[f"k{k}_m{args.micro_batches}_s{s}"]["peak_gb_per_worker"] = in_a_process(
+          "memory", k, s)
+    results.update(timed)
+  summary = {"bench": "token_slices",
+             "machine": f"{platform.machine()} {os.cpu_count()} cores",
+             "onednn": os.environ["TF_ENABLE_ONEDNN_OPTS"],
+             "batch": args.batch, "length": args.length, "schedule": args.schedule,
+             "steps_per_config": args.steps, "results": results}
+  for name, r in results.items():
+    if not name.endswith("_s1"):
+      k_m, s = name.rsplit("_s", 1)
+      base = results.get(f"{k_m}_s1")
+      k = k_m.split("_")[0]
+      summary[f"{k}_s{s}_speedup_vs_s1"] = r["speedup_vs_s1"]
+      if base:
+        summary[f"{k}_s{s}_bubble_over_s1"] = round(
+            r["bubble_measured"] / max(base["bubble_measured"], 1e-9), 3)
+  print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+  main()
