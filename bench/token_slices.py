@@ -31,6 +31,13 @@ the timed one per K, and one per (K, S) for the memory.
 K one-thread workers need K cores to behave like K devices: on a machine with fewer
 cores (this project's have 2), K=4's workers share them, so its step times are not
 those of 4 devices; the measured bubble still counts when a worker waits on another.
+
+Where slicing costs time: `--profile` runs each S on one device in this process (one
+inter-op and one intra-op thread, the workers' settings) and attributes the
+profiled op time to phases and op types (bench/micro_batch_profile.py's), one column
+per S:
+
+  python bench/token_slices.py --profile --slices 1,8
 The last line printed is one JSON object: `results` per configuration, and for each
 K `k<K>_s<S>_speedup_vs_s1` and `k<K>_s<S>_bubble_over_s1` (measured bubble ÷ S=1's).
 """
@@ -128,6 +135,34 @@ def measure_memory(args) -> list[float]:
               for k in range(args.workers)]
 
 
+def profile(args) -> dict:
+  """K=1, M = --micro_batches, each S of --slices on this process's CPU: step time and
+  op time by phase and op type (bench/micro_batch_profile.py)."""
+  import collections
+
+  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+  import micro_batch_profile
+
+  columns = {}
+  for s in (int(s) for s in args.slices.split(",")):
+    run = make_step(args, s, ["/device:CPU:0"])
+    wall_ms = 1e3 * statistics.median(run()[0] for _ in range(args.steps))
+    times, profiled_wall_ms = micro_batch_profile.op_times(run, 3)
+    phases = dict.fromkeys(micro_batch_profile.PHASES, 0.0)
+    by_type: dict = collections.defaultdict(float)
+    for (name, op_type), ms in times.items():
+      phases[micro_batch_profile.phase_of(name, op_type, set())] += ms
+      by_type[op_type] += ms
+    phases["executor overhead"] = profiled_wall_ms - sum(times.values())
+    columns[f"S={s}"] = {"step_ms": wall_ms, "phases_ms": phases, "op_types_ms": dict(by_type)}
+  micro_batch_profile._print_table("token slices, K=1", columns)  # noqa: SLF001
+  return {name: {"step_ms": round(c["step_ms"], 1),
+                 "phases_ms": {k: round(v, 1) for k, v in c["phases_ms"].items()},
+                 "op_types_ms": {k: round(v, 1) for k, v in sorted(
+                     c["op_types_ms"].items(), key=lambda kv: -kv[1])[:15]}}
+          for name, c in columns.items()}
+
+
 def run_one_cluster(args) -> dict:
   """All S at K = args.workers, in this process's cluster: {config: figures}."""
   from lingvo_gpipe.runtime.local_workers import local_cluster
@@ -173,7 +208,15 @@ def main() -> None:
   parser.add_argument("--one_cluster", choices=["time", "memory"],
                       help="(internal) run --workers' single K here (memory: at the single "
                       "S of --slices), print its JSON")
+  parser.add_argument("--profile", action="store_true",
+                      help="profile each S at K=1 in this process instead (see above)")
   args = parser.parse_args()
+  if args.profile:
+    os.environ.update(TF_NUM_INTEROP_THREADS="1", TF_NUM_INTRAOP_THREADS="1")
+    print(json.dumps({"bench": "token_slices --profile", "length": args.length,
+                      "batch": args.batch, "micro_batches": args.micro_batches,
+                      "profile": profile(args)}))
+    return
   if args.one_cluster:
     args.workers = int(args.workers)
     print(json.dumps(run_one_cluster(args) if args.one_cluster == "time"

@@ -137,7 +137,7 @@ def own_shape(params: Params, devices: Sequence[str]) -> step_model.PlanShape:
   return step_model.PlanShape(params.task.pipeline.num_replicas,
                               tuple(cell.end for cell in stack.cells), p.num_micro_batches,
                               p.recompute, p.schedule, p.virtual_stages,
-                              p.weight_gradient_group)
+                              p.weight_gradient_group, p.num_token_slices)
 
 
 def with_plan(params: Params, plan: planner.Plan) -> Params:
@@ -147,6 +147,7 @@ def with_plan(params: Params, plan: planner.Plan) -> Params:
                             num_micro_batches=plan.num_micro_batches,
                             recompute=plan.recompute, schedule=plan.schedule,
                             virtual_stages=plan.virtual_stages,
+                            num_token_slices=plan.num_token_slices,
                             num_replicas=plan.num_replicas)
   return planned.freeze() if params.is_frozen else planned
 

@@ -1,7 +1,8 @@
 """Run by loopback_test.py in its own process (joining a cluster changes TF's context).
 
 Starts two tools/worker.py servers on loopback, places a pipeline on them with each
-schedule (two cells; interleaved: four, two per worker), and prints one JSON line: the
+schedule (two cells; interleaved: four, two per worker) and a causal LM on token
+slices, and prints one JSON line: the
 largest relative difference between its loss and gradients and those of the same
 layers run unpartitioned in this process (also with fprop_dtype='bfloat16': bfloat16
 hand-offs between the processes), and worker 1's device memory
@@ -74,6 +75,7 @@ def main() -> None:
       got = [loss.numpy()] + [g.numpy() for g in grads]
       worst[f"{schedule}/{dtype}" if dtype else schedule] = max(
           relative_difference(g, w) for g, w in zip(got, want))
+    worst["1f1b/token_slices"] = token_slices_difference(devices)
     # Worker 1's memory log sees a 4 MiB variable created there.
     log = memory_log_path(log_dir, 1)
     time.sleep(1.0)
@@ -87,6 +89,60 @@ def main() -> None:
                       "max_relative_difference": worst,
                       "memory_before": before, "memory_after": after,
                       "block_bytes": int(tf.size(block)) * 4}))
+
+
+def token_slices_difference(devices) -> float:
+  """A causal LM (dropout on) on both workers, K=2, M=2, S=2 token slices (each worker
+  keeps its cells' caches), against the same layers unpartitioned here: the largest
+  relative difference of the loss and the gradients (the keys' bias, 0 analytically,
+  at its weight's scale)."""
+  import numpy as np
+  import tensorflow as tf
+
+  from lingvo_gpipe import train_step
+  from lingvo_gpipe.core import base_layer, layers, stacked_variables
+  from lingvo_gpipe.models import transformer
+  from lingvo_gpipe.pipeline import layer as gpipe
+  from lingvo_gpipe.tasks.language_model import token_metrics
+
+  stack = transformer.lm_stack(11, 8, 16, 2, 2, residual_keep_prob=0.8, atten_keep_prob=0.9,
+                               relu_keep_prob=0.9).layers
+  rng = np.random.RandomState(1)
+  data = {"labels": tf.constant(rng.randint(0, 11, [4, 8]), tf.int32),
+          "paddings": tf.zeros([4, 8])}
+  ids = tf.constant(rng.randint(0, 11, [4, 8]), tf.int32)
+
+  def head(logits, head_inputs):
+    return token_metrics(logits, head_inputs["labels"], head_inputs["paddings"])
+
+  local = layers.Sequential.Params().set(name="lm", layers=stack, random_seed=3).instantiate()
+  with tf.GradientTape() as tape:
+    with base_layer.step_context(training=True, step=tf.constant(4, tf.int64)):
+      loss = head(local(ids, data["paddings"]), data)["loss"][0]
+  want = [loss.numpy()] + [tf.convert_to_tensor(g).numpy()
+                           for g in tape.gradient(loss, local.trainable_variables)]
+  names = ["loss"] + [v.name for v in local.trainable_variables]
+  remote = gpipe.PipeliningLayer.Params().set(
+      name="lm", layers=stack, random_seed=3, num_cells=2, num_micro_batches=2,
+      num_token_slices=2, schedule="1f1b", devices=devices).instantiate()
+
+  @tf.function
+  def run():
+    with base_layer.step_context(training=True, step=tf.constant(4, tf.int64)):
+      metrics, grads = train_step.loss_and_gradients(
+          train_step.StackWithLoss(remote, head),
+          {"inputs": (ids, data["paddings"]), **data},
+          stacked_variables.trainable_weights(remote))
+    return metrics["loss"][0], grads
+
+  loss, grads = run()
+  got = [loss.numpy()] + [g.numpy() for g in grads]
+  scale = {name: float(np.abs(w).max()) for name, w in zip(names, want)}
+  worst = 0.0
+  for name, g, w in zip(names, got, want):
+    of = scale[name.replace("/key/b:0", "/key/w:0")] if name.endswith("/key/b:0") else scale[name]
+    worst = max(worst, float(np.abs(g - w).max()) / (of or 1.0))
+  return worst
 
 
 if __name__ == "__main__":

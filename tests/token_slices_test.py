@@ -7,13 +7,15 @@ import os
 import numpy as np
 import pytest
 import tensorflow as tf
-from numerics import assert_all_close, assert_close, tolerance
+from numerics import TRAINED, assert_all_close, assert_close, tolerance
 
 from lingvo_gpipe import train_step
 from lingvo_gpipe.core import base_layer, layers, optimizers, stacked_variables, token_slices
 from lingvo_gpipe.models import transformer
 from lingvo_gpipe.pipeline import layer as gpipe
-from lingvo_gpipe.pipeline import schedule
+from lingvo_gpipe.pipeline import layer_profiler, planner, schedule, schedule_chart, timeline
+from lingvo_gpipe.pipeline.layer_profiler import LayerCost
+from lingvo_gpipe.pipeline.step_model import Machine
 from lingvo_gpipe.tasks.language_model import token_metrics
 
 VOCAB, DIM, STEP = 11, 8, 3
@@ -241,3 +243,99 @@ def test_layers_that_are_not_causal_refuse_slices(cpu_devices):
     gpipe.PipeliningLayer.Params().set(name="stack", layers=stack.layers, num_cells=2,
                                        num_token_slices=2,
                                        devices=cpu_devices[:2]).instantiate()
+
+
+def test_the_chart_draws_one_bar_per_slice():
+  """A measured step of K=2, M=2, S=2 (the plan's simulated times) drawn: every bar
+  numbered m.j, the title counting micro-batches and slices."""
+  plan = schedule.make("gpipe", 2, 2, num_token_slices=2)
+  times = plan.simulate(1.0, 2.0, 0.0)
+  keys = [timeline.SpanKey(k, a.micro_batch, a.phase) for (k, a) in times]
+  measured = timeline.MeasuredTimeline.from_spans(np.array(list(times.values())), keys)
+  axes = schedule_chart.figure(measured, None, plan).axes[0]
+  assert sorted(t.get_text() for t in axes.texts) == sorted(
+      f"{m}.{j}" for m in range(2) for j in range(2) for _ in range(2 * 2))
+  assert axes.get_title().startswith("K=2 cells, M=2 micro-batches × S=2 token slices")
+
+
+def test_the_profiler_counts_a_causal_layers_cache():
+  """The keys and values [B, N, T, H] and key paddings [B, T] of a causal layer; none
+  for a layer that works token by token."""
+  specs = (tf.TensorSpec([2, 12, DIM], tf.float32), tf.TensorSpec([2, 12], tf.float32))
+  causal = transformer.TransformerLmLayer.Params().set(name="layer", input_dim=DIM,
+                                                       hidden_dim=16, num_heads=2)
+  softmax = transformer.SoftmaxLogits.Params().set(name="logits", input_dim=DIM,
+                                                   vocab_size=VOCAB)
+  costs = layer_profiler.measure_layer_costs([causal, softmax], specs, steps=1)
+  assert [c.cache_bytes for c in costs] == [4 * (2 * 12 + 2 * 2 * 2 * 12 * 4), 0]
+
+
+def test_the_cost_model_counts_units_and_caches_by_hand():
+  """1f1b, 2 cells of 2 layers, M=2 of 4 examples, S=4: each unit is a quarter of a
+  micro-batch (its stash, working set and hand-offs), and each cell holds the caches of
+  max_cached micro-batches (entries and their gradients)."""
+  layer = LayerCost(forward_s=1e-3, backward_s=2e-3, weight_bytes=1000, input_bytes=16,
+                    kept_bytes=160, batch=2, cache_bytes=48)
+  costs = [layer] * 4
+  machine = Machine(2, np.inf, slot_factor=1.0)
+  got = planner.predict(costs, machine, 1, (2, 4), 2, "always", "1f1b", 8,
+                        num_token_slices=4)
+  layout = schedule.make("1f1b", 2, 2, num_token_slices=4)
+  assert [layout.max_cached(k) for k in range(2)] == [2, 2]
+  unit = 4 / 4 / 2  # a unit's share of the profiled batch of 2
+  weights, stash, kept = 2 * 1000 * 4.0, 16 * unit, 2 * 160 * unit
+  cache = 2 * 48 * 4 / 2  # two layers' entries for a micro-batch of 4 sequences
+  batch_inputs = 16 * 8 / 2
+  for k in range(2):
+    hand_offs = stash + (stash if k == 0 else 0.0)  # the inbox, and what cell 0 sends
+    assert got.peak_bytes[k] == pytest.approx(
+        weights + layout.max_in_flight(k) * stash + hand_offs + 2 * layout.max_cached(k) * cache
+        + kept + (batch_inputs if k == 0 else 0.0)), k
+  assert got.num_token_slices == 4 and "num_token_slices=4" in got.params_override()
+
+
+def test_the_planner_picks_slices_where_the_bubble_dominates():
+  """Two sequences on two cells (M ≤ 2): the fastest two-cell plan slices them, with
+  (K−1)/(M·S+K−1) of a bubble."""
+  layer = LayerCost(forward_s=1e-2, backward_s=2e-2, weight_bytes=1000, input_bytes=16,
+                    kept_bytes=160, batch=1, cache_bytes=48)
+  machine = Machine(2, np.inf, slot_factor=1.0, action_overhead_s=1e-5)
+  plans = planner.plan([layer] * 4, machine, 2, schedules=("gpipe", "1f1b"),
+                       token_slices=(1, 4), top=100)
+  two_cells = [p for p in plans if p.num_cells == 2]
+  best = two_cells[0]
+  assert (best.num_micro_batches, best.num_token_slices) == (2, 4)
+  assert best.bubble == pytest.approx(1 / 9)
+  unsliced = [p for p in two_cells if p.num_token_slices == 1][0]
+  assert best.step_s < unsliced.step_s
+
+
+def lm_trainer(logdir, overrides: str):
+  from lingvo_gpipe import model_registry, trainer
+  from lingvo_gpipe.core import hyperparams
+
+  model_registry.load_param_files()
+  params = model_registry.get_params("lm.TransformerTiny")
+  for name, value in hyperparams.parse_overrides(
+      "task.train.save_interval_steps=100;task.train.summary_interval_steps=1;"
+      "task.pipeline.num_cells=2;task.pipeline.schedule=1f1b;" + overrides):
+    params.set_from_text(name, value)
+  return trainer.Trainer(params.freeze(), str(logdir), log=lambda _: None)
+
+
+def test_the_trainer_with_replicas_and_slices_trains_like_one_unsliced_pipeline(tmp_path):
+  """lm.TransformerTiny (dropout, Adam), 32 sequences of 12 tokens: R=2 replicas of
+  K=2 cells with M=2 micro-batches of S=3 token slices each gives the losses of one
+  K=2 pipeline over M=4 whole micro-batches, and writes its schedule summaries."""
+  losses = {}
+  for name, overrides in (("whole", "task.pipeline.num_micro_batches=4"),
+                          ("sliced", "task.pipeline.num_micro_batches=2;"
+                                     "task.pipeline.num_token_slices=3;"
+                                     "task.pipeline.num_replicas=2")):
+    run = lm_trainer(tmp_path / name, overrides)
+    losses[name] = []
+    run.train(2, on_step=lambda _, v, out=losses[name]: out.append(float(v["loss"])))
+  assert_all_close(np.array(losses["sliced"], np.float32),
+                   np.array(losses["whole"], np.float32), ulps=TRAINED)
+  events = list((tmp_path / "sliced" / "train").glob("events.out.tfevents.*"))
+  assert events, "no TensorBoard log"

@@ -55,19 +55,26 @@ class SliceCache:
     self.outgoing: list[tf.Tensor] = []
     self.specs: list[tf.TensorSpec] = []
 
-  def previous(self, spec: tf.TensorSpec) -> tf.Tensor:
-    """The next incoming entry (zeros of `spec` while specs are learnt)."""
+  def take(self, specs: Sequence[tf.TensorSpec]) -> list[tf.Tensor]:
+    """The next len(specs) incoming entries, those after the ones extended so far
+    (zeros of `specs` while specs are learnt)."""
     i = len(self.outgoing)
     if self.incoming is None:
-      return tf.zeros(spec.shape, spec.dtype)
-    if i >= len(self.incoming):
+      return [tf.zeros(spec.shape, spec.dtype) for spec in specs]
+    if i + len(specs) > len(self.incoming):
       raise RuntimeError(f"a cell call extends more cache entries than the {len(self.incoming)} "
                          "it was given")
-    entry = self.incoming[i]
-    if entry.dtype != spec.dtype or not spec.shape.is_compatible_with(entry.shape):
-      raise RuntimeError(f"cache entry {i}: given {entry.dtype.name}{entry.shape}, the layer "
-                         f"extends {spec.dtype.name}{spec.shape}")
-    return entry
+    entries = self.incoming[i:i + len(specs)]
+    for j, (entry, spec) in enumerate(zip(entries, specs)):
+      if entry.dtype != spec.dtype or not spec.shape.is_compatible_with(entry.shape):
+        raise RuntimeError(f"cache entry {i + j}: given {entry.dtype.name}{entry.shape}, the "
+                           f"layer extends {spec.dtype.name}{spec.shape}")
+    return entries
+
+  def give(self, entries: Sequence[tf.Tensor], specs: Sequence[tf.TensorSpec]) -> None:
+    """Records `entries` (shaped as `specs`) as the next outgoing ones."""
+    self.outgoing.extend(entries)
+    self.specs.extend(specs)
 
 
 @dataclasses.dataclass
@@ -96,7 +103,7 @@ class TokenSlice:
       raise ValueError(f"token slices need static shapes; cache entry {new.shape}")
     full_shape = shape[:axis] + [self.full_length] + shape[axis + 1:]
     spec = tf.TensorSpec(full_shape, new.dtype)
-    previous = self.cache.previous(spec)
+    [previous] = self.cache.take([spec])
     before = tf.reshape(tf.range(self.full_length, dtype=tf.int64) < tf.cast(self.offset, tf.int64),
                         [self.full_length] + [1] * (len(shape) - axis - 1))
     kept = tf.where(before, previous, tf.zeros_like(previous))
@@ -107,8 +114,7 @@ class TokenSlice:
     placed = tf.pad(new, pads)
     placed.set_shape(full_shape)
     entry = kept + placed
-    self.cache.outgoing.append(entry)
-    self.cache.specs.append(spec)
+    self.cache.give([entry], [spec])
     return entry
 
   def window(self, full: tf.Tensor, axis: int, length: int) -> tf.Tensor:

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from lingvo_gpipe.core import base_layer
+from lingvo_gpipe.core import base_layer, token_slices
 from lingvo_gpipe.core.hyperparams import ParamsError
 
 
@@ -57,6 +57,9 @@ class LayerCost:
   product_bytes: int = 0  # what a deferred backward keeps for its W (zb_h1)
   backward_split_s: float | None = None  # the backward as its own function (below)
   backward_split_fixed_s: float = 0.0
+  # A causal layer on token slices: the cache entries it keeps per micro-batch of
+  # `batch` whole sequences (keys, values, key paddings; core/token_slices.py).
+  cache_bytes: int = 0
 
   @property
   def step_s(self) -> float:
@@ -147,7 +150,8 @@ def _measure_layer_costs(layer_params, input_specs, steps, full, small_batch):
                            kept_bytes, batch, forward_fixed_s=fixed[0],
                            backward_fixed_s=fixed[1], weight_share=share,
                            product_bytes=_product_bytes(layer, inputs),
-                           backward_split_s=split_s, backward_split_fixed_s=fixed[2]))
+                           backward_split_s=split_s, backward_split_fixed_s=fixed[2],
+                           cache_bytes=_cache_bytes(layer, inputs)))
     inputs = tf.nest.pack_sequence_as(structure["out"], list(outputs))
   return costs
 
@@ -293,6 +297,26 @@ def _product_bytes(layer: Any, given: Any) -> int:
 
   tf.function(call, autograph=False).get_concrete_function(*specs)
   return _nbytes([t for p in products.products for t in (p.inputs, p.outputs)])
+
+
+def _cache_bytes(layer: Any, given: Any) -> int:
+  """Bytes of the cache entries a causal layer (`token_slicing` "causal") extends in
+  one traced call on inputs shaped as `given` [B, T, ...], as the first of one token
+  slice spanning all T tokens: what a cell keeps of it per micro-batch in flight on
+  token slices. 0 for any other layer."""
+  if getattr(type(layer), "token_slicing", None) != token_slices.CAUSAL:
+    return 0
+  specs = [tf.TensorSpec(t.shape, layer.to_fprop_dtype(t).dtype) for t in tf.nest.flatten(given)]
+  cache = token_slices.SliceCache()
+
+  def call(*flat):
+    whole = token_slices.TokenSlice(tf.constant(0, tf.int64), specs[0].shape[1], cache)
+    with base_layer.step_context(training=True, layer_stats=[], token_slice=whole):
+      base_layer.call_with(layer, tf.nest.pack_sequence_as(given, list(flat)))
+    return []
+
+  tf.function(call, autograph=False).get_concrete_function(*specs)
+  return _nbytes(cache.specs)
 
 
 def _aliased_source(t: tf.Tensor) -> tf.Tensor:

@@ -19,6 +19,7 @@ cell is held to 1/V of the budget, and the whole plan is then checked per device
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -54,6 +55,7 @@ class Plan:
   bubble: float
   peak_bytes: tuple[float, ...]  # per device
   virtual_stages: int = 1
+  num_token_slices: int = 1
 
   def params_override(self) -> str:
     """The `--params_override` that runs this plan."""
@@ -63,21 +65,24 @@ class Plan:
             f"task.pipeline.recompute={self.recompute};"
             f"task.pipeline.schedule={self.schedule};"
             f"task.pipeline.virtual_stages={self.virtual_stages};"
+            f"task.pipeline.num_token_slices={self.num_token_slices};"
             f"task.pipeline.num_replicas={self.num_replicas}")
 
   @property
   def shape(self) -> PlanShape:
     return PlanShape(self.num_replicas, self.splits, self.num_micro_batches,
-                     self.recompute, self.schedule, self.virtual_stages)
+                     self.recompute, self.schedule, self.virtual_stages,
+                     num_token_slices=self.num_token_slices)
 
 
 class _MemoryModel:
-  """Prefix sums of the layers' bytes at one micro-batch size: `peak(starts, ends, ...)`
-  gives cells [start, end) their `step_model` bytes (held + working set, and the
-  batch of inputs on cell 0), elementwise over arrays of starts and ends."""
+  """Prefix sums of the layers' bytes at one micro-batch size (with S token slices,
+  `micro_batch` is a unit's: 1/S of a micro-batch's sequences' worth): `peak(starts,
+  ends, ...)` gives cells [start, end) their `step_model` bytes (held + working set,
+  and the batch of inputs on cell 0), elementwise over arrays of starts and ends."""
 
   def __init__(self, costs: Sequence[LayerCost], micro_batch: float, slot_factor: float,
-               batch_input_bytes: float):
+               batch_input_bytes: float, num_token_slices: int = 1):
     scale = micro_batch / costs[0].batch
 
     def prefix(values: list[float]) -> np.ndarray:
@@ -88,16 +93,18 @@ class _MemoryModel:
     self.products = prefix([c.product_bytes * scale for c in costs])
     # a cell's input is its first layer's; its output the next cell's input (none last)
     self.inputs = np.array([c.input_bytes * scale for c in costs] + [0.0])
+    self.cache = prefix([c.cache_bytes * scale * num_token_slices if num_token_slices > 1
+                         else 0.0 for c in costs])
     self.slot_factor = slot_factor
     self.batch_input_bytes = batch_input_bytes
 
   def peak(self, starts: Any, ends: Any, in_flight: int, awaiting: int, recompute: bool,
-           first: bool) -> Any:
+           first: bool, cached: int = 0) -> Any:
     kept = self.kept[ends] - self.kept[starts]
     held = step_model.held_bytes(
         self.weights[ends] - self.weights[starts], self.inputs[starts] if recompute else kept,
         self.products[ends] - self.products[starts], self.inputs[starts], self.inputs[ends],
-        in_flight, awaiting, self.slot_factor)
+        in_flight, awaiting, self.slot_factor, self.cache[ends] - self.cache[starts], cached)
     return (held + step_model.working_bytes(kept, recompute) +
             (self.batch_input_bytes if first else 0.0))
 
@@ -131,32 +138,38 @@ def cell_times(costs: Sequence[LayerCost], bounds: Sequence[tuple[int, int]],
 def best_split(costs: Sequence[LayerCost], num_cells: int, micro_batch: float,
                held: Sequence[int], recompute: str, slot_factor: float,
                memory_bytes: float, awaiting: Sequence[int] | None = None,
-               batch_input_bytes: float = 0.0) -> tuple[int, ...] | None:
+               batch_input_bytes: float = 0.0, num_token_slices: int = 1,
+               cached: Sequence[int] | None = None) -> tuple[int, ...] | None:
   """The split (cells' end indices) with the least largest cell time (forward +
-  backward) whose every cell k fits `memory_bytes` with held[k] micro-batches in
-  flight and awaiting[k] awaiting their W, under the policy `recompute`; None when
-  none fits (partition.min_bottleneck_split, exact)."""
+  backward) whose every cell k fits `memory_bytes` with held[k] micro-batches (units
+  of `micro_batch`) in flight, awaiting[k] awaiting their W and, with token slices,
+  cached[k] micro-batches' caches, under the policy `recompute`; None when none fits
+  (partition.min_bottleneck_split, exact)."""
   remat = [recomputes(recompute, k, num_cells) for k in range(num_cells)]
   layer = [step_model.layer_times(c, micro_batch) for c in costs]
   times = [[f * (2.0 if remat[k] else 1.0) + b for f, b in layer] for k in range(num_cells)]
-  memory = _MemoryModel(costs, micro_batch, slot_factor, batch_input_bytes)
+  memory = _MemoryModel(costs, micro_batch, slot_factor, batch_input_bytes, num_token_slices)
   awaiting = awaiting or [0] * num_cells
+  cached = cached or [0] * num_cells
 
   def fits(k: int, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
-    return memory.peak(starts, ends, held[k], awaiting[k], remat[k], k == 0) <= memory_bytes
+    return memory.peak(starts, ends, held[k], awaiting[k], remat[k], k == 0,
+                       cached[k]) <= memory_bytes
 
   return partition.min_bottleneck_split(times, num_cells, fits)
 
 
 def predict(costs: Sequence[LayerCost], machine: Machine, num_replicas: int,
             splits: Sequence[int], num_micro_batches: int, recompute: str,
-            schedule_name: str, batch_size: int, virtual_stages: int = 1) -> Plan:
+            schedule_name: str, batch_size: int, virtual_stages: int = 1,
+            num_token_slices: int = 1) -> Plan:
   """The model's step time, bubble and per-device peak memory of one plan."""
   shape = PlanShape(num_replicas, tuple(splits), num_micro_batches, recompute,
-                    schedule_name, virtual_stages)
+                    schedule_name, virtual_stages, num_token_slices=num_token_slices)
   got = step_model.predict(costs, machine, shape, batch_size)
   return Plan(num_replicas, len(splits), tuple(splits), num_micro_batches, recompute,
-              schedule_name, got.step_s, got.bubble, got.peak_bytes, virtual_stages)
+              schedule_name, got.step_s, got.bubble, got.peak_bytes, virtual_stages,
+              num_token_slices)
 
 
 MAX_DEVICE_BYTES = 2.0**50  # 1 PiB: no device's memory is larger
@@ -211,10 +224,13 @@ def _schedule_variants(name: str, num_cells: int, num_micro_batches: int,
 def plan(costs: Sequence[LayerCost], machine: Machine, batch_size: int,
          micro_batch_counts: Sequence[int] | None = None, top: int = 5,
          max_virtual_cells: int | None = None,
-         schedules: Sequence[str] = SCHEDULES) -> list[Plan]:
+         schedules: Sequence[str] = SCHEDULES,
+         token_slices: Sequence[int] = (1,)) -> list[Plan]:
   """The `top` plans that fit, fastest first. Up to `max_virtual_cells` cells per
   replica (default twice its devices; more cells than devices only interleaved), of
-  `schedules`. Each configuration gets its split and peaks; those that fit are
+  `schedules`, each S of `token_slices` (S > 1 only with schedule.SLICED_SCHEDULES, for
+  a causal model whose costs count its caches: LayerCost.cache_bytes). Each
+  configuration gets its split and peaks; those that fit are
   simulated in the order of `step_model.lower_bound_s` until the bound passes the
   `top`-th fastest found (exact: no plan below the bound is skipped).
   Raises PlanError naming the smallest peak any plan needs when none fits."""
@@ -231,20 +247,22 @@ def plan(costs: Sequence[LayerCost], machine: Machine, batch_size: int,
       for m in [m for m in counts if per_replica % m == 0]:
         # one cell is its last: except_last is never there
         for recompute in [r for r in RECOMPUTE if num_cells > 1 or r != "except_last"]:
-          for name in schedules:
+          for name, s in itertools.product(schedules, token_slices):
+            if s > 1 and name not in schedule.SLICED_SCHEDULES:
+              continue
             for v in _schedule_variants(name, num_cells, m, devices):
               if name != "interleaved_1f1b" and num_cells > devices:
                 continue
               shape = _best_shape(costs, machine, replicas, num_cells, m, recompute, name, v,
-                                  batch_size)
+                                  batch_size, s)
               layout = shape.make_schedule()
               cells = step_model.cell_costs(costs, shape, batch_size, machine)
               need = max(step_model.device_peaks(layout, cells, machine.slot_factor,
                                                  _batch_input_bytes(costs, per_replica),
                                                  replicas))
               if need <= machine.memory_bytes:
-                candidates.append((step_model.lower_bound_s(layout, cells, machine, replicas,
-                                                            m), shape))
+                candidates.append((step_model.lower_bound_s(
+                    layout, cells, machine, replicas, layout.num_micro_batches), shape))
               else:
                 smallest_need = min(smallest_need, need)
   if not candidates:
@@ -258,31 +276,32 @@ def plan(costs: Sequence[LayerCost], machine: Machine, batch_size: int,
       break
     kept.append(predict(costs, machine, shape.num_replicas, shape.splits,
                         shape.num_micro_batches, shape.recompute, shape.schedule,
-                        batch_size, shape.virtual_stages))
+                        batch_size, shape.virtual_stages, shape.num_token_slices))
     kept.sort(key=lambda p: (p.step_s, max(p.peak_bytes)))
   return kept[:top]
 
 
 def _best_shape(costs: Sequence[LayerCost], machine: Machine, replicas: int,
                 num_cells: int, num_micro_batches: int, recompute: str, name: str,
-                virtual_stages: int, batch_size: int) -> PlanShape:
+                virtual_stages: int, batch_size: int, num_token_slices: int = 1) -> PlanShape:
   """This configuration with the best split that fits (`best_split`), or, when none
   does, with the split that needs no budget (its peaks say by how much)."""
   per_replica = batch_size // replicas
   shape = PlanShape(replicas, tuple(range(1, num_cells + 1)), num_micro_batches, recompute,
-                    name, virtual_stages)
+                    name, virtual_stages, num_token_slices=num_token_slices)
   layout = shape.make_schedule()
   held = [layout.max_in_flight(k) for k in range(num_cells)]
   awaiting = [layout.max_awaiting_weights(k) for k in range(num_cells)]
-  micro = per_replica / num_micro_batches
+  cached = [layout.max_cached(k) for k in range(num_cells)]
+  unit = per_replica / num_micro_batches / num_token_slices
   inputs = _batch_input_bytes(costs, per_replica)
   budget = machine.memory_bytes / virtual_stages
   slots = machine.slot_factor + (2.0 if replicas > 1 else 0.0)  # all-reduce buffers
-  splits = best_split(costs, num_cells, micro, held, recompute, slots, budget, awaiting,
-                      inputs)
+  splits = best_split(costs, num_cells, unit, held, recompute, slots, budget, awaiting,
+                      inputs, num_token_slices, cached)
   if splits is None:
-    splits = best_split(costs, num_cells, micro, held, recompute, slots, float("inf"),
-                        awaiting, inputs)
+    splits = best_split(costs, num_cells, unit, held, recompute, slots, float("inf"),
+                        awaiting, inputs, num_token_slices, cached)
   return dataclasses.replace(shape, splits=tuple(splits))
 
 
@@ -298,7 +317,8 @@ def format_plans(plans: Sequence[Plan]) -> str:
   rows = [f"{'R':>2} {'K':>3} {'M':>4}  {'recompute':11} {'schedule':16} {'step':>9} "
           f"{'bubble':>6}  {'peak/device':>11}  splits"]
   for p in plans:
-    name = p.schedule + (f" V={p.virtual_stages}" if p.virtual_stages > 1 else "")
+    name = (p.schedule + (f" V={p.virtual_stages}" if p.virtual_stages > 1 else "")
+            + (f" S={p.num_token_slices}" if p.num_token_slices > 1 else ""))
     rows.append(f"{p.num_replicas:>2} {p.num_cells:>3} {p.num_micro_batches:>4}  "
                 f"{p.recompute:11} {name:16} {p.step_s * 1e3:7.1f}ms {p.bubble:6.1%}  "
                 f"{max(p.peak_bytes) / 2**20:8.1f}MiB  {list(p.splits)}")

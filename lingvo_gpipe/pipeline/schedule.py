@@ -383,6 +383,18 @@ class PipelineSchedule:
       most = max(most, in_flight)
     return most
 
+  def max_cached(self, k: int) -> int:
+    """With token slices, the most micro-batches cell k keeps a cache for (from the
+    forward of their first slice to the backward of it); 0 without."""
+    if self.num_token_slices == 1:
+      return 0
+    cached = most = 0
+    for action in self.actions[k]:
+      if action.micro_batch % self.num_token_slices == 0 and action.phase != WEIGHT_GRADIENT:
+        cached += 1 if action.phase == FORWARD else -1
+        most = max(most, cached)
+    return most
+
   def max_awaiting_weights(self, k: int) -> int:
     """The most micro-batches cell k holds between their backward and the W that
     computes their weight gradients (each keeps its projections' inputs and output

@@ -3,7 +3,8 @@
 One row per cell, cell 0 on top, labelled with the cell and its device; the step's
 time on the x axis in milliseconds; forward calls blue, backward calls (recompute
 included) orange, deferred weight-gradient calls green, darker for later micro-batches,
-each bar numbered with its micro-batch where it is wide enough; white is idle (the
+each bar numbered with its micro-batch (m.j: slice j of micro-batch m, with token
+slices) where it is wide enough; white is idle (the
 bubble). With the plan, a thin row of outlined bars under each cell shows the plan's
 simulated timeline with the step's own measured call times (`MeasuredTimeline.planned`):
 where a measured bar starts later than its planned one, the cell waited on something
@@ -30,6 +31,7 @@ from lingvo_gpipe.pipeline.schedule import (
   BACKWARD,
   FORWARD,
   WEIGHT_GRADIENT,
+  Action,
   PipelineSchedule,
   idle_fraction,
 )
@@ -78,8 +80,11 @@ def figure(schedule: MeasuredTimeline, devices: Sequence[str] | None = None,
     bars.append((start_ms, width_ms))
     colors.append(tuple(c * shade for c in PHASE_COLORS[key.phase]))
     if width_ms * px_per_ms >= _MIN_NUMBERED_BAR_PX:
-      axes.text(start_ms + width_ms / 2, key.cell - (0.1 if plan else 0.0),
-                str(key.micro_batch), ha="center",
+      # the micro-batch, or with token slices (the plan's units) micro-batch.slice
+      number = (plan.label(Action(key.phase, key.micro_batch))[1:] if plan is not None
+                else str(key.micro_batch))
+      axes.text(start_ms + width_ms / 2, key.cell - (0.1 if plan else 0.0), number,
+                ha="center",
                 va="center", fontsize=7, color="white" if shade < 0.75 else "black")
   for cell, (bars, colors) in rows.items():
     axes.broken_barh(bars, (cell - 0.4, 0.6 if plan else 0.8), facecolors=colors,
@@ -101,7 +106,10 @@ def figure(schedule: MeasuredTimeline, devices: Sequence[str] | None = None,
   axes.set_xlabel("time in the step (ms)", fontsize=8)
   axes.tick_params(axis="x", labelsize=7.5)
   axes.set_facecolor("white")
-  title = (f"K={num_cells} cells, M={num_micro} micro-batches\nbubble: measured "
+  slices = plan.num_token_slices if plan is not None else 1
+  units = (f"M={num_micro // slices} micro-batches × S={slices} token slices" if slices > 1
+           else f"M={num_micro} micro-batches")
+  title = (f"K={num_cells} cells, {units}\nbubble: measured "
            f"{schedule.bubble():.0%}, GPipe theory {schedule.theoretical_bubble():.0%}")
   if plan is not None:
     title += f", {plan.name} plan {idle_fraction(planned, plan.num_devices):.0%}"

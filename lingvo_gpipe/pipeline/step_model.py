@@ -96,6 +96,7 @@ class PlanShape:
   schedule: str
   virtual_stages: int = 1
   weight_gradient_group: int = 1
+  num_token_slices: int = 1
 
   @property
   def num_cells(self) -> int:
@@ -109,18 +110,20 @@ class PlanShape:
     """The schedule the pipeline layer runs for this shape (PipeliningLayer._make_plan,
     with cell k on device k mod D)."""
     return _make_schedule(self.schedule, self.num_cells, self.num_micro_batches,
-                          self.virtual_stages, self.weight_gradient_group, self.recompute)
+                          self.virtual_stages, self.weight_gradient_group, self.recompute,
+                          self.num_token_slices)
 
 
 @functools.lru_cache(maxsize=1024)
 def _make_schedule(name: str, num_cells: int, num_micro_batches: int, virtual_stages: int,
-                   weight_gradient_group: int, recompute: str) -> schedule.PipelineSchedule:
+                   weight_gradient_group: int, recompute: str, num_token_slices: int = 1
+                   ) -> schedule.PipelineSchedule:
   """PlanShape.make_schedule, kept: a search asks for the same ones many times."""
   deferring = schedule.deferring_cells(name, num_cells, weight_gradient_group,
                                        [recomputes(recompute, k, num_cells)
                                         for k in range(num_cells)])
   plan = schedule.make(name, num_cells, num_micro_batches, virtual_stages=virtual_stages,
-                       weight_cells=deferring)
+                       weight_cells=deferring, num_token_slices=num_token_slices)
   if name != "zb_h1":
     plan = plan.with_weight_gradients(weight_gradient_group, deferring)
   num_devices = num_cells // virtual_stages
@@ -140,6 +143,9 @@ class CellCost:
   input_bytes: float  # received per micro-batch (the hand-off in)
   output_bytes: float  # sent per micro-batch (the hand-off out; 0 for the last cell)
   recompute: bool  # re-materialized: a backward recomputes the forward's kept tensors
+  # Token slices: every per-micro-batch figure above is per unit (a slice of a
+  # micro-batch); the cache entries the cell keeps per micro-batch in flight.
+  cache_bytes: float = 0.0
 
 
 def layer_times(cost: LayerCost, batch: float) -> tuple[float, float]:
@@ -161,8 +167,11 @@ def layer_times(cost: LayerCost, batch: float) -> tuple[float, float]:
 def cell_costs(costs: Sequence[LayerCost], shape: PlanShape, batch_size: int,
                machine: Machine) -> list[CellCost]:
   """Per cell of `shape`: its actions' seconds (overhead included) and bytes at the
-  micro-batch of `batch_size` / (R·M) examples."""
-  micro = batch_size / shape.num_replicas / shape.num_micro_batches
+  micro-batch of `batch_size` / (R·M) examples, or with S token slices per unit of
+  1/S of its tokens (which costs as much as 1/S of its sequences: a slice's attention
+  spans the whole sequence's keys, see core/token_slices.py)."""
+  whole = batch_size / shape.num_replicas / shape.num_micro_batches
+  micro = whole / shape.num_token_slices
   scale = micro / costs[0].batch
   cells = []
   for k, (s, e) in enumerate(shape.bounds):
@@ -180,7 +189,9 @@ def cell_costs(costs: Sequence[LayerCost], shape: PlanShape, batch_size: int,
         stash_bytes=inputs if remat else kept, kept_bytes=kept,
         product_bytes=sum(c.product_bytes for c in costs[s:e]) * scale, input_bytes=inputs,
         output_bytes=costs[e].input_bytes * scale if e < len(costs) else 0.0,
-        recompute=remat))
+        recompute=remat,
+        cache_bytes=(sum(c.cache_bytes for c in costs[s:e]) * whole / costs[0].batch
+                     if shape.num_token_slices > 1 else 0.0)))
   return cells
 
 
@@ -259,12 +270,15 @@ def lower_bound_s(plan: schedule.PipelineSchedule, cells: Sequence[CellCost],
 
 
 def held_bytes(weight_bytes: Any, stash_bytes: Any, product_bytes: Any, input_bytes: Any,
-               output_bytes: Any, in_flight: int, awaiting: int, slot_factor: float) -> Any:
+               output_bytes: Any, in_flight: int, awaiting: int, slot_factor: float,
+               cache_bytes: Any = 0.0, cached: int = 0) -> Any:
   """What a cell holds on its device through the step (module docstring): weights,
-  sums and their copy, slots, stash and product slots, the inbox. Elementwise over
+  sums and their copy, slots, stash and product slots, the inbox; with token slices,
+  the cache slots of `cached` micro-batches and their gradients'. Elementwise over
   arrays too (the planner's split search evaluates many cells at once)."""
   return (weight_bytes * (3.0 + slot_factor) + in_flight * stash_bytes +
-          awaiting * product_bytes + input_bytes + output_bytes)
+          awaiting * product_bytes + input_bytes + output_bytes +
+          2.0 * cached * cache_bytes)
 
 
 def working_bytes(kept_bytes: Any, recompute: bool) -> Any:
@@ -286,7 +300,8 @@ def device_peaks(plan: schedule.PipelineSchedule, cells: Sequence[CellCost],
                           cells[k].product_bytes, cells[k].input_bytes,
                           cells[k].output_bytes, plan.max_in_flight(k),
                           plan.max_awaiting_weights(k),
-                          slot_factor + (2.0 if num_replicas > 1 else 0.0))
+                          slot_factor + (2.0 if num_replicas > 1 else 0.0),
+                          cells[k].cache_bytes, plan.max_cached(k))
                for k in mine)
     peaks.append(held + max(working_bytes(cells[k].kept_bytes, cells[k].recompute)
                             for k in mine) +
