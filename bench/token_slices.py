@@ -86,6 +86,7 @@ def make_step(args, num_slices: int, devices: list[str]):
   model = gpipe.PipeliningLayer.Params().set(
       name="lm", layers=stack, num_cells=len(devices), num_micro_batches=args.micro_batches,
       num_token_slices=num_slices, devices=devices, schedule=args.schedule,
+      weight_gradient_group=num_slices if args.weight_gradient_group == "S" else 1,
       random_seed=1).instantiate()
 
   def mean_square(outputs, _):
@@ -205,6 +206,10 @@ def main() -> None:
   parser.add_argument("--length", type=int, default=512, help="tokens per sequence")
   parser.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b"])
   parser.add_argument("--steps", type=int, default=7, help="timed steps per configuration")
+  parser.add_argument("--weight_gradient_group", default="1", choices=["1", "S"],
+                      help="G: 1, or S (the projections' weight gradients of a "
+                      "micro-batch's S slices in one product: PipeliningLayer's "
+                      "weight_gradient_group)")
   parser.add_argument("--one_cluster", choices=["time", "memory"],
                       help="(internal) run --workers' single K here (memory: at the single "
                       "S of --slices), print its JSON")
@@ -227,7 +232,7 @@ def main() -> None:
     command = [sys.executable, __file__, f"--one_cluster={mode}", f"--workers={k}",
                f"--slices={slices}"] + [f"--{name}={getattr(args, name)}" for name in
                                         ("micro_batches", "batch", "length", "schedule",
-                                         "steps")]
+                                         "steps", "weight_gradient_group")]
     out = subprocess.run(command, check=True, stdout=subprocess.PIPE, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -238,7 +243,7 @@ def main() -> None:
       timed[f"k{k}_m{args.micro_batches}_s{s}"]["peak_gb_per_worker"] = in_a_process(
           "memory", k, s)
     results.update(timed)
-  summary = {"bench": "token_slices",
+  summary = {"bench": "token_slices", "weight_gradient_group": args.weight_gradient_group,
              "machine": f"{platform.machine()} {os.cpu_count()} cores",
              "onednn": os.environ["TF_ENABLE_ONEDNN_OPTS"],
              "batch": args.batch, "length": args.length, "schedule": args.schedule,

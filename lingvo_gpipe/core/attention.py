@@ -55,7 +55,8 @@ class MultiHeadAttention(BaseLayer):
 
   Self-attention on a token slice (`StepContext.token_slice`) attends to the keys
   and values of the whole sequence so far: the slice's are added to the slice cache
-  ([B, N, S_full, H] each, core/token_slices.py), and `bias` must cover those S_full
+  (keys transposed, [B, N, H, S_full], so that no step transposes the whole sequence's;
+  values [B, N, S_full, H]; core/token_slices.py), and `bias` must cover those S_full
   keys (causally: it alone hides the positions after the query).
   """
 
@@ -102,9 +103,13 @@ class MultiHeadAttention(BaseLayer):
     q = self._split_heads(self.query(query)) * (1.0 / math.sqrt(self.head_dim))
     k = self._split_heads(self.key(memory))
     v = self._split_heads(self.value(memory))
-    if token_slice is not None:  # the keys and values of the slices before, and these
-      k, v = token_slice.extend(k, axis=2), token_slice.extend(v, axis=2)
-    logits = layers.at_least_float32(tf.matmul(q, k, transpose_b=True))  # [B, N, T, S]
+    if token_slice is None:
+      logits = tf.matmul(q, k, transpose_b=True)  # [B, N, T, S]
+    else:  # the keys (kept transposed, [B, N, H, S]) and values of the slices before
+      keys = token_slice.extend(tf.transpose(k, [0, 1, 3, 2]), axis=3)
+      v = token_slice.extend(v, axis=2)
+      logits = tf.matmul(q, keys)
+    logits = layers.at_least_float32(logits)
     if bias is not None:
       logits += tf.cast(bias, logits.dtype)
     probs = self.atten_dropout(tf.cast(tf.nn.softmax(logits, axis=-1), v.dtype))

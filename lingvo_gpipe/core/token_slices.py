@@ -104,16 +104,16 @@ class TokenSlice:
     full_shape = shape[:axis] + [self.full_length] + shape[axis + 1:]
     spec = tf.TensorSpec(full_shape, new.dtype)
     [previous] = self.cache.take([spec])
-    before = tf.reshape(tf.range(self.full_length, dtype=tf.int64) < tf.cast(self.offset, tf.int64),
-                        [self.full_length] + [1] * (len(shape) - axis - 1))
-    kept = tf.where(before, previous, tf.zeros_like(previous))
     offset = tf.cast(self.offset, tf.int32)
     pads = tf.tensor_scatter_nd_update(
         tf.zeros([len(shape), 2], tf.int32), [[axis, 0], [axis, 1]],
         tf.stack([offset, self.full_length - n - offset]))
-    placed = tf.pad(new, pads)
+    placed = tf.pad(new, pads)  # `new` at its positions, zeros before and after
     placed.set_shape(full_shape)
-    entry = kept + placed
+    before = tf.reshape(tf.range(self.full_length, dtype=tf.int32) < offset,
+                        [self.full_length] + [1] * (len(shape) - axis - 1))
+    # One select: previous entries before the slice, then this slice's, then zeros.
+    entry = tf.where(before, previous, placed)
     self.cache.give([entry], [spec])
     return entry
 

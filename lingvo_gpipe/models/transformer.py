@@ -101,7 +101,7 @@ class TransformerLmLayer(TransformerLayer):
   """(x [B, T, D], paddings [B, T]) → (x', paddings); causal self-attention.
 
   Runs on token slices (core/token_slices.py): its cache holds the key paddings
-  [B, T] and the attention's keys and values [B, N, T, H] of the slices before.
+  [B, T], the attention's keys [B, N, H, T] and values [B, N, T, H] of the slices before.
   """
 
   token_slicing = token_slices.CAUSAL
