@@ -75,8 +75,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")  # inherited by the worker processes
 
 
-def model_layers(name: str):
-  """The 8-layer stack of `name` and its pipeline inputs (a tuple of [B, ...] tensors)."""
+def model_layers(name: str, batch: int = 16, length: int = 64):
+  """The 8-layer stack of `name` and its pipeline inputs (a tuple of [B, ...] tensors;
+  the Transformer's: `batch` sequences of `length` tokens)."""
   import tensorflow as tf
 
   from lingvo_gpipe.core import layers
@@ -89,7 +90,8 @@ def model_layers(name: str):
   return ([transformer.TransformerLmLayer.Params().set(
               name=f"layer{i}", input_dim=512, hidden_dim=2048, num_heads=8)
            for i in range(8)],
-          (tf.random.stateless_normal([16, 64, 512], seed=[1, 2]), tf.zeros([16, 64])))
+          (tf.random.stateless_normal([batch, length, 512], seed=[1, 2]),
+           tf.zeros([batch, length])))
 
 
 PLAIN = ("plain",)  # the runner key of plain TensorFlow on one worker
@@ -149,10 +151,7 @@ def _make_step(model_name: str, num_cells: int, num_micro_batches: int, devices:
   the cells' forward and backward bodies."""
   import tensorflow as tf
 
-  from lingvo_gpipe import train_step
-  from lingvo_gpipe.core import optimizers
   from lingvo_gpipe.pipeline import layer as gpipe
-  from lingvo_gpipe.pipeline import timeline
 
   with tf.device(devices[0]):
     stack, inputs = model_layers(model_name)
@@ -166,11 +165,28 @@ def _make_step(model_name: str, num_cells: int, num_micro_batches: int, devices:
     out = tf.nest.flatten(outputs)[0]
     return {"loss": (tf.reduce_mean(tf.square(out)), tf.cast(tf.shape(out)[0], tf.float32))}
 
-  wrapped = train_step.StackWithLoss(model, mean_square)
+  run = train_step_runner(model, mean_square, inputs, devices[0])
+  run.graph_def = run.step_fn.get_concrete_function(run.batch).graph.as_graph_def()
+  return run
+
+
+def train_step_runner(model, head, inputs, input_device: str):
+  """The trainer's step (`train_step.TrainStep`, plain SGD) of the pipeline `model`
+  with `head` on the batch {"inputs": inputs}, traced and run once: run() → (seconds,
+  measured schedule); run.plan is its schedule, run.first_step_seconds what the
+  first call took (tracing included), run.step_fn and run.batch the traced step and
+  its batch."""
+  import tensorflow as tf
+
+  from lingvo_gpipe import train_step
+  from lingvo_gpipe.core import optimizers
+  from lingvo_gpipe.pipeline import timeline
+
+  wrapped = train_step.StackWithLoss(model, head)
   optimizer = optimizers.SGD.Params().set(learning_rate=1e-4, momentum=0.0).instantiate()
   optimizer.create_slots(wrapped.trainable_variables)
   step = train_step.TrainStep(wrapped, optimizer, tf.Variable(0, dtype=tf.int64),
-                              input_device=devices[0])
+                              input_device=input_device)
   step_fn = tf.function(step)
   batch = {"inputs": inputs}
 
@@ -182,9 +198,10 @@ def _make_step(model_name: str, num_cells: int, num_micro_batches: int, devices:
     seconds = time.perf_counter() - start
     return seconds, timeline.MeasuredTimeline.from_fetched([t.numpy() for t in fetched])
 
+  started = time.perf_counter()
   run()  # trace and warm up
-  run.graph_def = step_fn.get_concrete_function(batch).graph.as_graph_def()
-  run.plan = step.plan
+  run.first_step_seconds = time.perf_counter() - started
+  run.plan, run.step_fn, run.batch = step.plan, step_fn, batch
   return run
 
 

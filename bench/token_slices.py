@@ -55,34 +55,19 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")  # inherited by the worker processes
-
-
-def lm_layers(batch: int, length: int):
-  """8 causal Transformer LM layers (bench/pipeline_speedup.py's) and their inputs:
-  x [batch, length, 512], paddings [batch, length] (none padded)."""
-  import tensorflow as tf
-
-  from lingvo_gpipe.models import transformer
-
-  return ([transformer.TransformerLmLayer.Params().set(
-              name=f"layer{i}", input_dim=512, hidden_dim=2048, num_heads=8)
-           for i in range(8)],
-          (tf.random.stateless_normal([batch, length, 512], seed=[1, 2]),
-           tf.zeros([batch, length])))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # pipeline_speedup
 
 
 def make_step(args, num_slices: int, devices: list[str]):
   """A traced, warmed-up training step at S = num_slices: run() → (seconds, measured
   schedule); run.plan is its schedule."""
+  import pipeline_speedup
   import tensorflow as tf
 
-  from lingvo_gpipe import train_step
-  from lingvo_gpipe.core import optimizers
   from lingvo_gpipe.pipeline import layer as gpipe
-  from lingvo_gpipe.pipeline import timeline
 
   with tf.device(devices[0]):
-    stack, inputs = lm_layers(args.batch, args.length)
+    stack, inputs = pipeline_speedup.model_layers("transformer", args.batch, args.length)
   model = gpipe.PipeliningLayer.Params().set(
       name="lm", layers=stack, num_cells=len(devices), num_micro_batches=args.micro_batches,
       num_token_slices=num_slices, devices=devices, schedule=args.schedule,
@@ -96,26 +81,7 @@ def make_step(args, num_slices: int, devices: list[str]):
     tokens = tf.cast(tf.shape(out)[0] * tf.shape(out)[1], tf.float32)
     return {"loss": (tf.reduce_mean(tf.square(out)), tokens)}
 
-  wrapped = train_step.StackWithLoss(model, mean_square)
-  optimizer = optimizers.SGD.Params().set(learning_rate=1e-4, momentum=0.0).instantiate()
-  optimizer.create_slots(wrapped.trainable_variables)
-  step = train_step.TrainStep(wrapped, optimizer, tf.Variable(0, dtype=tf.int64),
-                              input_device=devices[0])
-  step_fn = tf.function(step)
-  batch = {"inputs": inputs}
-
-  def run() -> tuple[float, timeline.MeasuredTimeline]:
-    start = time.perf_counter()
-    outputs, fetched = step_fn(batch)
-    outputs["loss"].numpy()
-    seconds = time.perf_counter() - start
-    return seconds, timeline.MeasuredTimeline.from_fetched([t.numpy() for t in fetched])
-
-  started = time.perf_counter()
-  run()  # trace and warm up
-  run.first_step_seconds = time.perf_counter() - started
-  run.plan = step.plan
-  return run
+  return pipeline_speedup.train_step_runner(model, mean_square, inputs, devices[0])
 
 
 def measure_memory(args) -> list[float]:
@@ -141,7 +107,6 @@ def profile(args) -> dict:
   op time by phase and op type (bench/micro_batch_profile.py)."""
   import collections
 
-  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
   import micro_batch_profile
 
   columns = {}

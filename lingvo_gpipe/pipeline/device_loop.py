@@ -22,7 +22,8 @@ hand-off received):
         added to the sums
 
 An uneven split has two micro-batch shapes; each has its own F and B branch (the
-cell's functions are traced once per shape); W has a branch per group size.
+cell's functions are traced once per shape); W has a branch per group size. Each
+action's start and end are timestamped on the device (the measured timeline).
 
 Token slices (`plan.num_token_slices` S > 1): the table's rows are units (m, j), m's
 rows sliced along axis 1 as well; a shape class is a (rows, tokens) pair. A cell with
@@ -30,8 +31,7 @@ causal layers keeps, per micro-batch in flight, its cache entries in a cache slo
 (taken at F(m, 0), released at B(m, 0)): F(m, j) reads them (j > 0) and writes them
 back extended; B(m, j) reads them as the last slice left them, takes the gradient of
 the entries F(m, j) wrote from the cache-gradient slot B(m, j+1) filled (zeros for
-the last slice) and fills it with the gradient of those F(m, j) read, for B(m, j−1). Each
-action's start and end are timestamped on the device (the measured timeline).
+the last slice) and fills it with the gradient of those F(m, j) read, for B(m, j−1).
 
 The loop carries a `LoopState`: per cell a `CellState` (the sums, one stash slot per
 micro-batch the cell holds in flight (`PipelineSchedule.max_in_flight`: M for gpipe,
