@@ -142,13 +142,14 @@ PARAM_FILE = textwrap.dedent('''
                                                  batch_size=self.BATCH)
 ''')
 
-# name → (family, K cells, M, recompute, schedule, V)
+# name → (family, K cells, M, recompute, schedule, V[, S token slices])
 PLANS = {
     "lm_k1_m4_always_gpipe": ("Lm", 1, 4, "always", "gpipe", 1),
     "lm_k2_m4_always_gpipe": ("Lm", 2, 4, "always", "gpipe", 1),
     "lm_k2_m8_never_1f1b": ("Lm", 2, 8, "never", "1f1b", 1),
     "lm_k4_m8_always_zb_h1": ("Lm", 4, 8, "always", "zb_h1", 1),
     "lm_k4v2_m4_always_interleaved": ("Lm", 4, 4, "always", "interleaved_1f1b", 2),
+    "lm_k2_m4_always_1f1b_s4": ("Lm", 2, 4, "always", "1f1b", 1, 4),
     "mt_k2_m4_always_1f1b": ("Mt", 2, 4, "always", "1f1b", 1),
     "mt_k4_m8_never_gpipe": ("Mt", 4, 8, "never", "gpipe", 1),
     "amoeba_k1_m2_never_gpipe": ("Amoeba", 1, 2, "never", "gpipe", 1),
@@ -189,10 +190,11 @@ def with_workers(num_workers: int, body):
 
 
 def override(plan: tuple) -> str:
-  _, k, m, recompute, name, v = plan
+  _, k, m, recompute, name, v, *slices = plan
   return (f"task.pipeline.num_cells={k};task.pipeline.num_micro_batches={m};"
           f"task.pipeline.recompute={recompute};task.pipeline.schedule={name};"
-          f"task.pipeline.virtual_stages={v}")
+          f"task.pipeline.virtual_stages={v};"
+          f"task.pipeline.num_token_slices={slices[0] if slices else 1}")
 
 
 def measure(name: str, setting: str, param_dir: str, cache: str, steps: int,
