@@ -108,17 +108,18 @@ def make_step(model_name: str, num_cells: int, num_micro_batches: int, devices: 
                     recompute)
 
 
-def make_plain_step(model_name: str, device: str):
+def make_plain_step(model_name: str, device: str, **shape: int):
   """What a user whose model fits one device runs instead: the same layers as one
   `layers.Sequential` on `device`, a `tf.function` of GradientTape and plain SGD
   (`assign_sub`), no pipeline code at all (no micro-batches, no re-materialization,
-  no loop, no timeline). run() → (seconds, None)."""
+  no loop, no timeline). `shape`: model_layers' batch and length. run() → (seconds,
+  None)."""
   import tensorflow as tf
 
   from lingvo_gpipe.core import base_layer, layers
 
   with tf.device(device):
-    stack, inputs = model_layers(model_name)
+    stack, inputs = model_layers(model_name, **shape)
     model = layers.Sequential.Params().set(name=model_name, layers=stack,
                                            random_seed=1).instantiate()
   variables = model.trainable_variables

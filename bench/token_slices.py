@@ -13,6 +13,10 @@ sequential accelerator each), for each S of --slices:
                           forward, backward, SGD)
   speedup_vs_s1           S=1's step ÷ this one's, measured side by side (the
                           configurations alternate step by step)
+  speedup_vs_plain_single what a user whose model fits one device runs instead (the
+                          same layers in plain TensorFlow on worker 0: no pipeline,
+                          no micro-batches, no re-materialization; in the same
+                          alternation) ÷ this step
   bubble_measured         idle share of the workers in the measured schedule
   bubble_planned          the schedule simulated with the step's own measured call
                           times (what it would give with free hand-offs)
@@ -136,7 +140,11 @@ def run_one_cluster(args) -> dict:
   k, m = args.workers, args.micro_batches
   slices = [int(s) for s in args.slices.split(",")]
   with local_cluster(k) as (devices, _):
+    import pipeline_speedup
+
     runners = {s: make_step(args, s, devices) for s in slices}
+    runners["plain"] = pipeline_speedup.make_plain_step("transformer", devices[0],
+                                                        batch=args.batch, length=args.length)
     times: dict = {s: [] for s in runners}
     measured: dict = {s: [] for s in runners}
     for _ in range(args.steps):
@@ -145,13 +153,16 @@ def run_one_cluster(args) -> dict:
         times[s].append(seconds)
         measured[s].append(schedule)
     results = {}
+    plain = statistics.median(times.pop("plain"))
+    results[f"k{k}_plain"] = {"step_seconds": round(plain, 4)}
     base = statistics.median(times[slices[0]])
-    for s, run in runners.items():
-      step = statistics.median(times[s])
+    for s in slices:
+      run, step = runners[s], statistics.median(times[s])
       runs = measured[s]
       results[f"k{k}_m{m}_s{s}"] = {
           "step_seconds": round(step, 4),
           "speedup_vs_s1": round(base / step, 3) if slices[0] == 1 else None,
+          "speedup_vs_plain_single": round(plain / step, 3),
           "bubble_measured": round(statistics.median(r.bubble() for r in runs), 3),
           "bubble_planned": round(statistics.median(
               r.summary(run.plan)["pipeline/bubble_planned"] for r in runs), 3),
@@ -214,7 +225,7 @@ def main() -> None:
              "batch": args.batch, "length": args.length, "schedule": args.schedule,
              "steps_per_config": args.steps, "results": results}
   for name, r in results.items():
-    if not name.endswith("_s1"):
+    if not name.endswith(("_s1", "_plain")):
       k_m, s = name.rsplit("_s", 1)
       base = results.get(f"{k_m}_s1")
       k = k_m.split("_")[0]

@@ -273,7 +273,8 @@ def test_the_profiler_counts_a_causal_layers_cache():
 def test_the_cost_model_counts_units_and_caches_by_hand():
   """1f1b, 2 cells of 2 layers, M=2 of 4 examples, S=4: each unit is a quarter of a
   micro-batch (its stash, working set and hand-offs), and each cell holds the caches of
-  max_cached micro-batches (entries and their gradients)."""
+  max_cached micro-batches (entries and their gradients) and, in a backward, makes
+  two more (the entries it extends, the gradient of those it read)."""
   layer = LayerCost(forward_s=1e-3, backward_s=2e-3, weight_bytes=1000, input_bytes=16,
                     kept_bytes=160, batch=2, cache_bytes=48)
   costs = [layer] * 4
@@ -290,7 +291,7 @@ def test_the_cost_model_counts_units_and_caches_by_hand():
     hand_offs = stash + (stash if k == 0 else 0.0)  # the inbox, and what cell 0 sends
     assert got.peak_bytes[k] == pytest.approx(
         weights + layout.max_in_flight(k) * stash + hand_offs + 2 * layout.max_cached(k) * cache
-        + kept + (batch_inputs if k == 0 else 0.0)), k
+        + kept + 2 * cache + (batch_inputs if k == 0 else 0.0)), k
   assert got.num_token_slices == 4 and "num_token_slices=4" in got.params_override()
 
 

@@ -200,7 +200,9 @@ class PipeliningLayer(BaseLayer):
              "pipeline/schedule.py): the bubble of M micro-batches becomes that of M·S "
              "units of 1/S the work. Causal sequence models only (every layer declares "
              "token_slicing); schedules gpipe and 1f1b. Each cell keeps its causal "
-             "layers' keys and values of the whole sequence per micro-batch in flight.")
+             "layers' keys and values of the whole sequence per micro-batch in flight. "
+             "Pair with weight_gradient_group=S (one weight-gradient product for a "
+             "micro-batch's S slices).")
     p.define("memory_cap_bytes", None, "If set, the most bytes of weights and optimizer state "
              "one cell may hold; see bytes_per_param.")
     p.define("bytes_per_param", 12, "Bytes per parameter for the memory cap (float32 weight "

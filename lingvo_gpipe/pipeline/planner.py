@@ -101,11 +101,12 @@ class _MemoryModel:
   def peak(self, starts: Any, ends: Any, in_flight: int, awaiting: int, recompute: bool,
            first: bool, cached: int = 0) -> Any:
     kept = self.kept[ends] - self.kept[starts]
+    cache = self.cache[ends] - self.cache[starts]
     held = step_model.held_bytes(
         self.weights[ends] - self.weights[starts], self.inputs[starts] if recompute else kept,
         self.products[ends] - self.products[starts], self.inputs[starts], self.inputs[ends],
-        in_flight, awaiting, self.slot_factor, self.cache[ends] - self.cache[starts], cached)
-    return (held + step_model.working_bytes(kept, recompute) +
+        in_flight, awaiting, self.slot_factor, cache, cached)
+    return (held + step_model.working_bytes(kept, recompute, cache) +
             (self.batch_input_bytes if first else 0.0))
 
 

@@ -281,10 +281,12 @@ def held_bytes(weight_bytes: Any, stash_bytes: Any, product_bytes: Any, input_by
           2.0 * cached * cache_bytes)
 
 
-def working_bytes(kept_bytes: Any, recompute: bool) -> Any:
+def working_bytes(kept_bytes: Any, recompute: bool, cache_bytes: Any = 0.0) -> Any:
   """The largest working set of one of a cell's actions: a re-materialized backward's
-  recomputed forward (without re-materialization it is in the stash)."""
-  return kept_bytes if recompute else 0.0
+  recomputed forward (without re-materialization it is in the stash); on token
+  slices also the whole-sequence cache entries a backward makes: those its slice
+  extends and the gradient of those it read."""
+  return (kept_bytes if recompute else 0.0) + 2.0 * cache_bytes
 
 
 def device_peaks(plan: schedule.PipelineSchedule, cells: Sequence[CellCost],
@@ -303,7 +305,8 @@ def device_peaks(plan: schedule.PipelineSchedule, cells: Sequence[CellCost],
                           slot_factor + (2.0 if num_replicas > 1 else 0.0),
                           cells[k].cache_bytes, plan.max_cached(k))
                for k in mine)
-    peaks.append(held + max(working_bytes(cells[k].kept_bytes, cells[k].recompute)
+    peaks.append(held + max(working_bytes(cells[k].kept_bytes, cells[k].recompute,
+                                          cells[k].cache_bytes)
                             for k in mine) +
                  (batch_input_bytes if 0 in mine else 0.0))
   return tuple(peaks)
