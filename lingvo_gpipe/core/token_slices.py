@@ -10,7 +10,7 @@ self-attention. A forward of a slice runs with `StepContext.token_slice` set to 
 `SliceCache` that carries those keys and values from slice to slice.
 
 A layer's cache entry is full-length, [..., T, ...] along its sequence axis: slice j
-reads it masked to the positions before its own (`SliceCache.extend`: positions <
+reads it masked to the positions before its own (`TokenSlice.extend`: positions <
 offset kept, the rest zero), places its own entries at offset..offset+n_j, and passes
 the result on. Masking what it reads makes an entry's later values invisible, so the
 backward of slice j may be handed the entry as the last slice left it (the cell
