@@ -21,6 +21,14 @@ sequential accelerator each), for each S of --slices:
   bubble_planned          the schedule simulated with the step's own measured call
                           times (what it would give with free hand-offs)
   bubble_theoretical      (K−1)/(M·S+K−1), equal cells and units
+  worker_cpu_seconds      median CPU time of a step summed over the K worker processes
+                          (user + system, from /proc): the work a step does, whatever
+                          the cores it ran on
+  cores_busy              median of worker_cpu_seconds ÷ step_seconds: how many cores
+                          the workers kept busy (at most the machine's cores; when it is
+                          there, a smaller bubble cannot shorten the step, only less
+                          work can)
+  work_vs_s1              worker_cpu_seconds ÷ S=1's: the work slicing adds
   peak_gb_per_worker      each worker's peak bytes in use (TensorFlow's BFC allocator:
                           weights, slots, stash, cache, activations, transfer
                           buffers) over two steps, in a cluster of fresh workers
@@ -133,29 +141,46 @@ def profile(args) -> dict:
           for name, c in columns.items()}
 
 
+def cpu_seconds(pids: list[int]) -> float:
+  """User + system CPU seconds the processes `pids` have used so far (Linux /proc)."""
+  ticks = os.sysconf("SC_CLK_TCK")
+  total = 0
+  for pid in pids:
+    with open(f"/proc/{pid}/stat") as stat:
+      fields = stat.read().rsplit(")", 1)[1].split()  # after "pid (comm)"
+    total += int(fields[11]) + int(fields[12])  # utime, stime: fields 14 and 15
+  return total / ticks
+
+
 def run_one_cluster(args) -> dict:
   """All S at K = args.workers, in this process's cluster: {config: figures}."""
   from lingvo_gpipe.runtime.local_workers import local_cluster
 
   k, m = args.workers, args.micro_batches
   slices = [int(s) for s in args.slices.split(",")]
-  with local_cluster(k) as (devices, _):
+  with local_cluster(k) as (devices, workers):
     import pipeline_speedup
 
     runners = {s: make_step(args, s, devices) for s in slices}
     runners["plain"] = pipeline_speedup.make_plain_step("transformer", devices[0],
                                                         batch=args.batch, length=args.length)
+    pids = [w.pid for w in workers]
     times: dict = {s: [] for s in runners}
+    cpu: dict = {s: [] for s in runners}
     measured: dict = {s: [] for s in runners}
     for _ in range(args.steps):
       for s, run in runners.items():
+        cpu_before = cpu_seconds(pids)
         seconds, schedule = run()
+        cpu[s].append(cpu_seconds(pids) - cpu_before)
         times[s].append(seconds)
         measured[s].append(schedule)
     results = {}
     plain = statistics.median(times.pop("plain"))
-    results[f"k{k}_plain"] = {"step_seconds": round(plain, 4)}
+    results[f"k{k}_plain"] = {"step_seconds": round(plain, 4),
+                              "worker_cpu_seconds": round(statistics.median(cpu["plain"]), 3)}
     base = statistics.median(times[slices[0]])
+    base_cpu = statistics.median(cpu[slices[0]])
     for s in slices:
       run, step = runners[s], statistics.median(times[s])
       runs = measured[s]
@@ -167,6 +192,10 @@ def run_one_cluster(args) -> dict:
           "bubble_planned": round(statistics.median(
               r.summary(run.plan)["pipeline/bubble_planned"] for r in runs), 3),
           "bubble_theoretical": round((k - 1) / (m * s + k - 1), 3),
+          "worker_cpu_seconds": round(statistics.median(cpu[s]), 3),
+          "cores_busy": round(statistics.median(c / t for c, t in zip(cpu[s], times[s])), 2),
+          "work_vs_s1": (round(statistics.median(cpu[s]) / base_cpu, 3)
+                         if slices[0] == 1 else None),
           "first_step_seconds": round(run.first_step_seconds, 1),
       }
       print(f"K={k} M={m} S={s}: {results[f'k{k}_m{m}_s{s}']}", file=sys.stderr, flush=True)

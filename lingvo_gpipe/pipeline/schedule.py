@@ -664,17 +664,15 @@ def make(name: str, num_cells: int, num_micro_batches: int, *, virtual_stages: i
   if num_cells < 1 or num_micro_batches < 1:
     raise ScheduleError(f"a schedule needs num_cells >= 1 and num_micro_batches >= 1, got "
                         f"{num_cells} and {num_micro_batches}")
-  if num_token_slices != 1:
-    if name not in SLICED_SCHEDULES:
-      raise ScheduleError(f"schedule {name!r} does not run token slices; with "
-                          f"num_token_slices={num_token_slices} use one of {SLICED_SCHEDULES}")
-    return {"gpipe": gpipe, "1f1b": one_f_one_b}[name](num_cells, num_micro_batches,
-                                                      num_token_slices)
+  if num_token_slices != 1 and name not in SLICED_SCHEDULES:
+    raise ScheduleError(f"schedule {name!r} does not run token slices; with "
+                        f"num_token_slices={num_token_slices} use one of {SLICED_SCHEDULES}")
   if name == "interleaved_1f1b":
     return interleaved_1f1b(num_cells, num_micro_batches, virtual_stages)
   if name == "zb_h1":
     return zero_bubble_h1(num_cells, num_micro_batches, weight_cells)
-  return {"gpipe": gpipe, "1f1b": one_f_one_b}[name](num_cells, num_micro_batches)
+  return {"gpipe": gpipe, "1f1b": one_f_one_b}[name](num_cells, num_micro_batches,
+                                                    num_token_slices)
 
 
 def from_lists(name: str, actions: Sequence[Sequence[str]]) -> PipelineSchedule:
