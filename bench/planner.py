@@ -150,6 +150,7 @@ PLANS = {
     "lm_k4_m8_always_zb_h1": ("Lm", 4, 8, "always", "zb_h1", 1),
     "lm_k4v2_m4_always_interleaved": ("Lm", 4, 4, "always", "interleaved_1f1b", 2),
     "lm_k2_m4_always_1f1b_s4": ("Lm", 2, 4, "always", "1f1b", 1, 4),
+    "lm_k2_m4_never_1f1b_s4": ("Lm", 2, 4, "never", "1f1b", 1, 4),
     "mt_k2_m4_always_1f1b": ("Mt", 2, 4, "always", "1f1b", 1),
     "mt_k4_m8_never_gpipe": ("Mt", 4, 8, "never", "gpipe", 1),
     "amoeba_k1_m2_never_gpipe": ("Amoeba", 1, 2, "never", "gpipe", 1),

@@ -11,7 +11,7 @@ from numerics import TRAINED, assert_all_close, assert_close, tolerance
 
 from lingvo_gpipe import train_step
 from lingvo_gpipe.core import base_layer, layers, optimizers, stacked_variables, token_slices
-from lingvo_gpipe.models import transformer
+from lingvo_gpipe.models import amoeba_net, transformer
 from lingvo_gpipe.pipeline import layer as gpipe
 from lingvo_gpipe.pipeline import layer_profiler, planner, schedule, schedule_chart, timeline
 from lingvo_gpipe.pipeline.layer_profiler import LayerCost
@@ -215,9 +215,36 @@ def test_a_schedule_running_slices_out_of_order_is_refused(actions, message):
     schedule.PipelineSchedule("bad", 1, 2, parsed, num_token_slices=2)
 
 
+@pytest.mark.parametrize("actions, message", [
+    ([("F0", "F1", "B1", "B0"), ("F1", "F0", "B1", "B0")], "cell 1 runs F0.1 before F0.0"),
+    ([("F0", "F1", "B0", "B1"), ("F0", "F1", "B1", "B0")], "cell 0 runs B0.0 before B0.1"),
+])
+def test_a_later_cell_running_slices_out_of_order_is_refused(actions, message):
+  with pytest.raises(schedule.ScheduleError, match=message):
+    schedule.from_lists("bad", actions, num_token_slices=2)
+
+
+@pytest.mark.parametrize("name, slices", [
+    ("1f1b", -1), ("gpipe", 0), ("gpipe", 2.0), ("zb_h1", 0), ("interleaved_1f1b", 0)])
+def test_make_names_a_bad_slice_count(name, slices):
+  with pytest.raises(schedule.ScheduleError,
+                     match=f"num_token_slices must be an int >= 1, got {slices!r}"):
+    schedule.make(name, 2, 2, num_token_slices=slices)
+
+
+def test_make_refuses_slices_on_schedules_that_do_not_run_them():
+  for name in ("zb_h1", "interleaved_1f1b"):
+    with pytest.raises(schedule.ScheduleError, match=f"schedule '{name}' does not run"):
+      schedule.make(name, 2, 2, num_token_slices=2)
+
+
 @pytest.mark.parametrize("settings, message", [
     (dict(num_token_slices=0), "num_token_slices must be an int >= 1"),
+    (dict(num_token_slices=-2), "num_token_slices must be an int >= 1"),
+    (dict(num_token_slices=2.0), "num_token_slices must be an int >= 1"),
     (dict(num_token_slices=2, schedule="zb_h1"), "schedule must be one of"),
+    (dict(num_token_slices=2, schedule="interleaved_1f1b", virtual_stages=2),
+     "schedule must be one of"),
 ])
 def test_bad_slice_params_are_named(cpu_devices, settings, message):
   with pytest.raises(gpipe.PipelineError, match=message):
@@ -241,6 +268,15 @@ def test_layers_that_are_not_causal_refuse_slices(cpu_devices):
   stack = transformer.encoder_decoder_stack(VOCAB, DIM, 16, 2, 1)
   with pytest.raises(gpipe.PipelineError, match="encoder_000.*TransformerEncoderLayer"):
     gpipe.PipeliningLayer.Params().set(name="stack", layers=stack.layers, num_cells=2,
+                                       num_token_slices=2,
+                                       devices=cpu_devices[:2]).instantiate()
+
+
+def test_amoeba_net_refuses_slices(cpu_devices):
+  body = amoeba_net.amoeba_net("D", num_normal_cells=3, filters=8, image_size=32,
+                               num_classes=10, stem="cifar", stem_filters=16)
+  with pytest.raises(gpipe.PipelineError, match=r"causal in the sequence; net/.* is not"):
+    gpipe.PipeliningLayer.Params().set(name="net", layers=body.stack.layers, num_cells=2,
                                        num_token_slices=2,
                                        devices=cpu_devices[:2]).instantiate()
 
@@ -270,28 +306,34 @@ def test_the_profiler_counts_a_causal_layers_cache():
   assert [c.cache_bytes for c in costs] == [4 * (2 * 12 + 2 * 2 * 2 * 12 * 4), 0]
 
 
-def test_the_cost_model_counts_units_and_caches_by_hand():
+@pytest.mark.parametrize("recompute", ["always", "never"])
+def test_the_cost_model_counts_units_and_caches_by_hand(recompute):
   """1f1b, 2 cells of 2 layers, M=2 of 4 examples, S=4: each unit is a quarter of a
-  micro-batch (its stash, working set and hand-offs), and each cell holds the caches of
-  max_cached micro-batches (entries and their gradients) and, in a backward, makes
-  two more (the entries it extends, the gradient of those it read)."""
+  micro-batch (its input, hand-offs and the tensors its forward keeps but the cache),
+  while the cache entries a unit's forward keeps span the whole sequence; each cell
+  holds the caches of max_cached micro-batches (entries and their gradients) and, in a
+  backward, makes two more (the entries it extends, the gradient of those it read).
+  Re-materialized, the stash holds a unit's input and the working set is what its
+  forward keeps; otherwise the stash holds what the forward keeps."""
   layer = LayerCost(forward_s=1e-3, backward_s=2e-3, weight_bytes=1000, input_bytes=16,
-                    kept_bytes=160, batch=2, cache_bytes=48)
+                    kept_bytes=160, batch=2, cache_bytes=48)  # kept_bytes includes the cache
   costs = [layer] * 4
   machine = Machine(2, np.inf, slot_factor=1.0)
-  got = planner.predict(costs, machine, 1, (2, 4), 2, "always", "1f1b", 8,
+  got = planner.predict(costs, machine, 1, (2, 4), 2, recompute, "1f1b", 8,
                         num_token_slices=4)
   layout = schedule.make("1f1b", 2, 2, num_token_slices=4)
   assert [layout.max_cached(k) for k in range(2)] == [2, 2]
   unit = 4 / 4 / 2  # a unit's share of the profiled batch of 2
-  weights, stash, kept = 2 * 1000 * 4.0, 16 * unit, 2 * 160 * unit
+  weights, inputs = 2 * 1000 * 4.0, 16 * unit
   cache = 2 * 48 * 4 / 2  # two layers' entries for a micro-batch of 4 sequences
+  kept = 2 * (160 - 48) * unit + cache  # a quarter of the tokens, all T keys and values
+  stash, working = (inputs, kept) if recompute == "always" else (kept, 0.0)
   batch_inputs = 16 * 8 / 2
   for k in range(2):
-    hand_offs = stash + (stash if k == 0 else 0.0)  # the inbox, and what cell 0 sends
+    hand_offs = inputs + (inputs if k == 0 else 0.0)  # the inbox, and what cell 0 sends
     assert got.peak_bytes[k] == pytest.approx(
         weights + layout.max_in_flight(k) * stash + hand_offs + 2 * layout.max_cached(k) * cache
-        + kept + 2 * cache + (batch_inputs if k == 0 else 0.0)), k
+        + working + 2 * cache + (batch_inputs if k == 0 else 0.0)), k
   assert got.num_token_slices == 4 and "num_token_slices=4" in got.params_override()
 
 

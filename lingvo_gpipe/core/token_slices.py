@@ -13,17 +13,22 @@ A layer's cache entry is full-length, [..., T, ...] along its sequence axis: sli
 reads it masked to the positions before its own (`TokenSlice.extend`: positions <
 offset kept, the rest zero), places its own entries at offset..offset+n_j, and passes
 the result on. Masking what it reads makes an entry's later values invisible, so the
-backward of slice j may be handed the entry as the last slice left it (the cell
-keeps one entry per micro-batch, not one per slice) and reads exactly what the
-forward read. With full-length keys, slice j's attention is [n_j, T] logits under a
-causal mask: every slice costs the same, and the S slices together compute the
-unsliced layer's [T, T] products.
+backward of slice j may be handed the entry as the last slice left it (the cell's
+cache slots hold one entry per micro-batch, not one per slice) and reads exactly what
+the forward read. What a slice's forward keeps for its backward (a cell that is not
+re-materialized, or a recompute) holds the entry it made: whole-sequence keys and
+values per slice (step_model.unit_kept_bytes).
+
+With full-length keys, slice j's attention is [n_j, T] logits under a causal mask:
+every slice costs the same, and the S slices together compute the unsliced layer's
+[T, T] products.
 
 Gradients run the other way: the entry slice j passes on is an output of its cell
 call, whose gradient (from slices > j) the backward of slice j takes as a seed, and
 the gradient of the entry it read is handed to the backward of slice j − 1.
 
-Which layers may run on slices is a property of their class (`SLICING`): "tokenwise"
+Which layers may run on slices their class says, in its attribute `token_slicing`
+(one of `SLICING`, or None): "tokenwise"
 (each position on its own: embeddings, projections, norms), "causal" (position t sees
 positions ≤ t through the cache: a causal Transformer LM layer), or None (it mixes
 positions some other way, e.g. an encoder's self-attention, a convolution, or pools
@@ -88,10 +93,6 @@ class TokenSlice:
   full_length: int
   cache: SliceCache
 
-  def positions(self, length: int) -> tf.Tensor:
-    """int64 [length]: the slice's token positions offset .. offset+length−1."""
-    return tf.range(length, dtype=tf.int64) + tf.cast(self.offset, tf.int64)
-
   def extend(self, new: tf.Tensor, axis: int) -> tf.Tensor:
     """new [..., n, ...] (n along `axis`: this slice's entries) → the full-length entry
     [..., T, ...]: the incoming one at positions < offset, `new` at offset..offset+n−1,
@@ -141,7 +142,7 @@ def slice_lengths(length: int, num_slices: int) -> list[int]:
 
 def check_layers(layers: Sequence[Any], path: str) -> None:
   """Raises ValueError naming the first of `layers` whose class does not declare that
-  it runs on token slices (`SLICING`: a class attribute `token_slicing`)."""
+  it runs on token slices (its attribute `token_slicing` not one of `SLICING`)."""
   for layer in layers:
     kind = getattr(type(layer), "token_slicing", None)
     if kind not in SLICING:

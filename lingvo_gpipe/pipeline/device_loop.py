@@ -504,8 +504,9 @@ class CellLoop:
     return [ta.write(row.cache_slot, kept(v)) for ta, v in zip(slots, values)]
 
   def forward(self, c: int, state: CellState, args: ActionArgs) -> ActionResult:
-    """F: micro-batch m of shape class c through the cell; its outputs sent on (last
-    cell: kept), what its backward needs stashed, its statistics kept."""
+    """F: the row's unit (micro-batch m, or slice (m, j)) of shape class c through the
+    cell; its outputs sent on (last cell: kept), what its backward needs stashed, its
+    statistics kept."""
     sig, row = self.signatures[c], args.row
     rows, tokens = self.sizes[c]
     if self.previous is None:
@@ -535,7 +536,7 @@ class CellLoop:
     return state, start, end
 
   def backward(self, c: int, state: CellState, args: ActionArgs) -> ActionResult:
-    """B: the backward of micro-batch m of shape class c on its stash slot; input
+    """B: the backward of the row's unit of shape class c on its stash slot; input
     gradients sent back, variable gradients added to the sums, deferred products
     written to the row's product slot."""
     sig, cell, row = self.signatures[c], self.cell, args.row

@@ -89,7 +89,8 @@ class _MemoryModel:
       return np.concatenate([[0.0], np.cumsum(values)])
 
     self.weights = prefix([c.weight_bytes for c in costs])
-    self.kept = prefix([c.kept_bytes * scale for c in costs])
+    self.kept = prefix([step_model.unit_kept_bytes(c, num_token_slices) * scale
+                        for c in costs])
     self.products = prefix([c.product_bytes * scale for c in costs])
     # a cell's input is its first layer's; its output the next cell's input (none last)
     self.inputs = np.array([c.input_bytes * scale for c in costs] + [0.0])

@@ -664,6 +664,8 @@ def make(name: str, num_cells: int, num_micro_batches: int, *, virtual_stages: i
   if num_cells < 1 or num_micro_batches < 1:
     raise ScheduleError(f"a schedule needs num_cells >= 1 and num_micro_batches >= 1, got "
                         f"{num_cells} and {num_micro_batches}")
+  if not isinstance(num_token_slices, int) or num_token_slices < 1:
+    raise ScheduleError(f"num_token_slices must be an int >= 1, got {num_token_slices!r}")
   if num_token_slices != 1 and name not in SLICED_SCHEDULES:
     raise ScheduleError(f"schedule {name!r} does not run token slices; with "
                         f"num_token_slices={num_token_slices} use one of {SLICED_SCHEDULES}")
@@ -675,9 +677,11 @@ def make(name: str, num_cells: int, num_micro_batches: int, *, virtual_stages: i
                                                     num_token_slices)
 
 
-def from_lists(name: str, actions: Sequence[Sequence[str]]) -> PipelineSchedule:
+def from_lists(name: str, actions: Sequence[Sequence[str]], num_token_slices: int = 1
+               ) -> PipelineSchedule:
   """A schedule from per-cell lists of 'F<m>' / 'B<m>' / 'W<m>' strings (tests, custom
-  orders)."""
+  orders); with num_token_slices S, <m> numbers units: unit u is slice u mod S of
+  micro-batch u // S."""
   parsed = []
   phases = {letter: phase for phase, letter in _LETTERS.items()}
   for k, cell in enumerate(actions):
@@ -688,7 +692,8 @@ def from_lists(name: str, actions: Sequence[Sequence[str]]) -> PipelineSchedule:
       row.append(Action(phases[text[0]], int(text[1:])))
     parsed.append(tuple(row))
   num_micro = 1 + max((a.micro_batch for row in parsed for a in row), default=-1)
-  return PipelineSchedule(name, len(parsed), num_micro, tuple(parsed))
+  return PipelineSchedule(name, len(parsed), num_micro, tuple(parsed),
+                          num_token_slices=num_token_slices)
 
 
 def from_device_lists(name: str, rows: Sequence[Sequence[str]]) -> PipelineSchedule:

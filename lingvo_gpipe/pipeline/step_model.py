@@ -164,6 +164,16 @@ def layer_times(cost: LayerCost, batch: float) -> tuple[float, float]:
   return max(forward, 0.0), max(backward, 0.0)
 
 
+def unit_kept_bytes(cost: LayerCost, num_token_slices: int) -> float:
+  """What a layer's backward keeps of one unit's forward, at the profiled `cost.batch`
+  examples (scale by the unit's examples ÷ cost.batch): `kept_bytes`, and on S > 1
+  token slices the rest of the whole-sequence cache entries each slice's forward
+  keeps. A slice's keys and values span all T positions (core/token_slices.py), so
+  the 1/S share of them that scaling kept_bytes to a slice leaves is S − 1 caches
+  short (tests/token_slices_test.py: test_the_cost_model_counts_units_and_caches_by_hand)."""
+  return cost.kept_bytes + cost.cache_bytes * (num_token_slices - 1)
+
+
 def cell_costs(costs: Sequence[LayerCost], shape: PlanShape, batch_size: int,
                machine: Machine) -> list[CellCost]:
   """Per cell of `shape`: its actions' seconds (overhead included) and bytes at the
@@ -180,7 +190,7 @@ def cell_costs(costs: Sequence[LayerCost], shape: PlanShape, batch_size: int,
     forward = sum(f for f, _ in times)
     backward = sum(b for _, b in times)
     weight = sum(b * c.weight_share for (_, b), c in zip(times, costs[s:e]))
-    kept = sum(c.kept_bytes for c in costs[s:e]) * scale
+    kept = sum(unit_kept_bytes(c, shape.num_token_slices) for c in costs[s:e]) * scale
     inputs = costs[s].input_bytes * scale
     cells.append(CellCost(
         forward_s=forward + machine.action_overhead_s,
