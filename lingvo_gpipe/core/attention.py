@@ -53,11 +53,12 @@ class MultiHeadAttention(BaseLayer):
   The projections and both products run in the compute dtype; the logits' bias and
   softmax in float32 (mixed precision keeps the softmax float32).
 
-  Self-attention on a token slice (`StepContext.token_slice`) attends to the keys
-  and values of the whole sequence so far: the slice's are added to the slice cache
-  (keys transposed, [B, N, H, S_full], so that no step transposes the whole sequence's;
-  values [B, N, S_full, H]; core/token_slices.py), and `bias` must cover those S_full
-  keys (causally: it alone hides the positions after the query).
+  Self-attention on a token slice (`StepContext.token_slice`) of n tokens at `offset`
+  attends to the keys and values of the sequence up to the slice's end: the slice's
+  are added to the slice cache (keys transposed, [B, N, H, T], so that no step
+  transposes the whole sequence's; values [B, N, T, H]; core/token_slices.py), the
+  first offset + n positions read, and `bias` [B or 1, 1, n, offset + n] must cover
+  those keys (causally: it alone hides the positions after the query).
   """
 
   @classmethod
@@ -88,7 +89,7 @@ class MultiHeadAttention(BaseLayer):
     self.create_child("post", layers.Linear.Params().set(
         input_dim=hidden, output_dim=p.input_dim, has_bias=p.use_bias))
     self.create_child("atten_dropout", layers.Dropout.Params().set(
-        keep_prob=p.atten_keep_prob, token_axis=2))  # probs [B, N, T, S]: queries on 2
+        keep_prob=p.atten_keep_prob, token_axis=2, key_axis=3))  # probs [B, N, T, S]
 
   def _split_heads(self, x: tf.Tensor) -> tf.Tensor:
     """[B, T, N·H] → [B, N, T, H]."""
@@ -106,9 +107,11 @@ class MultiHeadAttention(BaseLayer):
     if token_slice is None:
       logits = tf.matmul(q, k, transpose_b=True)  # [B, N, T, S]
     else:  # the keys (kept transposed, [B, N, H, S]) and values of the slices before
-      keys = token_slice.extend(tf.transpose(k, [0, 1, 3, 2]), axis=3)
-      v = token_slice.extend(v, axis=2)
-      logits = tf.matmul(q, keys)
+      length = q.shape[2]  # the slice's tokens n (static)
+      keys = token_slice.prefix(
+          token_slice.extend(tf.transpose(k, [0, 1, 3, 2]), axis=3), 3, length)
+      v = token_slice.prefix(token_slice.extend(v, axis=2), 2, length)
+      logits = tf.matmul(q, keys)  # [B, N, n, offset + n]
     logits = layers.at_least_float32(logits)
     if bias is not None:
       logits += tf.cast(bias, logits.dtype)

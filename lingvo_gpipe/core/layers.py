@@ -491,6 +491,9 @@ class Dropout(BaseLayer):
              "Axes along which the mask is shared (e.g. [1] for all time steps).")
     p.define("token_axis", 1, "The sequence axis of the inputs: on a token slice "
              "(core/token_slices.py) the mask is the whole sequence's, cut along it.")
+    p.define("key_axis", None, "An axis of the inputs over the positions a causal "
+             "query sees (an attention's keys), or None: on a token slice the inputs "
+             "hold the sequence's first positions along it, up to the slice's end.")
     return p
 
   def __init__(self, params):
@@ -517,9 +520,13 @@ class Dropout(BaseLayer):
       # its token's position (S slices draw S whole masks; their cost, not their
       # values, differs from the unsliced model's).
       shape[p.token_axis] = token_slice.full_length
+      if p.key_axis is not None and p.key_axis not in broadcast:
+        shape[p.key_axis] = token_slice.full_length
       keep = token_slice.window(
           keep_mask(tf.stack(shape), dropout_seed(self), row_offset, p.keep_prob,
                     inputs.dtype), p.token_axis, inputs.shape[p.token_axis])
+      if p.key_axis is not None and p.key_axis not in broadcast:
+        keep = token_slice.prefix(keep, p.key_axis, inputs.shape[p.token_axis])
     return inputs * keep / p.keep_prob
 
 

@@ -19,20 +19,20 @@ the forward read. What a slice's forward keeps for its backward (a cell that is 
 re-materialized, or a recompute) holds the entry it made: whole-sequence keys and
 values per slice (step_model.unit_kept_bytes).
 
-With full-length keys, slice j's attention is [n_j, T] logits under a causal mask:
-every slice costs the same, and the S slices together compute the unsliced layer's
-[T, T] products.
+Slice j's attention reads the entries' first offset_j + n_j positions only
+(`TokenSlice.prefix`): [n_j, offset_j + n_j] logits under a causal mask, so the S
+slices together compute (S + 1) / 2S of the unsliced layer's [T, T] products (5/8 at
+S = 4), later slices more than earlier ones.
 
 Gradients run the other way: the entry slice j passes on is an output of its cell
 call, whose gradient (from slices > j) the backward of slice j takes as a seed, and
 the gradient of the entry it read is handed to the backward of slice j − 1.
 
-Which layers may run on slices their class says, in its attribute `token_slicing`
-(one of `SLICING`, or None): "tokenwise"
-(each position on its own: embeddings, projections, norms), "causal" (position t sees
-positions ≤ t through the cache: a causal Transformer LM layer), or None (it mixes
-positions some other way, e.g. an encoder's self-attention, a convolution, or pools
-them): `check_layers` refuses the last.
+A layer's class says whether it may run on slices, in its attribute `token_slicing`:
+"tokenwise" (each position on its own: embeddings, projections, norms), "causal"
+(position t sees positions ≤ t through the cache: a causal Transformer LM layer), or
+None (it mixes positions some other way, e.g. an encoder's self-attention, a
+convolution, or pools them): `check_layers` refuses the last.
 """
 
 from __future__ import annotations
@@ -117,6 +117,20 @@ class TokenSlice:
     entry = tf.where(before, previous, placed)
     self.cache.give([entry], [spec])
     return entry
+
+  def prefix(self, full: tf.Tensor, axis: int, length: int) -> tf.Tensor:
+    """full [..., T, ...] → its positions 0 .. offset+length−1 along `axis`: the
+    sequence up to the end of this slice of `length` tokens (a dynamic length: what a
+    causal query of the slice may attend to)."""
+    rank = full.shape.rank
+    axis = axis % rank
+    end = tf.cast(self.offset, tf.int32) + length
+    size = tf.tensor_scatter_nd_update(tf.fill([rank], -1), [[axis]], tf.reshape(end, [1]))
+    out = tf.slice(full, tf.zeros([rank], tf.int32), size)
+    # (Slice's shape function cannot see through the size: without this, every
+    # dimension is unknown, and a batch of 1 broadcast against it in a matmul too)
+    out.set_shape(full.shape[:axis].concatenate([None]).concatenate(full.shape[axis + 1:]))
+    return out
 
   def window(self, full: tf.Tensor, axis: int, length: int) -> tf.Tensor:
     """full [..., T, ...] → its positions offset .. offset+length−1 along `axis`."""

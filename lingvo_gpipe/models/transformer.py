@@ -88,8 +88,10 @@ class TransformerLayer(BaseLayer):
     else:  # x: a slice of the sequence; the keys are the whole sequence so far
       if not p.causal or p.cross_attention:
         raise ValueError(f"{self.path}: token slices need causal self-attention only")
-      key_paddings = token_slice.extend(paddings, axis=1)  # [B, T] of the whole sequence
-      bias = attention.attention_bias(key_paddings, layers.shape_list(x)[1], True,
+      length = x.shape[1]  # the slice's tokens n (static)
+      # [B, offset + n]: the key paddings of the sequence up to the slice's end
+      key_paddings = token_slice.prefix(token_slice.extend(paddings, axis=1), 1, length)
+      bias = attention.attention_bias(key_paddings, length, True,
                                       query_offset=token_slice.offset)
     x = self.self_atten(x, None, bias)
     if p.cross_attention:

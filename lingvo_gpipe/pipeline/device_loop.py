@@ -326,7 +326,10 @@ def _take(slots: Sequence[tf.TensorArray], index: Any, specs: Sequence[tf.Tensor
     values.append(value)
     if spec.shape.rank:
       with tf.control_dependencies([value]):
-        ta = ta.write(index, tf.zeros([0] + spec.shape[1:].as_list(), spec.dtype))
+        # an empty placeholder (0 along the batch and any dimension only known at run
+        # time, such as a token slice's keys up to its end)
+        ta = ta.write(index, tf.zeros([0] + [d or 0 for d in spec.shape[1:].as_list()],
+                                      spec.dtype))
     emptied.append(ta)
   return values, emptied
 
