@@ -75,9 +75,10 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")  # inherited by the worker processes
 
 
-def model_layers(name: str, batch: int = 16, length: int = 64):
+def model_layers(name: str, batch: int = 16, length: int = 64, keep_prob: float = 1.0):
   """The 8-layer stack of `name` and its pipeline inputs (a tuple of [B, ...] tensors;
-  the Transformer's: `batch` sequences of `length` tokens)."""
+  the Transformer's: `batch` sequences of `length` tokens, with dropout of `keep_prob`
+  on its residuals, attention weights and feed-forward hidden units)."""
   import tensorflow as tf
 
   from lingvo_gpipe.core import layers
@@ -88,7 +89,8 @@ def model_layers(name: str, batch: int = 16, length: int = 64):
                                         activation="RELU") for i in range(8)],
             (tf.random.stateless_normal([256, 1024], seed=[1, 2]),))
   return ([transformer.TransformerLmLayer.Params().set(
-              name=f"layer{i}", input_dim=512, hidden_dim=2048, num_heads=8)
+              name=f"layer{i}", input_dim=512, hidden_dim=2048, num_heads=8,
+              residual_keep_prob=keep_prob, atten_keep_prob=keep_prob, relu_keep_prob=keep_prob)
            for i in range(8)],
           (tf.random.stateless_normal([batch, length, 512], seed=[1, 2]),
            tf.zeros([batch, length])))

@@ -79,7 +79,8 @@ def make_step(args, num_slices: int, devices: list[str]):
   from lingvo_gpipe.pipeline import layer as gpipe
 
   with tf.device(devices[0]):
-    stack, inputs = pipeline_speedup.model_layers("transformer", args.batch, args.length)
+    stack, inputs = pipeline_speedup.model_layers("transformer", args.batch, args.length,
+                                                  args.keep_prob)
   model = gpipe.PipeliningLayer.Params().set(
       name="lm", layers=stack, num_cells=len(devices), num_micro_batches=args.micro_batches,
       num_token_slices=num_slices, devices=devices, schedule=args.schedule,
@@ -162,8 +163,9 @@ def run_one_cluster(args) -> dict:
     import pipeline_speedup
 
     runners = {s: make_step(args, s, devices) for s in slices}
-    runners["plain"] = pipeline_speedup.make_plain_step("transformer", devices[0],
-                                                        batch=args.batch, length=args.length)
+    runners["plain"] = pipeline_speedup.make_plain_step(
+        "transformer", devices[0], batch=args.batch, length=args.length,
+        keep_prob=args.keep_prob)
     pids = [w.pid for w in workers]
     times: dict = {s: [] for s in runners}
     cpu: dict = {s: [] for s in runners}
@@ -210,6 +212,8 @@ def main() -> None:
   parser.add_argument("--batch", type=int, default=4, help="sequences per step")
   parser.add_argument("--length", type=int, default=512, help="tokens per sequence")
   parser.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b"])
+  parser.add_argument("--keep_prob", type=float, default=1.0,
+                      help="dropout keep probability of every layer (1: no dropout)")
   parser.add_argument("--steps", type=int, default=7, help="timed steps per configuration")
   parser.add_argument("--weight_gradient_group", default="1", choices=["1", "S"],
                       help="G: 1, or S (the projections' weight gradients of a "
@@ -224,6 +228,7 @@ def main() -> None:
   if args.profile:
     os.environ.update(TF_NUM_INTEROP_THREADS="1", TF_NUM_INTRAOP_THREADS="1")
     print(json.dumps({"bench": "token_slices --profile", "length": args.length,
+                      "keep_prob": args.keep_prob,
                       "batch": args.batch, "micro_batches": args.micro_batches,
                       "profile": profile(args)}))
     return
@@ -237,7 +242,7 @@ def main() -> None:
     command = [sys.executable, __file__, f"--one_cluster={mode}", f"--workers={k}",
                f"--slices={slices}"] + [f"--{name}={getattr(args, name)}" for name in
                                         ("micro_batches", "batch", "length", "schedule",
-                                         "steps", "weight_gradient_group")]
+                                         "steps", "weight_gradient_group", "keep_prob")]
     out = subprocess.run(command, check=True, stdout=subprocess.PIPE, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -249,6 +254,7 @@ def main() -> None:
           "memory", k, s)
     results.update(timed)
   summary = {"bench": "token_slices", "weight_gradient_group": args.weight_gradient_group,
+             "keep_prob": args.keep_prob,
              "machine": f"{platform.machine()} {os.cpu_count()} cores",
              "onednn": os.environ["TF_ENABLE_ONEDNN_OPTS"],
              "batch": args.batch, "length": args.length, "schedule": args.schedule,

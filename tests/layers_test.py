@@ -163,6 +163,22 @@ def test_position_keyed_uniform_matches_one_long_draw(dtype):
   assert 0.4 < whole.mean() < 0.6 and whole.min() >= 0 and whole.max() < 1
 
 
+@pytest.mark.parametrize("dtype", [tf.float32, tf.float64])
+@pytest.mark.parametrize("full_shape, token_axis", [([3, 2, 7, 5], 2), ([2, 9, 3], 1)])
+def test_token_window_uniform_is_the_window_of_the_whole_draw(dtype, full_shape, token_axis):
+  """A token window (runs starting mid-block, rows from offset 1 of the stream) equals
+  that window of position_keyed_uniform's draw of the whole sequences."""
+  seed = tf.constant([5, 6], tf.int64)
+  whole = np.moveaxis(layers.position_keyed_uniform(full_shape, seed, 1, dtype).numpy(),
+                      token_axis, 0)
+  length = full_shape[token_axis]
+  for offset, n in [(0, length), (1, 3), (length - 2, 2), (length - 1, 1)]:
+    window = layers.token_window_uniform(full_shape, seed, 1, token_axis, tf.constant(offset),
+                                         n, dtype).numpy()
+    np.testing.assert_array_equal(np.moveaxis(window, token_axis, 0),
+                                  whole[offset:offset + n])
+
+
 def test_embedding_and_softmax_xent_with_label_smoothing():
   emb = build(layers.Embedding.Params().set(vocab_size=7, embedding_dim=4,
                                             scale_sqrt_depth=True))

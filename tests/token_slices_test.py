@@ -136,6 +136,25 @@ def test_uneven_slices_and_micro_batches_with_grouped_weight_gradients(cpu_devic
   assert_per_variable_close(grads, want_grads, names)
 
 
+@pytest.mark.parametrize("max_draws", [layers.MAX_WINDOW_DRAWS, 0])  # 0: whole, then cut
+def test_dropout_on_a_slice_is_the_window_of_the_whole_sequences_mask(monkeypatch, max_draws):
+  """An attention's dropout (probs [B, N, T, T]: queries on axis 2, keys on 3) on the
+  slice of n tokens at `offset`: [B, N, n, offset + n] of the whole sequences' mask,
+  drawn as a window or as the whole mask cut."""
+  monkeypatch.setattr(layers, "MAX_WINDOW_DRAWS", max_draws)
+  dropout = layers.Dropout.Params().set(name="atten_dropout", keep_prob=0.5, token_axis=2,
+                                        key_axis=3).instantiate()
+  with base_layer.step_context(training=True, step=7, example_offset=3):
+    whole = dropout(tf.ones([2, 3, 8, 8])).numpy()
+  for offset, n in [(0, 3), (3, 3), (6, 2)]:
+    token_slice = token_slices.TokenSlice(tf.constant(offset, tf.int64), 8,
+                                          token_slices.SliceCache())
+    with base_layer.step_context(training=True, step=7, example_offset=3,
+                                 token_slice=token_slice):
+      got = dropout(tf.ones([2, 3, n, offset + n])).numpy()
+    np.testing.assert_array_equal(got, whole[:, :, offset:offset + n, :offset + n])
+
+
 def test_two_trainer_steps_give_the_unsliced_weights(cpu_devices):
   """TrainStep (the trainer's step) at K=2, M=2, S=4 against SGD on the unpartitioned
   model by hand: the same losses and weights after two steps. (SGD: Adam would turn

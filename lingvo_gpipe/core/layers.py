@@ -7,7 +7,8 @@ Images are NHWC.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import tensorflow as tf
@@ -425,28 +426,67 @@ _PHILOX_WORDS_PER_COUNTER = 4  # one counter step yields four 32-bit words
 _PHILOX_WORDS_PER_ELEMENT = {tf.float64: 2}
 
 
+def _philox_uniform(key: tf.Tensor, start: Any, num: Any, dtype: tf.DType) -> tf.Tensor:
+  """Uniform [0, 1) [num]: elements start .. start+num−1 of the Philox stream of `key`
+  (what StatelessRandomUniformV2 draws from counter 0), without drawing those before
+  `start`: Philox's counter starts at the block holding it (each counter step yields
+  four 32-bit words: four float32, float16 or bfloat16 elements, two float64 ones)."""
+  start = tf.cast(start, tf.int64)
+  per_block = _PHILOX_WORDS_PER_COUNTER // _PHILOX_WORDS_PER_ELEMENT.get(tf.as_dtype(dtype), 1)
+  skip = start % per_block
+  counter = tf.stack([tf.cast(start // per_block, tf.uint64), tf.constant(0, tf.uint64)])
+  flat = tf.raw_ops.StatelessRandomUniformV2(
+      shape=tf.reshape(tf.cast(num, tf.int64) + skip, [1]), key=key, counter=counter,
+      alg=_PHILOX, dtype=dtype)
+  return flat[skip:]
+
+
+def _philox_key(seed: tf.Tensor) -> tf.Tensor:
+  key, _ = tf.raw_ops.StatelessRandomGetKeyCounter(seed=seed)
+  return key
+
+
 def position_keyed_uniform(shape: tf.Tensor, seed: tf.Tensor, row_offset: tf.Tensor,
                            dtype: tf.DType = tf.float32) -> tf.Tensor:
   """Uniform [0, 1) of `shape` [R, ...]: rows row_offset .. row_offset+R-1 of one stream.
 
   The stream for `seed` is what StatelessRandomUniformV2 (Philox) would draw for a
   tensor of unbounded rows; this returns the slice at `row_offset` without drawing
-  the rows before it, by starting Philox's counter at the right block (each counter
-  step yields four 32-bit words: four float32, float16 or bfloat16 elements, two
-  float64 ones). So a batch split into parts at any offsets draws exactly the values
-  of the unsplit batch.
+  the rows before it (`_philox_uniform`). So a batch split into parts at any offsets
+  draws exactly the values of the unsplit batch.
   """
   shape = tf.cast(shape, tf.int64)
-  num = tf.reduce_prod(shape)
   start = tf.cast(row_offset, tf.int64) * tf.reduce_prod(shape[1:])
-  per_block = _PHILOX_WORDS_PER_COUNTER // _PHILOX_WORDS_PER_ELEMENT.get(tf.as_dtype(dtype), 1)
-  skip = start % per_block
-  block = start // per_block
-  key, _ = tf.raw_ops.StatelessRandomGetKeyCounter(seed=seed)
-  counter = tf.stack([tf.cast(block, tf.uint64), tf.constant(0, tf.uint64)])
-  flat = tf.raw_ops.StatelessRandomUniformV2(shape=tf.reshape(num + skip, [1]), key=key,
-                                             counter=counter, alg=_PHILOX, dtype=dtype)
-  return tf.reshape(flat[skip:], shape)
+  return tf.reshape(_philox_uniform(_philox_key(seed), start, tf.reduce_prod(shape), dtype),
+                    shape)
+
+
+# Separate draws a token window may take (one per index before its token axis);
+# past this, the whole sequence's mask is drawn and cut (tracing many small draws
+# costs more than it saves).
+MAX_WINDOW_DRAWS = 64
+
+
+def token_window_uniform(full_shape: Sequence[int], seed: tf.Tensor, row_offset: Any,
+                         token_axis: int, token_offset: Any, length: int,
+                         dtype: tf.DType = tf.float32) -> tf.Tensor:
+  """position_keyed_uniform(full_shape, seed, row_offset) cut to positions
+  token_offset .. token_offset+length−1 along `token_axis` (a token slice's window of
+  the whole sequence's draw), drawing only the window: one contiguous run of the
+  stream per index of the dimensions before the token axis (at most
+  MAX_WINDOW_DRAWS of them). full_shape: static [R, ..., T, ...].
+  Returns [R, ..., length, ...]."""
+  outer = math.prod(full_shape[:token_axis])
+  if outer > MAX_WINDOW_DRAWS:
+    raise ValueError(f"a token window over {outer} > {MAX_WINDOW_DRAWS} runs of the stream")
+  full_length, inner = full_shape[token_axis], math.prod(full_shape[token_axis + 1:])
+  key = _philox_key(seed)
+  first = (tf.cast(row_offset, tf.int64) * math.prod(full_shape[1:]) +
+           tf.cast(token_offset, tf.int64) * inner)
+  runs = [_philox_uniform(key, first + o * full_length * inner, length * inner, dtype)
+          for o in range(outer)]
+  window = list(full_shape[:token_axis]) + [length] + list(full_shape[token_axis + 1:])
+  return tf.reshape(tf.concat(runs, 0) if len(runs) > 1 else runs[0], window)
 
 
 def keep_mask(shape: tf.Tensor, seed: tf.Tensor, row_offset: Any, keep_prob: Any,
@@ -457,9 +497,12 @@ def keep_mask(shape: tf.Tensor, seed: tf.Tensor, row_offset: Any, keep_prob: Any
   The uniform draw is float32 for the half dtypes (float64 for float64), so a
   bfloat16 model drops exactly the elements its float32 twin drops (a bfloat16
   uniform has 8 bits: keep_prob would be rounded)."""
-  draw_dtype = tf.float64 if dtype == tf.float64 else tf.float32
-  uniform = position_keyed_uniform(shape, seed, row_offset, dtype=draw_dtype)
-  return tf.cast(uniform < tf.cast(keep_prob, draw_dtype), dtype)
+  uniform = position_keyed_uniform(shape, seed, row_offset, dtype=_draw_dtype(dtype))
+  return tf.cast(uniform < tf.cast(keep_prob, uniform.dtype), dtype)
+
+
+def _draw_dtype(dtype: tf.DType) -> tf.DType:
+  return tf.float64 if dtype == tf.float64 else tf.float32
 
 
 def dropout_seed(layer: BaseLayer, purpose: str = "dropout") -> tf.Tensor:
@@ -516,17 +559,35 @@ class Dropout(BaseLayer):
       keep = keep_mask(tf.stack(shape), dropout_seed(self), row_offset, p.keep_prob,
                        inputs.dtype)
     else:
-      # The whole sequence's mask, cut to the slice: each element keeps the draw of
-      # its token's position (S slices draw S whole masks; their cost, not their
-      # values, differs from the unsliced model's).
-      shape[p.token_axis] = token_slice.full_length
-      if p.key_axis is not None and p.key_axis not in broadcast:
-        shape[p.key_axis] = token_slice.full_length
-      keep = token_slice.window(
-          keep_mask(tf.stack(shape), dropout_seed(self), row_offset, p.keep_prob,
-                    inputs.dtype), p.token_axis, inputs.shape[p.token_axis])
-      if p.key_axis is not None and p.key_axis not in broadcast:
-        keep = token_slice.prefix(keep, p.key_axis, inputs.shape[p.token_axis])
+      keep = self._slice_keep_mask(inputs, shape, row_offset, broadcast, token_slice)
+    return inputs * keep / p.keep_prob
+
+  def _slice_keep_mask(self, inputs: tf.Tensor, shape: list, row_offset: Any,
+                       broadcast: Sequence[int], token_slice: Any) -> tf.Tensor:
+    """The keep mask of `inputs` on a token slice: the whole sequence's mask (each
+    element keeps the draw of its token's position), cut to the slice along the
+    token axis (and, along `key_axis`, to the sequence up to the slice's end).
+    Where the dimensions before the token axis are static and few, only the slice's
+    window is drawn (token_window_uniform), else the whole mask and then cut."""
+    p = self.params
+    keys = p.key_axis is not None and p.key_axis not in broadcast
+    length = inputs.shape[p.token_axis]
+    shape[p.token_axis] = token_slice.full_length
+    if keys:
+      shape[p.key_axis] = token_slice.full_length
+    static = [1 if axis in broadcast else d for axis, d in enumerate(inputs.shape.as_list())]
+    static[p.token_axis] = token_slice.full_length
+    if keys:
+      static[p.key_axis] = token_slice.full_length
+    if None not in static and math.prod(static[:p.token_axis]) <= MAX_WINDOW_DRAWS:
+      uniform = token_window_uniform(static, dropout_seed(self), row_offset, p.token_axis,
+                                     token_slice.offset, length, _draw_dtype(inputs.dtype))
+      keep = tf.cast(uniform < tf.cast(p.keep_prob, uniform.dtype), inputs.dtype)
+    else:
+      keep = token_slice.window(keep_mask(tf.stack(shape), dropout_seed(self), row_offset,
+                                          p.keep_prob, inputs.dtype), p.token_axis, length)
+    return token_slice.prefix(keep, p.key_axis, length) if keys else keep
+
     return inputs * keep / p.keep_prob
 
 
