@@ -167,9 +167,10 @@ def layer_times(cost: LayerCost, batch: float) -> tuple[float, float]:
 def unit_kept_bytes(cost: LayerCost, num_token_slices: int) -> float:
   """What a layer's backward keeps of one unit's forward, at the profiled `cost.batch`
   examples (scale by the unit's examples ÷ cost.batch): `kept_bytes`, and on S > 1
-  token slices the rest of the whole-sequence cache entries each slice's forward
-  keeps. A slice's keys and values span all T positions (core/token_slices.py), so
-  the 1/S share of them that scaling kept_bytes to a slice leaves is S − 1 caches
+  token slices the rest of the cache entries a slice's forward keeps. A slice keeps
+  the keys and values it read, the sequence's up to its own end: all T positions for
+  the last slice (core/token_slices.py), whose recompute is the largest working set;
+  so the 1/S share of them that scaling kept_bytes to a slice leaves is S − 1 caches
   short (tests/token_slices_test.py: test_the_cost_model_counts_units_and_caches_by_hand)."""
   return cost.kept_bytes + cost.cache_bytes * (num_token_slices - 1)
 
