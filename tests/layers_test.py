@@ -179,6 +179,12 @@ def test_token_window_uniform_is_the_window_of_the_whole_draw(dtype, full_shape,
                                   whole[offset:offset + n])
 
 
+def test_token_window_uniform_refuses_more_runs_than_its_limit():
+  with pytest.raises(ValueError, match=f"over 65 > {layers.MAX_WINDOW_DRAWS} runs"):
+    layers.token_window_uniform([65, 4, 2], tf.constant([1, 2], tf.int64), 0, 1,
+                                tf.constant(0), 2)
+
+
 def test_embedding_and_softmax_xent_with_label_smoothing():
   emb = build(layers.Embedding.Params().set(vocab_size=7, embedding_dim=4,
                                             scale_sqrt_depth=True))

@@ -137,22 +137,36 @@ def test_uneven_slices_and_micro_batches_with_grouped_weight_gradients(cpu_devic
 
 
 @pytest.mark.parametrize("max_draws", [layers.MAX_WINDOW_DRAWS, 0])  # 0: whole, then cut
-def test_dropout_on_a_slice_is_the_window_of_the_whole_sequences_mask(monkeypatch, max_draws):
-  """An attention's dropout (probs [B, N, T, T]: queries on axis 2, keys on 3) on the
-  slice of n tokens at `offset`: [B, N, n, offset + n] of the whole sequences' mask,
-  drawn as a window or as the whole mask cut."""
+@pytest.mark.parametrize("whole_shape, settings, dtype", [
+    ([2, 3, 8, 8], dict(token_axis=2, key_axis=3), tf.float32),  # attention [B, N, T, T]
+    ([2, 3, 8, 8], dict(token_axis=-2, key_axis=-1, noise_shape_broadcast_dims=[-3]),
+     tf.float64),  # heads share a mask; negative axes
+    ([3, 8, 5], dict(noise_shape_broadcast_dims=[2]), tf.float32),  # [B, T, D], D shared
+])
+def test_dropout_on_a_slice_is_the_window_of_the_whole_sequences_mask(
+    monkeypatch, max_draws, whole_shape, settings, dtype):
+  """Dropout on the slice of n tokens at `offset` (along key_axis, if any, the
+  sequence's first offset + n positions, a length known only at run time): that window
+  of the whole sequences' mask, drawn as a window or as the whole mask cut."""
   monkeypatch.setattr(layers, "MAX_WINDOW_DRAWS", max_draws)
-  dropout = layers.Dropout.Params().set(name="atten_dropout", keep_prob=0.5, token_axis=2,
-                                        key_axis=3).instantiate()
+  dropout = layers.Dropout.Params().set(name="dropout", keep_prob=0.5, **settings).instantiate()
+  rank = len(whole_shape)
+  token_axis = settings.get("token_axis", 1) % rank
+  key_axis = settings["key_axis"] % rank if "key_axis" in settings else None
   with base_layer.step_context(training=True, step=7, example_offset=3):
-    whole = dropout(tf.ones([2, 3, 8, 8])).numpy()
+    whole = dropout(tf.ones(whole_shape, dtype)).numpy()
   for offset, n in [(0, 3), (3, 3), (6, 2)]:
+    shape, spec, window = list(whole_shape), list(whole_shape), [slice(None)] * rank
+    shape[token_axis], spec[token_axis], window[token_axis] = n, n, slice(offset, offset + n)
+    if key_axis is not None:
+      shape[key_axis], spec[key_axis], window[key_axis] = offset + n, None, slice(0, offset + n)
     token_slice = token_slices.TokenSlice(tf.constant(offset, tf.int64), 8,
                                           token_slices.SliceCache())
     with base_layer.step_context(training=True, step=7, example_offset=3,
                                  token_slice=token_slice):
-      got = dropout(tf.ones([2, 3, n, offset + n])).numpy()
-    np.testing.assert_array_equal(got, whole[:, :, offset:offset + n, :offset + n])
+      got = tf.function(dropout, input_signature=[tf.TensorSpec(spec, dtype)])(
+          tf.ones(shape, dtype)).numpy()
+    np.testing.assert_array_equal(got, whole[tuple(window)])
 
 
 def test_two_trainer_steps_give_the_unsliced_weights(cpu_devices):
@@ -244,7 +258,8 @@ def test_a_later_cell_running_slices_out_of_order_is_refused(actions, message):
 
 
 @pytest.mark.parametrize("name, slices", [
-    ("1f1b", -1), ("gpipe", 0), ("gpipe", 2.0), ("zb_h1", 0), ("interleaved_1f1b", 0)])
+    ("1f1b", -1), ("gpipe", 0), ("gpipe", 2.0), ("gpipe", True), ("zb_h1", 0),
+    ("interleaved_1f1b", 0)])
 def test_make_names_a_bad_slice_count(name, slices):
   with pytest.raises(schedule.ScheduleError,
                      match=f"num_token_slices must be an int >= 1, got {slices!r}"):
@@ -261,6 +276,7 @@ def test_make_refuses_slices_on_schedules_that_do_not_run_them():
     (dict(num_token_slices=0), "num_token_slices must be an int >= 1"),
     (dict(num_token_slices=-2), "num_token_slices must be an int >= 1"),
     (dict(num_token_slices=2.0), "num_token_slices must be an int >= 1"),
+    (dict(num_token_slices=True), "num_token_slices must be an int >= 1"),
     (dict(num_token_slices=2, schedule="zb_h1"), "schedule must be one of"),
     (dict(num_token_slices=2, schedule="interleaved_1f1b", virtual_stages=2),
      "schedule must be one of"),

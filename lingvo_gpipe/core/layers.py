@@ -476,6 +476,7 @@ def token_window_uniform(full_shape: Sequence[int], seed: tf.Tensor, row_offset:
   stream per index of the dimensions before the token axis (at most
   MAX_WINDOW_DRAWS of them). full_shape: static [R, ..., T, ...].
   Returns [R, ..., length, ...]."""
+  token_axis = token_axis % len(full_shape)
   outer = math.prod(full_shape[:token_axis])
   if outer > MAX_WINDOW_DRAWS:
     raise ValueError(f"a token window over {outer} > {MAX_WINDOW_DRAWS} runs of the stream")
@@ -497,7 +498,12 @@ def keep_mask(shape: tf.Tensor, seed: tf.Tensor, row_offset: Any, keep_prob: Any
   The uniform draw is float32 for the half dtypes (float64 for float64), so a
   bfloat16 model drops exactly the elements its float32 twin drops (a bfloat16
   uniform has 8 bits: keep_prob would be rounded)."""
-  uniform = position_keyed_uniform(shape, seed, row_offset, dtype=_draw_dtype(dtype))
+  return _kept(position_keyed_uniform(shape, seed, row_offset, dtype=_draw_dtype(dtype)),
+               keep_prob, dtype)
+
+
+def _kept(uniform: tf.Tensor, keep_prob: Any, dtype: tf.DType) -> tf.Tensor:
+  """1 in `dtype` where `uniform` < keep_prob, else 0."""
   return tf.cast(uniform < tf.cast(keep_prob, uniform.dtype), dtype)
 
 
@@ -549,46 +555,48 @@ class Dropout(BaseLayer):
     ctx = base_layer.current_context()
     if not ctx.training or p.keep_prob == 1.0:
       return inputs
-    shape = tf.unstack(tf.shape(inputs))
-    broadcast = p.noise_shape_broadcast_dims or []
-    for axis in broadcast:
-      shape[axis] = 1
+    rank = inputs.shape.rank
+    broadcast = sorted({axis % rank for axis in p.noise_shape_broadcast_dims or []})
     row_offset = 0 if 0 in broadcast else ctx.example_offset
     token_slice = ctx.token_slice
-    if token_slice is None or p.token_axis in broadcast:
+    if token_slice is None or p.token_axis % rank in broadcast:
+      shape = tf.unstack(tf.shape(inputs))
+      for axis in broadcast:
+        shape[axis] = 1
       keep = keep_mask(tf.stack(shape), dropout_seed(self), row_offset, p.keep_prob,
                        inputs.dtype)
     else:
-      keep = self._slice_keep_mask(inputs, shape, row_offset, broadcast, token_slice)
+      keep = self._slice_keep_mask(inputs, row_offset, broadcast, token_slice)
     return inputs * keep / p.keep_prob
 
-  def _slice_keep_mask(self, inputs: tf.Tensor, shape: list, row_offset: Any,
-                       broadcast: Sequence[int], token_slice: Any) -> tf.Tensor:
-    """The keep mask of `inputs` on a token slice: the whole sequence's mask (each
-    element keeps the draw of its token's position), cut to the slice along the
-    token axis (and, along `key_axis`, to the sequence up to the slice's end).
-    Where the dimensions before the token axis are static and few, only the slice's
-    window is drawn (token_window_uniform), else the whole mask and then cut."""
+  def _slice_keep_mask(self, inputs: tf.Tensor, row_offset: Any, broadcast: Sequence[int],
+                       token_slice: Any) -> tf.Tensor:
+    """The keep mask of `inputs` [R, ..., n, ...] on a token slice of n tokens (along
+    token_axis; along key_axis, if any, the sequence's first offset + n positions):
+    the whole sequences' mask (each element keeps the draw of its token's position)
+    cut to the slice. Where the dimensions before the token axis are static and at
+    most MAX_WINDOW_DRAWS in product, only the slice's rows of the stream are drawn
+    (token_window_uniform; along the key axis all T keys, then cut), else the whole
+    mask. broadcast: the mask's broadcast axes, non-negative."""
     p = self.params
-    keys = p.key_axis is not None and p.key_axis not in broadcast
-    length = inputs.shape[p.token_axis]
-    shape[p.token_axis] = token_slice.full_length
-    if keys:
-      shape[p.key_axis] = token_slice.full_length
-    static = [1 if axis in broadcast else d for axis, d in enumerate(inputs.shape.as_list())]
-    static[p.token_axis] = token_slice.full_length
-    if keys:
-      static[p.key_axis] = token_slice.full_length
-    if None not in static and math.prod(static[:p.token_axis]) <= MAX_WINDOW_DRAWS:
-      uniform = token_window_uniform(static, dropout_seed(self), row_offset, p.token_axis,
-                                     token_slice.offset, length, _draw_dtype(inputs.dtype))
-      keep = tf.cast(uniform < tf.cast(p.keep_prob, uniform.dtype), inputs.dtype)
+    rank = inputs.shape.rank
+    token_axis = p.token_axis % rank
+    key_axis = (p.key_axis % rank if p.key_axis is not None and p.key_axis % rank not in
+                broadcast else None)
+    length = inputs.shape[token_axis]
+    full = [token_slice.full_length if axis in (token_axis, key_axis) else
+            1 if axis in broadcast else d for axis, d in enumerate(inputs.shape.as_list())]
+    seed = dropout_seed(self)
+    if None not in full and math.prod(full[:token_axis]) <= MAX_WINDOW_DRAWS:
+      keep = _kept(token_window_uniform(full, seed, row_offset, token_axis, token_slice.offset,
+                                        length, _draw_dtype(inputs.dtype)),
+                   p.keep_prob, inputs.dtype)
     else:
-      keep = token_slice.window(keep_mask(tf.stack(shape), dropout_seed(self), row_offset,
-                                          p.keep_prob, inputs.dtype), p.token_axis, length)
-    return token_slice.prefix(keep, p.key_axis, length) if keys else keep
-
-    return inputs * keep / p.keep_prob
+      shape = tf.stack([tf.shape(inputs)[axis] if d is None else d
+                        for axis, d in enumerate(full)])
+      keep = token_slice.window(keep_mask(shape, seed, row_offset, p.keep_prob, inputs.dtype),
+                                token_axis, length)
+    return token_slice.prefix(keep, key_axis, length) if key_axis is not None else keep
 
 
 class Embedding(BaseLayer):

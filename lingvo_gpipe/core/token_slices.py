@@ -12,8 +12,7 @@ self-attention. A forward of a slice runs with `StepContext.token_slice` set to 
 A layer's cache entry is full-length, [..., T, ...] along its sequence axis: slice j
 reads it masked to the positions before its own (`TokenSlice.extend`: positions <
 offset kept, the rest zero), places its own entries at offset..offset+n_j, and passes
-the result on. Masking what it reads makes an entry's later values invisible (and its
-attention reads only the first offset + n_j positions), so the
+the result on. Masking what it reads makes an entry's later values invisible, so the
 backward of slice j may be handed the entry as the last slice left it (the cell's
 cache slots hold one entry per micro-batch, not one per slice) and reads exactly what
 the forward read. What a slice's forward keeps for its backward (a cell that is not

@@ -124,7 +124,8 @@ def check_pipeline_params(p: hyperparams.Params, path: str) -> None:
     raise bad("share_layer_functions", "True or False")
   if not isinstance(p.stack_variables, bool):
     raise bad("stack_variables", "True or False")
-  if not isinstance(p.num_token_slices, int) or p.num_token_slices < 1:
+  if (not isinstance(p.num_token_slices, int) or isinstance(p.num_token_slices, bool)
+      or p.num_token_slices < 1):
     raise bad("num_token_slices", "an int >= 1")
   if p.num_token_slices > 1 and p.schedule not in schedule.SLICED_SCHEDULES:
     raise bad("schedule", f"one of {schedule.SLICED_SCHEDULES} with num_token_slices="

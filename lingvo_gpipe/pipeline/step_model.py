@@ -166,12 +166,15 @@ def layer_times(cost: LayerCost, batch: float) -> tuple[float, float]:
 
 def unit_kept_bytes(cost: LayerCost, num_token_slices: int) -> float:
   """What a layer's backward keeps of one unit's forward, at the profiled `cost.batch`
-  examples (scale by the unit's examples ÷ cost.batch): `kept_bytes`, and on S > 1
-  token slices the rest of the cache entries a slice's forward keeps. A slice keeps
+  examples (scale by the unit's examples ÷ cost.batch): `kept_bytes` (profiled on
+  whole sequences: it holds the layer's cache entries once, `cache_bytes`), and on
+  S > 1 token slices the rest of the entries a slice's forward keeps. A slice keeps
   the keys and values it read, the sequence's up to its own end: all T positions for
   the last slice (core/token_slices.py), whose recompute is the largest working set;
-  so the 1/S share of them that scaling kept_bytes to a slice leaves is S − 1 caches
-  short (tests/token_slices_test.py: test_the_cost_model_counts_units_and_caches_by_hand)."""
+  scaling kept_bytes to a slice leaves 1/S of them, S − 1 profiled caches short.
+  Counted for every slice, the bound is conservative where several slices of one
+  micro-batch are held at once (not re-materialized: slice j keeps (j+1)/S of them)
+  (tests/token_slices_test.py: test_the_cost_model_counts_units_and_caches_by_hand)."""
   return cost.kept_bytes + cost.cache_bytes * (num_token_slices - 1)
 
 
@@ -179,8 +182,10 @@ def cell_costs(costs: Sequence[LayerCost], shape: PlanShape, batch_size: int,
                machine: Machine) -> list[CellCost]:
   """Per cell of `shape`: its actions' seconds (overhead included) and bytes at the
   micro-batch of `batch_size` / (R·M) examples, or with S token slices per unit of
-  1/S of its tokens (which costs as much as 1/S of its sequences: a slice's attention
-  spans the whole sequence's keys, see core/token_slices.py)."""
+  1/S of its tokens, counted as 1/S of its sequences: exact for the projections; a
+  slice's attention reads the keys up to its own end (core/token_slices.py), so
+  slice j does (2j+1)/S² of the [T, T] products, (S+1)/2S for the S together, and
+  this overcounts the attention and treats the slices as equal."""
   whole = batch_size / shape.num_replicas / shape.num_micro_batches
   micro = whole / shape.num_token_slices
   scale = micro / costs[0].batch
