@@ -141,8 +141,11 @@ def own_shape(params: Params, devices: Sequence[str]) -> step_model.PlanShape:
 
 
 def with_plan(params: Params, plan: planner.Plan) -> Params:
-  """`params` set to run `plan` (what its params_override says)."""
+  """`params` set to run `plan` (what its params_override says). Token slice lengths
+  given for another number of slices are dropped (the plan's are near-equal)."""
   planned = params.copy()
+  if plan.num_token_slices != params.task.pipeline.num_token_slices:
+    planned.task.pipeline.token_slice_lengths = None
   planned.task.pipeline.set(num_cells=plan.num_cells, splits=list(plan.splits),
                             num_micro_batches=plan.num_micro_batches,
                             recompute=plan.recompute, schedule=plan.schedule,

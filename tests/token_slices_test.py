@@ -136,6 +136,33 @@ def test_uneven_slices_and_micro_batches_with_grouped_weight_gradients(cpu_devic
   assert_per_variable_close(grads, want_grads, names)
 
 
+@pytest.mark.parametrize("lengths, schedule_name, recompute",
+                         [([7, 5, 3, 1], "1f1b", "always"), ([2, 9, 5], "gpipe", "never")])
+def test_given_slice_lengths_equal_the_unsliced_model(even, cpu_devices, lengths,
+                                                      schedule_name, recompute):
+  """T = 16 cut where `token_slice_lengths` says (TeraPipe's uneven slices), K=2, M=2,
+  dropout on: a shape class per distinct length."""
+  data, (want_loss, want_grads, names) = even
+  loss, grads = sliced(data, cpu_devices[:2], num_cells=2, num_micro_batches=2,
+                       num_token_slices=len(lengths), token_slice_lengths=lengths,
+                       schedule=schedule_name, recompute=recompute)
+  assert_close(loss, want_loss)
+  assert_per_variable_close(grads, want_grads, names)
+
+
+def test_slice_lengths_that_miss_the_sequence_are_named(cpu_devices):
+  model = lm_params(gpipe.PipeliningLayer, num_cells=2, num_token_slices=2,
+                    token_slice_lengths=[3, 4], devices=cpu_devices[:2]).instantiate()
+  data = batch(2, 8)
+  with pytest.raises(gpipe.PipelineError,
+                     match=r"token_slice_lengths=\[3, 4\] must sum to the sequence length 8"):
+    with base_layer.step_context(training=True, layer_stats=[]):
+      train_step.loss_and_gradients(
+          train_step.StackWithLoss(model, head),
+          {"inputs": (data["ids"], data["paddings"]), "labels": data["labels"],
+           "paddings": data["paddings"]}, stacked_variables.trainable_weights(model))
+
+
 @pytest.mark.parametrize("max_draws", [layers.MAX_WINDOW_DRAWS, 0])  # 0: whole, then cut
 @pytest.mark.parametrize("whole_shape, settings, dtype", [
     ([2, 3, 8, 8], dict(token_axis=2, key_axis=3), tf.float32),  # attention [B, N, T, T]
@@ -277,6 +304,10 @@ def test_make_refuses_slices_on_schedules_that_do_not_run_them():
     (dict(num_token_slices=-2), "num_token_slices must be an int >= 1"),
     (dict(num_token_slices=2.0), "num_token_slices must be an int >= 1"),
     (dict(num_token_slices=True), "num_token_slices must be an int >= 1"),
+    (dict(num_token_slices=2, token_slice_lengths=[3, 4, 1]),
+     r"token_slice_lengths must be None or a list of num_token_slices=2 ints >= 1"),
+    (dict(num_token_slices=2, token_slice_lengths=[8, 0]), "token_slice_lengths must be"),
+    (dict(num_token_slices=2, token_slice_lengths="4,4"), "token_slice_lengths must be"),
     (dict(num_token_slices=2, schedule="zb_h1"), "schedule must be one of"),
     (dict(num_token_slices=2, schedule="interleaved_1f1b", virtual_stages=2),
      "schedule must be one of"),
@@ -417,3 +448,24 @@ def test_the_trainer_with_replicas_and_slices_trains_like_one_unsliced_pipeline(
                    np.array(losses["whole"], np.float32), ulps=TRAINED)
   events = list((tmp_path / "sliced" / "train").glob("events.out.tfevents.*"))
   assert events, "no TensorBoard log"
+
+
+def test_a_plan_for_another_slice_count_drops_given_slice_lengths():
+  """planning.with_plan: the planner plans near-equal slices; lengths given for the
+  params' own S stay when the plan keeps S."""
+  from lingvo_gpipe import planning
+  from lingvo_gpipe.core.hyperparams import Params
+  from lingvo_gpipe.tasks import base_task
+
+  params = Params()
+  params.define("task", Params(), "")
+  params.task.define("pipeline", base_task.pipeline_params(), "")
+  params.task.pipeline.set(num_token_slices=2, token_slice_lengths=[5, 3])
+
+  def plan(slices):
+    return planner.Plan(1, 2, (2,), 2, "always", "1f1b", 1.0, 0.1, (1.0, 1.0),
+                        num_token_slices=slices)
+
+  assert planning.with_plan(params, plan(4)).task.pipeline.token_slice_lengths is None
+  assert planning.with_plan(params, plan(2)).task.pipeline.token_slice_lengths == [5, 3]
+  assert params.task.pipeline.token_slice_lengths == [5, 3]

@@ -127,6 +127,12 @@ def check_pipeline_params(p: hyperparams.Params, path: str) -> None:
   if (not isinstance(p.num_token_slices, int) or isinstance(p.num_token_slices, bool)
       or p.num_token_slices < 1):
     raise bad("num_token_slices", "an int >= 1")
+  lengths = p.token_slice_lengths
+  if lengths is not None and (
+      not isinstance(lengths, (list, tuple)) or len(lengths) != p.num_token_slices or
+      any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in lengths)):
+    raise bad("token_slice_lengths", f"None or a list of num_token_slices="
+              f"{p.num_token_slices} ints >= 1 (the slices' lengths in tokens)")
   if p.num_token_slices > 1 and p.schedule not in schedule.SLICED_SCHEDULES:
     raise bad("schedule", f"one of {schedule.SLICED_SCHEDULES} with num_token_slices="
               f"{p.num_token_slices} (token slices run on those)")
@@ -204,6 +210,12 @@ class PipeliningLayer(BaseLayer):
              "layers' keys and values of the whole sequence per micro-batch in flight. "
              "Pair with weight_gradient_group=S (one weight-gradient product for a "
              "micro-batch's S slices).")
+    p.define("token_slice_lengths", None, "With num_token_slices S > 1: the S slices' "
+             "lengths in tokens, first to last, summing to the sequence length "
+             "(TeraPipe's uneven slices: a slice attends to the keys up to its own end, "
+             "so later slices cost more and earlier ones may be made longer to even "
+             "the units out). None: near-equal, the first T mod S one token longer. "
+             "The planner plans near-equal slices.")
     p.define("memory_cap_bytes", None, "If set, the most bytes of weights and optimizer state "
              "one cell may hold; see bytes_per_param.")
     p.define("bytes_per_param", 12, "Bytes per parameter for the memory cap (float32 weight "
@@ -385,8 +397,9 @@ class PipeliningLayer(BaseLayer):
                            offsets, self._channel_prefix, lengths)
 
   def _slice_lengths(self, inputs: Any, head_inputs: Any) -> list[int] | None:
-    """The token slices' lengths (params.num_token_slices > 1; else None): every input
-    and head input must be [B, T, ...] with one static T."""
+    """The token slices' lengths (params.num_token_slices > 1; else None): those of
+    token_slice_lengths, or near-equal ones; every input and head input must be
+    [B, T, ...] with one static T."""
     num_slices = self.params.num_token_slices
     if num_slices == 1:
       return None
@@ -396,8 +409,15 @@ class PipeliningLayer(BaseLayer):
       raise PipelineError(f"{self.path}: num_token_slices={num_slices} needs every input "
                           "and head input shaped [batch, tokens, ...] with one static "
                           f"number of tokens; their axis 1: {sorted(map(str, lengths))}")
+    length = lengths.pop()
+    given = self.params.token_slice_lengths
+    if given is not None:
+      if sum(given) != length:
+        raise PipelineError(f"{self.path}: token_slice_lengths={list(given)} must sum to the "
+                            f"sequence length {length}, not {sum(given)}")
+      return list(given)
     try:
-      return token_slices.slice_lengths(lengths.pop(), num_slices)
+      return token_slices.slice_lengths(length, num_slices)
     except ValueError as e:
       raise PipelineError(f"{self.path}: {e}") from None
 
