@@ -124,8 +124,7 @@ def check_pipeline_params(p: hyperparams.Params, path: str) -> None:
     raise bad("share_layer_functions", "True or False")
   if not isinstance(p.stack_variables, bool):
     raise bad("stack_variables", "True or False")
-  if (not isinstance(p.num_token_slices, int) or isinstance(p.num_token_slices, bool)
-      or p.num_token_slices < 1):
+  if not schedule.is_slice_count(p.num_token_slices):
     raise bad("num_token_slices", "an int >= 1")
   lengths = p.token_slice_lengths
   if lengths is not None and (

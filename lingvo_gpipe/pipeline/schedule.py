@@ -198,7 +198,7 @@ class PipelineSchedule:
     """Each cell runs a micro-batch's slices' forwards in slice order and their
     backwards in reverse (module docstring)."""
     s = self.num_token_slices
-    if not isinstance(s, int) or isinstance(s, bool) or s < 1 or self.num_micro_batches % s:
+    if not is_slice_count(s) or self.num_micro_batches % s:
       raise ScheduleError(f"{self.name}: num_token_slices={s} must be an int >= 1 dividing "
                           f"the {self.num_micro_batches} units")
     if s == 1:
@@ -650,6 +650,11 @@ def deferring_cells(name: str, num_cells: int, weight_gradient_group: int,
 SLICED_SCHEDULES = ("gpipe", "1f1b")  # those that run token slices
 
 
+def is_slice_count(value: Any) -> bool:
+  """Whether `value` is a number of token slices S: an int >= 1 (not a bool)."""
+  return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
 def make(name: str, num_cells: int, num_micro_batches: int, *, virtual_stages: int = 1,
          weight_cells: Sequence[int] = (), num_token_slices: int = 1) -> PipelineSchedule:
   """The schedule called `name` (one of SCHEDULES) for K cells and M micro-batches.
@@ -664,8 +669,7 @@ def make(name: str, num_cells: int, num_micro_batches: int, *, virtual_stages: i
   if num_cells < 1 or num_micro_batches < 1:
     raise ScheduleError(f"a schedule needs num_cells >= 1 and num_micro_batches >= 1, got "
                         f"{num_cells} and {num_micro_batches}")
-  if (not isinstance(num_token_slices, int) or isinstance(num_token_slices, bool)
-      or num_token_slices < 1):
+  if not is_slice_count(num_token_slices):
     raise ScheduleError(f"num_token_slices must be an int >= 1, got {num_token_slices!r}")
   if num_token_slices != 1 and name not in SLICED_SCHEDULES:
     raise ScheduleError(f"schedule {name!r} does not run token slices; with "
