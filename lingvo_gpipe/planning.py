@@ -29,7 +29,7 @@ from lingvo_gpipe.pipeline import calibration, layer_profiler, planner, step_mod
 from lingvo_gpipe.pipeline.layer import PipeliningLayer
 from lingvo_gpipe.tasks import base_task
 
-COSTS_VERSION = "layer costs v5 (two sizes, weight share, products, split backward)"
+COSTS_VERSION = "layer costs v6 (two sizes, weight share, products, split backward, work bytes)"
 MACHINE_FIELDS = ("action_overhead_s", "update_s_per_byte", "link_latency_s",
                   "link_bytes_per_s", "cores")
 
@@ -122,6 +122,20 @@ def machine(params: Params, stack: MainStack, costs: Sequence[layer_profiler.Lay
                             allreduce_bytes_per_s=figures["link_bytes_per_s"], **figures)
 
 
+def with_measured_costs(params: Params, costs: Sequence[layer_profiler.LayerCost]
+                        ) -> Params:
+  """`params` whose partitioner, asked to balance measured costs
+  (partition_cost='measured') without being given them, balances the planner's
+  (each layer's forward + backward seconds): the layers are profiled once per run,
+  and the split the plan predicts is the one that trains."""
+  pipeline = params.task.pipeline
+  if pipeline.partition_cost != "measured" or pipeline.layer_costs:
+    return params
+  completed = params.copy()
+  completed.task.pipeline.layer_costs = [c.step_s for c in costs]
+  return completed.freeze() if params.is_frozen else completed
+
+
 def own_shape(params: Params, devices: Sequence[str]) -> step_model.PlanShape:
   """The plan `params` run as they are: the pipeline's cells as its partitioner cuts
   them (built in a scratch graph: nothing is allocated). An unpipelined task is one
@@ -133,25 +147,15 @@ def own_shape(params: Params, devices: Sequence[str]) -> step_model.PlanShape:
     stack = probe.instantiate().main_stack
   if not isinstance(stack, PipeliningLayer):
     return step_model.PlanShape(1, (len(stack.params.layers),), 1, "never", "gpipe")
-  p = stack.params
-  return step_model.PlanShape(params.task.pipeline.num_replicas,
-                              tuple(cell.end for cell in stack.cells), p.num_micro_batches,
-                              p.recompute, p.schedule, p.virtual_stages,
-                              p.weight_gradient_group, p.num_token_slices)
+  return step_model.PlanShape.from_pipeline(params.task.pipeline,
+                                            [cell.end for cell in stack.cells])
 
 
-def with_plan(params: Params, plan: planner.Plan) -> Params:
-  """`params` set to run `plan` (what its params_override says). Token slice lengths
-  given for another number of slices are dropped (the plan's are near-equal)."""
+def with_plan(params: Params, shape: step_model.PlanShape) -> Params:
+  """`params` set to run `shape`: every task.pipeline field a plan decides
+  (PlanShape.pipeline_fields, also what its --params_override says)."""
   planned = params.copy()
-  if plan.num_token_slices != params.task.pipeline.num_token_slices:
-    planned.task.pipeline.token_slice_lengths = None
-  planned.task.pipeline.set(num_cells=plan.num_cells, splits=list(plan.splits),
-                            num_micro_batches=plan.num_micro_batches,
-                            recompute=plan.recompute, schedule=plan.schedule,
-                            virtual_stages=plan.virtual_stages,
-                            num_token_slices=plan.num_token_slices,
-                            num_replicas=plan.num_replicas)
+  planned.task.pipeline.set(**shape.pipeline_fields())
   return planned.freeze() if params.is_frozen else planned
 
 
@@ -163,31 +167,56 @@ class Planned:
   machine: step_model.Machine
 
 
+def measured(params: Params, setting: Setting
+             ) -> tuple[MainStack, list[layer_profiler.LayerCost], step_model.Machine]:
+  """What every prediction for `params` on the setting's devices starts from: the main
+  stack, its layers' costs and the machine's figures (measured, or from the cache)."""
+  stack = MainStack.of(params)
+  costs = layer_costs(stack, setting)
+  return stack, costs, machine(params, stack, costs, setting)
+
+
 def plan_run(params: Params, setting: Setting, auto: bool) -> Planned:
   """auto: the best plan for the devices (planner.plan) applied to `params`;
-  otherwise `params` as they are. Either way with its prediction.
+  otherwise `params` as they are. Either way with its prediction, and with its split
+  (and, for partition_cost='measured', the planner's layer costs) written into the
+  params returned: what trains is what was predicted.
 
   Raises:
     planner.PlanError: auto, and no plan fits the budget.
     ParamsError: the params' own configuration cannot be built on the devices.
   """
-  stack = MainStack.of(params)
-  costs = layer_costs(stack, setting)
-  found = machine(params, stack, costs, setting)
+  stack, costs, found = measured(params, setting)
   batch_size = stack.batch_size
+  params = with_measured_costs(params, costs)
   if auto:
-    best = planner.plan(costs, found, batch_size, top=1)[0]
-    setting.log(f"Plan: {best.params_override()}")
-    params = with_plan(params, best)
-  shape = own_shape(params, setting.devices)
-  devices_needed = shape.num_replicas * shape.num_cells // shape.virtual_stages
+    shape = planner.plan(costs, found, batch_size, top=1)[0].shape
+    setting.log(f"Plan: {shape.params_override()}")
+  else:
+    shape = own_shape(params, setting.devices)
+  devices_needed = shape.num_replicas * shape.num_devices
   if devices_needed > len(setting.devices):
     raise ParamsError(f"the plan needs {devices_needed} devices; only {len(setting.devices)}")
   prediction = step_model.predict(costs, found, shape, batch_size)
   setting.log(f"Predicted: step {prediction.step_s * 1e3:.1f} ms, peak per device "
-              f"{format_peaks(prediction.peak_bytes)} (budget "
-              f"{planner.format_bytes(setting.memory_bytes)})")
-  return Planned(params, prediction, found)
+              f"{format_peaks(prediction.peak_bytes)}; {verdict(prediction, setting)}")
+  return Planned(with_plan(params, shape), prediction, found)
+
+
+def verdict(prediction: step_model.Prediction, setting: Setting) -> str:
+  """Whether the plan's busiest device fits the budget: 'fits' with a margin of at
+  least the memory model's measured error (planner.MEMORY_MODEL_ERROR), 'tight'
+  with less, else by how much it does not."""
+  need = max(prediction.peak_bytes)
+  device = prediction.peak_bytes.index(need)
+  margin = setting.memory_bytes - need
+  budget = f"budget {planner.format_bytes(setting.memory_bytes)}"
+  if margin < 0:
+    return (f"does NOT fit: {planner.format_bytes(-margin)} over the {budget} on device "
+            f"{device}")
+  word = planner.fit_word(need, setting.memory_bytes)
+  return (f"{word}: {planner.format_bytes(margin)} ({margin / setting.memory_bytes:.0%}) "
+          f"left of the {budget} on device {device}")
 
 
 def format_peaks(peaks: Sequence[float]) -> str:
@@ -220,11 +249,9 @@ def _allocators(devices: Sequence[str]) -> list[str] | None:
   GPU its own. None when any device is remote."""
   names = []
   for d in devices:
-    spec = tf.DeviceSpec.from_string(d)
-    if spec.job not in (None, "localhost"):
+    if tf.DeviceSpec.from_string(d).job not in (None, "localhost"):
       return None
-    kind = (spec.device_type or "CPU").upper()
-    name = "CPU:0" if kind == "CPU" else f"{kind}:{spec.device_index or 0}"
+    name = layer_profiler.allocator_name(d)
     if name not in names:
       names.append(name)
   return names

@@ -96,9 +96,12 @@ def test_the_search_is_the_brute_force_best_of_every_plan(seed):
       for m in [m for m in (1, 2, 4, 8) if (8 // replicas) % m == 0]:
         for recompute in ("always", "except_last", "never"):
           for name in ONE_CELL_PER_DEVICE:
-            for splits in all_splits(len(costs), num_cells):
+            # G > 1 where a cell defers its weight gradients: re-materialized, not zb_h1
+            groups = [g for g in planner.WEIGHT_GRADIENT_GROUPS if g <= m] if (
+                recompute != "never" and name != "zb_h1") else [1]
+            for g, splits in itertools.product(groups, all_splits(len(costs), num_cells)):
               p = planner.predict(costs, Machine(4, np.inf), replicas, splits, m, recompute,
-                                  name, 8)
+                                  name, 8, weight_gradient_group=g)
               needs.append(max(p.peak_bytes))
               candidates.append(p)
   budget = float(np.percentile(needs, 30))
@@ -111,10 +114,11 @@ def test_the_search_is_the_brute_force_best_of_every_plan(seed):
   for p in candidates:
     if max(p.peak_bytes) > budget:
       continue
-    key = (p.num_replicas, p.num_cells, p.num_micro_batches, p.recompute, p.schedule)
-    bounds = list(zip([0, *p.splits[:-1]], p.splits))
-    forward, backward = planner.cell_times(costs, bounds, 8 // p.num_replicas //
-                                           p.num_micro_batches, p.recompute)
+    shape = p.shape
+    key = (shape.num_replicas, shape.num_cells, shape.num_micro_batches, shape.recompute,
+           shape.schedule, shape.weight_gradient_group)
+    forward, backward = planner.cell_times(costs, shape.bounds, 8 // shape.num_replicas //
+                                           shape.num_micro_batches, shape.recompute)
     value = (max(f + b for f, b in zip(forward, backward)), sum(forward) + sum(backward))
     if key not in best_per_config or value < best_per_config[key][0]:
       best_per_config[key] = (value, p)
@@ -184,9 +188,9 @@ def test_the_plan_prints_and_overrides_params():
   assert len(plans) == 3 and plans[0].step_s <= plans[1].step_s <= plans[2].step_s
   text = planner.format_plans(plans)
   assert len(text.splitlines()) == 4 and "splits" in text.splitlines()[0]
-  override = plans[0].params_override()
-  assert f"task.pipeline.num_cells={plans[0].num_cells};" in override
-  assert f"task.pipeline.splits={list(plans[0].splits)};" in override
+  override = plans[0].shape.params_override()
+  assert f"task.pipeline.num_cells={plans[0].shape.num_cells};" in override
+  assert f"task.pipeline.splits={list(plans[0].shape.splits)};" in override
 
 
 def test_measured_costs_count_bytes_from_shapes_and_are_cached(tmp_path):
@@ -283,18 +287,19 @@ def test_a_cache_in_folders_yet_to_be_made_is_saved_and_checked_for_its_layer_co
 
 
 def test_the_planner_searches_every_schedule_and_no_duplicate_plans():
-  assert planner.SCHEDULES == schedule.SCHEDULES
   plans = planner.plan(table(2), Machine(2, np.inf), 8, top=10000)
-  assert {p.schedule for p in plans} == set(schedule.SCHEDULES)
-  for p in plans:
-    devices = p.num_cells // p.virtual_stages
-    assert devices * p.num_replicas <= 2 and len(p.peak_bytes) == devices
-    assert (p.virtual_stages > 1) == (p.schedule == "interleaved_1f1b")
-    assert p.num_micro_batches % devices == 0 or p.virtual_stages == 1
-  keys = [(p.num_replicas, p.num_cells, p.num_micro_batches, p.recompute, p.schedule,
-           p.virtual_stages) for p in plans]
+  shapes = [p.shape for p in plans]
+  assert {s.schedule for s in shapes} == set(schedule.SCHEDULES)
+  for s, p in zip(shapes, plans):
+    assert s.num_devices * s.num_replicas <= 2 and len(p.peak_bytes) == s.num_devices
+    assert (s.virtual_stages > 1) == (s.schedule == "interleaved_1f1b")
+    assert s.num_micro_batches % s.num_devices == 0 or s.virtual_stages == 1
+    # G > 1 only where a cell defers its weight gradients (re-materialized, not zb_h1)
+    assert s.weight_gradient_group == 1 or (s.recompute != "never" and s.schedule != "zb_h1")
+  assert {s.weight_gradient_group for s in shapes} == {1, 2, 4}
+  keys = [(s.num_cells, dataclasses.replace(s, splits=())) for s in shapes]
   assert len(keys) == len(set(keys))
-  assert "except_last" not in {p.recompute for p in plans if p.num_cells == 1}
+  assert "except_last" not in {s.recompute for s in shapes if s.num_cells == 1}
 
 
 def test_device_memory_of_zero_bubble_and_interleaved_by_hand():
@@ -396,7 +401,41 @@ def test_plan_mode_and_plan_auto_train_the_best_plan_and_refuse_a_budget_nothing
   assert refused.returncode == 2
   assert "no plan fits 922 B per device on 2 device(s); the smallest any plan needs is" \
       in refused.stderr
-  assert "does NOT fit" in refused.stdout and "over the budget on device" in refused.stdout
+  assert "does NOT fit: " in refused.stdout and "over the budget 922 B on device" in \
+      refused.stdout
+
+
+def test_a_plan_trains_the_shape_it_predicted_with_the_layers_profiled_once(tmp_path):
+  """--plan=auto with the params' own weight_gradient_group=2 trains the plan's G (the
+  plan sets every field it decides: a zb_h1 plan with the params' G=2 would be
+  refused); --plan=check under partition_cost='measured' trains the split it
+  predicted (read back from params.txt), from the planner's one profiling of the
+  layers (the partitioner does not profile them again)."""
+  from conftest import run_trainer
+
+  cache = tmp_path / "costs.json"
+  common = ("--model=lm.TransformerTiny", "--devices=cpu:2", f"--cost_cache={cache}",
+            "--max_steps=3")
+
+  def trained(logdir) -> dict:
+    text = (logdir / "params.txt").read_text()
+    return {line.split(" : ")[0].strip(): line.split(" : ")[1].strip()
+            for line in text.splitlines() if line.startswith("task.pipeline.")}
+
+  auto = run_trainer(*common, "--plan=auto", f"--logdir={tmp_path / 'auto'}",
+                     "--params_override=task.pipeline.weight_gradient_group=2")
+  assert auto.returncode == 0, auto.stderr[-3000:]
+  plan_line = [line for line in auto.stdout.splitlines() if line.startswith("Plan: ")][0]
+  planned = dict(item.split("=", 1) for item in plan_line[len("Plan: "):].split(";"))
+  got = trained(tmp_path / "auto")
+  for key, value in planned.items():
+    assert got[key].strip("'") == value, key  # (params.txt quotes strings)
+  check = run_trainer(*common, "--plan=check", f"--logdir={tmp_path / 'check'}",
+                      "--params_override=task.pipeline.partition_cost='measured'")
+  assert check.returncode == 0, check.stderr[-3000:]
+  assert "for the partition" not in check.stdout  # (base_task.with_partition_costs' log)
+  found = json.loads((tmp_path / "check" / "train" / "plan_check.json").read_text())
+  assert trained(tmp_path / "check")["task.pipeline.splits"] == str(found["shape"]["splits"])
 
 
 def test_the_comparison_sets_prediction_beside_measurement():

@@ -400,7 +400,7 @@ def test_the_cost_model_counts_units_and_caches_by_hand(recompute):
     assert got.peak_bytes[k] == pytest.approx(
         weights + layout.max_in_flight(k) * stash + hand_offs + 2 * layout.max_cached(k) * cache
         + working + 2 * cache + (batch_inputs if k == 0 else 0.0)), k
-  assert got.num_token_slices == 4 and "num_token_slices=4" in got.params_override()
+  assert got.shape.num_token_slices == 4 and "num_token_slices=4" in got.shape.params_override()
 
 
 def test_the_planner_picks_slices_where_the_bubble_dominates():
@@ -411,11 +411,11 @@ def test_the_planner_picks_slices_where_the_bubble_dominates():
   machine = Machine(2, np.inf, slot_factor=1.0, action_overhead_s=1e-5)
   plans = planner.plan([layer] * 4, machine, 2, schedules=("gpipe", "1f1b"),
                        token_slices=(1, 4), top=100)
-  two_cells = [p for p in plans if p.num_cells == 2]
+  two_cells = [p for p in plans if p.shape.num_cells == 2]
   best = two_cells[0]
-  assert (best.num_micro_batches, best.num_token_slices) == (2, 4)
+  assert (best.shape.num_micro_batches, best.shape.num_token_slices) == (2, 4)
   assert best.bubble == pytest.approx(1 / 9)
-  unsliced = [p for p in two_cells if p.num_token_slices == 1][0]
+  unsliced = [p for p in two_cells if p.shape.num_token_slices == 1][0]
   assert best.step_s < unsliced.step_s
 
 
@@ -450,22 +450,20 @@ def test_the_trainer_with_replicas_and_slices_trains_like_one_unsliced_pipeline(
   assert events, "no TensorBoard log"
 
 
-def test_a_plan_for_another_slice_count_drops_given_slice_lengths():
-  """planning.with_plan: the planner plans near-equal slices; lengths given for the
-  params' own S stay when the plan keeps S."""
+def test_a_plan_sets_near_equal_slices_and_the_params_as_given_keep_their_lengths():
+  """planning.with_plan writes every field of the shape: the planner's shapes plan
+  near-equal slices (lengths None); the shape of the params as given
+  (PlanShape.from_pipeline, what --plan=check predicts) keeps their lengths."""
   from lingvo_gpipe import planning
   from lingvo_gpipe.core.hyperparams import Params
+  from lingvo_gpipe.pipeline.step_model import PlanShape
   from lingvo_gpipe.tasks import base_task
 
   params = Params()
   params.define("task", Params(), "")
   params.task.define("pipeline", base_task.pipeline_params(), "")
   params.task.pipeline.set(num_token_slices=2, token_slice_lengths=[5, 3])
-
-  def plan(slices):
-    return planner.Plan(1, 2, (2,), 2, "always", "1f1b", 1.0, 0.1, (1.0, 1.0),
-                        num_token_slices=slices)
-
-  assert planning.with_plan(params, plan(4)).task.pipeline.token_slice_lengths is None
-  assert planning.with_plan(params, plan(2)).task.pipeline.token_slice_lengths == [5, 3]
-  assert params.task.pipeline.token_slice_lengths == [5, 3]
+  planned = PlanShape(1, (2,), 2, "always", "1f1b", num_token_slices=4)
+  assert planning.with_plan(params, planned).task.pipeline.token_slice_lengths is None
+  own = PlanShape.from_pipeline(params.task.pipeline, (2,))
+  assert planning.with_plan(params, own).task.pipeline.token_slice_lengths == [5, 3]

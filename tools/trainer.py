@@ -204,9 +204,7 @@ def _plan(params, devices: list[str]) -> int:
 
   setting = _plan_setting(devices)
   try:
-    stack = planning.MainStack.of(params)
-    costs = planning.layer_costs(stack, setting)
-    machine = planning.machine(params, stack, costs, setting)
+    stack, costs, machine = planning.measured(params, setting)
     batch_size = stack.batch_size
   except layer_profiler.CostCacheError as e:
     raise UsageFailure(f"--cost_cache: {e}") from None
@@ -221,18 +219,15 @@ def _plan(params, devices: list[str]) -> int:
     print(planner.format_plans(plans))
   own = None
   try:
-    shape = planning.own_shape(params, devices)
+    shape = planning.own_shape(planning.with_measured_costs(params, costs), devices)
     own = step_model.predict(costs, machine, shape, batch_size)
   except (ParamsError, ValueError) as e:  # a configuration these devices cannot build
     print(f"The params as given cannot be predicted here: {e}")
   if own is not None:
-    need = max(own.peak_bytes)
-    verdict = ("fits" if need <= setting.memory_bytes else
-               f"does NOT fit: {planner.format_bytes(need - setting.memory_bytes)} over "
-               f"the budget on device {own.peak_bytes.index(need)}")
     print(f"The params as given (K={shape.num_cells}, M={shape.num_micro_batches}, "
           f"{shape.recompute}, {shape.schedule}): step {own.step_s * 1e3:.1f} ms, peak per "
-          f"device {planning.format_peaks(own.peak_bytes)}; {verdict}")
+          f"device {planning.format_peaks(own.peak_bytes)}; "
+          f"{planning.verdict(own, setting)}")
   if not plans:
     raise UsageFailure(no_plan)
   best = plans[0]
@@ -240,10 +235,13 @@ def _plan(params, devices: list[str]) -> int:
                     "device_memory_bytes": setting.memory_bytes / 0.9,
                     "step_s": best.step_s, "bubble": best.bubble,
                     "peak_bytes": list(best.peak_bytes),
-                    "params_override": best.params_override(),
+                    "params_override": best.shape.params_override(),
+                    "fit": planner.fit_word(max(best.peak_bytes), setting.memory_bytes),
                     "own": None if own is None else {
                         "step_s": own.step_s, "peak_bytes": list(own.peak_bytes),
-                        "fits": max(own.peak_bytes) <= setting.memory_bytes}}))
+                        "fits": max(own.peak_bytes) <= setting.memory_bytes,
+                        "fit": planner.fit_word(max(own.peak_bytes),
+                                                setting.memory_bytes)}}))
   return 0
 
 

@@ -370,7 +370,7 @@ class PipeliningLayer(BaseLayer):
       cache[head] = [CellFunctions(self.cell_layers(k), self.cell_devices[k], k,
                                    self._recompute_cell(k), head if k == last else None,
                                    needs_input_grads=k > 0,
-                                   defer_weight_gradients=k in self._deferring_cells(),
+                                   defer_weight_gradients=self.plan().defers(k),
                                    run_layers=self._function_cache.call_layers,
                                    stacks=self._function_cache.stacks[k])
                      for k in range(len(self.cells))]
@@ -428,12 +428,6 @@ class PipeliningLayer(BaseLayer):
     with tf.device(self.cell_devices[0]):
       return tf.nest.map_structure(self.to_fprop_dtype, inputs)
 
-  def _deferring_cells(self) -> list[int]:
-    """The cells that run their weight gradients as W actions (schedule.deferring_cells)."""
-    p = self.params
-    return schedule.deferring_cells(p.schedule, len(self.cells), p.weight_gradient_group,
-                                    [self._recompute_cell(k) for k in range(len(self.cells))])
-
   def plan(self) -> schedule.PipelineSchedule:
     """The actions of each cell in a training step and each device's order (see
     `_make_plan`)."""
@@ -441,22 +435,22 @@ class PipeliningLayer(BaseLayer):
 
   def _make_plan(self) -> schedule.PipelineSchedule:
     """The actions of each cell in a training step and each device's order
-    (params.schedule; with weight_gradient_group G > 1, a W after every G-th backward
-    of each re-materialized cell and after its last). Cells that share a device run
-    in one loop, in the order of the schedule (interleaved_1f1b) or, placed there
+    (schedule.build, which the planner predicts with: params.schedule; with
+    weight_gradient_group G > 1, a W after every G-th backward of each
+    re-materialized cell and after its last). Cells that share a device run in one
+    loop, in the order of the schedule (interleaved_1f1b) or, placed there
     round-robin, in the order their actions start in the simulated timeline."""
     p = self.params
-    deferring = self._deferring_cells()
+    device_index = {d: i for i, d in enumerate(dict.fromkeys(self.cell_devices))}
     try:
-      plan = schedule.make(p.schedule, len(self.cells), p.num_micro_batches,
-                           virtual_stages=p.virtual_stages, weight_cells=deferring,
-                           num_token_slices=p.num_token_slices)
+      return schedule.build(
+          p.schedule, len(self.cells), p.num_micro_batches, virtual_stages=p.virtual_stages,
+          weight_gradient_group=p.weight_gradient_group,
+          recomputed=tuple(self._recompute_cell(k) for k in range(len(self.cells))),
+          num_token_slices=p.num_token_slices,
+          device_of=tuple(device_index[d] for d in self.cell_devices))
     except schedule.ScheduleError as e:
       raise PipelineError(f"{self.path}: {e}") from None
-    if p.schedule != "zb_h1":
-      plan = plan.with_weight_gradients(p.weight_gradient_group, deferring)
-    device_index = {d: i for i, d in enumerate(dict.fromkeys(self.cell_devices))}
-    return plan.on_devices([device_index[d] for d in self.cell_devices])
 
   def fprop(self, *inputs: Any) -> Any:
     """inputs: tensors (or nested structures) of batch-major [B, ...] → outputs [B, ...].

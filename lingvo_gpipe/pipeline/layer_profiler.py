@@ -60,6 +60,13 @@ class LayerCost:
   # A causal layer on token slices: the cache entries it keeps per micro-batch of
   # `batch` whole sequences (keys, values, key paddings; core/token_slices.py).
   cache_bytes: int = 0
+  # Read off the device's allocator (`measure_layer_memory`; 0 where it cannot be
+  # read): the most bytes the forward allocates beyond what it leaves held (outputs
+  # and kept tensors), and the most the backward allocates beyond what it was given
+  # (kept tensors, output gradients): temporaries, concatenations, kernels' own
+  # buffers, and the gradients it returns.
+  forward_work_bytes: int = 0
+  backward_work_bytes: int = 0
 
   @property
   def step_s(self) -> float:
@@ -103,7 +110,16 @@ def measure_layer_costs(layer_params: Sequence[Any], input_specs: Any, steps: in
     backward (both in the layer's compute dtype, `fprop_dtype`).
   """
   with tf.device(device):
-    return _measure_layer_costs(layer_params, input_specs, steps, full, small_batch)
+    costs = _measure_layer_costs(layer_params, input_specs, steps, full, small_batch)
+  if not full:
+    return costs
+  memory = measure_layer_memory(layer_params, input_specs, local_twin(device))
+  if memory is None:
+    return costs
+  return [dataclasses.replace(c, kept_bytes=c.kept_bytes + m.kept_excess_bytes,
+                              forward_work_bytes=m.forward_work_bytes,
+                              backward_work_bytes=m.backward_work_bytes)
+          for c, m in zip(costs, memory)]
 
 
 def _measure_layer_costs(layer_params, input_specs, steps, full, small_batch):
@@ -134,13 +150,13 @@ def _measure_layer_costs(layer_params, input_specs, steps, full, small_batch):
       continue
     forward_s = timed(forward, flat)
     share = _weight_share(layer, call, flat, timed, forward_s, both_s) if not first else 1.0
-    pair, kept_bytes = _forward_backward_pair(call, flat)
+    pair, kept_bytes, _ = _forward_backward_pair(call, flat)
     split_s = _split_backward_s(pair, flat, timed)
     fixed = (0.0, 0.0, 0.0)
     if small is not None and small < batch:
       part = [t[:small] for t in flat]
       at_small = (timed(forward, part), timed(forward_backward, part))
-      small_pair, _ = _forward_backward_pair(call, part)
+      small_pair, _, _ = _forward_backward_pair(call, part)
       fixed = tuple(_intercept(small, s, batch, b) for s, b in zip(
           (at_small[0], at_small[1] - at_small[0],
            _split_backward_s(small_pair, part, timed)),
@@ -253,19 +269,113 @@ class _Timer:
     return max(_median_seconds(fn, args, self.steps) - self.call_s, 0.0)
 
 
-def _forward_backward_pair(call: Callable, flat: Sequence[tf.Tensor]) -> tuple[Any, int]:
+def _forward_backward_pair(call: Callable, flat: Sequence[tf.Tensor]
+                           ) -> tuple[Any, int, int]:
   """(TensorFlow's forward/backward pair of `call`, the bytes of what its backward takes
-  from its forward)."""
+  from its forward, the bytes of that and the outputs together: what the forward
+  leaves allocated), each buffer counted once."""
   from lingvo_gpipe.pipeline import tf_internals
 
   concrete = tf.function(call, autograph=False).get_concrete_function(
       *[tf.TensorSpec(t.shape, t.dtype) for t in flat])
   pair = tf_internals.forward_backward_pair(concrete)
-  kept = {}  # each buffer once: a tensor and its identities share one
-  for i in pair.kept_positions:
-    source = _aliased_source(concrete.graph.outputs[i])
-    kept[(source.op.name, source.value_index)] = source
-  return pair, _nbytes(list(kept.values()))
+
+  def buffers(positions: Sequence[int]) -> dict:
+    found = {}  # each buffer once: a tensor and its identities share one
+    for i in positions:
+      source = _aliased_source(concrete.graph.outputs[i])
+      found[(source.op.name, source.value_index)] = source
+    return found
+
+  kept = buffers(pair.kept_positions)
+  held = {**kept, **buffers(range(pair.num_outputs))}
+  return pair, _nbytes(list(kept.values())), _nbytes(list(held.values()))
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerMemory:
+  """One layer's bytes at its profiled batch, read off the device's allocator
+  (`measure_layer_memory`)."""
+  kept_excess_bytes: int  # held after the forward beyond its tensors' own sizes
+  forward_work_bytes: int  # LayerCost.forward_work_bytes
+  backward_work_bytes: int  # LayerCost.backward_work_bytes
+
+
+def local_twin(device: str | None) -> str | None:
+  """The device of this process whose allocator stands in for `device`'s: itself when
+  local; this process's CPU for a remote CPU (a worker on the same kind of host); None
+  for a remote accelerator (no local allocator behaves as its does)."""
+  spec = tf.DeviceSpec.from_string(device or "")
+  kind = (spec.device_type or "CPU").upper()
+  if spec.job in (None, "localhost"):
+    return device
+  if kind != "CPU":
+    return None
+  from lingvo_gpipe.pipeline import tf_internals
+
+  return f"{tf_internals.host_address_space()}/device:CPU:0"
+
+
+def allocator_name(device: str | None) -> str:
+  """The name `tf.config.experimental.get_memory_info` knows a local device's
+  allocator by: logical CPU devices share CPU:0's; each GPU has its own."""
+  spec = tf.DeviceSpec.from_string(device or "")
+  kind = (spec.device_type or "CPU").upper()
+  return "CPU:0" if kind == "CPU" else f"{kind}:{spec.device_index or 0}"
+
+
+def measure_layer_memory(layer_params: Sequence[Any], input_specs: Any,
+                         device: str | None = None, repeats: int = 3
+                         ) -> list[LayerMemory] | None:
+  """Each layer built on `device` (a local one) and its forward and backward run
+  alone, as a cell runs it (TensorFlow's forward/backward pair: the forward keeps
+  what the backward takes), the allocator's peak read around each: the most over
+  `repeats` runs (a bound: the allocator rounds and splits its chunks by history).
+  None where the allocator cannot be read (a remote accelerator; a CPU without
+  TensorFlow's BFC allocator)."""
+  if device is None and tf.config.list_logical_devices("GPU"):
+    return None  # (the default device is a GPU; the caller did not say which)
+  name = allocator_name(device)
+  try:
+    tf.config.experimental.reset_memory_stats(name)
+    tf.config.experimental.get_memory_info(name)
+  except (ValueError, tf.errors.OpError):
+    return None
+  found = []
+  with tf.device(device):
+    inputs = tf.nest.map_structure(random_like, input_specs)
+    for p in layer_params:
+      layer = p.copy().instantiate()
+      structure: dict[str, Any] = {}
+      flat = [layer.to_fprop_dtype(t) for t in tf.nest.flatten(inputs)]
+      pair, _, held_bytes = _forward_backward_pair(_flat_call(layer, inputs, structure), flat)
+      runs = [_memory_of_one_run(pair, flat, name) for _ in range(repeats + 1)][1:]
+      held, forward_work, backward_work = (max(r[i] for r in runs) for i in range(3))
+      found.append(LayerMemory(max(held - held_bytes, 0), forward_work, backward_work))
+      outputs, _ = pair.forward(list(flat))
+      inputs = tf.nest.pack_sequence_as(structure["out"], list(outputs))
+  return found
+
+
+def _memory_of_one_run(pair: Any, flat: Sequence[tf.Tensor], allocator: str
+                       ) -> tuple[int, int, int]:
+  """(bytes the forward leaves held, its peak beyond that, the backward's peak beyond
+  what it starts from) of one run of the pair."""
+  def current() -> int:
+    return tf.config.experimental.get_memory_info(allocator)["current"]
+
+  before = current()
+  tf.config.experimental.reset_memory_stats(allocator)
+  outputs, kept = pair.forward(list(flat))
+  after = tf.config.experimental.get_memory_info(allocator)
+  held, forward_work = after["current"] - before, after["peak"] - after["current"]
+  seeds = [tf.ones_like(outputs[i]) for i in pair.trainable_outputs]
+  start = current()
+  tf.config.experimental.reset_memory_stats(allocator)
+  grads = pair.backward(seeds, list(kept))
+  backward_work = tf.config.experimental.get_memory_info(allocator)["peak"] - start
+  del grads, outputs, kept, seeds
+  return held, forward_work, backward_work
 
 
 def _split_backward_s(pair: Any, flat: Sequence[tf.Tensor], timed: Callable) -> float:

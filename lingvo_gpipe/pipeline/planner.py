@@ -3,11 +3,12 @@ and replicas chosen from measured per-layer costs and a per-device memory budget
 
 The cost model is `step_model`'s (per-layer times fitted at two micro-batch sizes,
 the machine's measured action overhead, update rate and link, every schedule's real
-in-flight counts). `plan` searches R (dividing the devices and the batch),
-K ≤ devices / R, the contiguous split, M (dividing the per-replica batch), every
-recompute policy and every schedule (SCHEDULES; interleaved_1f1b at each V that
-divides K and leaves M a multiple of K/V), and ranks what fits by predicted step
-time.
+in-flight counts). `plan` searches R (dividing the devices and the batch), K cells
+(at most the devices / R, or twice that interleaved), the contiguous split, M
+(dividing the per-replica batch), every recompute policy, every schedule (SCHEDULES;
+interleaved_1f1b at each V that divides K and leaves M a multiple of K/V), the weight
+gradient group G (`_weight_gradient_groups`) and the token slices asked for, and
+ranks what fits by predicted step time.
 
 The split is exact for one cell per device (`partition.min_bottleneck_split`: the
 least largest cell time whose every cell fits, each cell with its own in-flight
@@ -41,38 +42,8 @@ class PlanError(ParamsError):
   """No plan fits; the message names the smallest memory any plan needs."""
 
 
-@dataclasses.dataclass(frozen=True)
-class Plan:
-  """One candidate: R replicas × K cells (layers [splits[k-1], splits[k])), M
-  micro-batches, V cells per device, and what the model predicts for it."""
-  num_replicas: int
-  num_cells: int
-  splits: tuple[int, ...]
-  num_micro_batches: int
-  recompute: str
-  schedule: str
-  step_s: float
-  bubble: float
-  peak_bytes: tuple[float, ...]  # per device
-  virtual_stages: int = 1
-  num_token_slices: int = 1
-
-  def params_override(self) -> str:
-    """The `--params_override` that runs this plan."""
-    return (f"task.pipeline.num_cells={self.num_cells};"
-            f"task.pipeline.splits={list(self.splits)};"
-            f"task.pipeline.num_micro_batches={self.num_micro_batches};"
-            f"task.pipeline.recompute={self.recompute};"
-            f"task.pipeline.schedule={self.schedule};"
-            f"task.pipeline.virtual_stages={self.virtual_stages};"
-            f"task.pipeline.num_token_slices={self.num_token_slices};"
-            f"task.pipeline.num_replicas={self.num_replicas}")
-
-  @property
-  def shape(self) -> PlanShape:
-    return PlanShape(self.num_replicas, self.splits, self.num_micro_batches,
-                     self.recompute, self.schedule, self.virtual_stages,
-                     num_token_slices=self.num_token_slices)
+# A plan is its shape with what the model predicts for it.
+Plan = step_model.Prediction
 
 
 class _MemoryModel:
@@ -96,6 +67,7 @@ class _MemoryModel:
     self.inputs = np.array([c.input_bytes * scale for c in costs] + [0.0])
     self.cache = prefix([c.cache_bytes * scale * num_token_slices if num_token_slices > 1
                          else 0.0 for c in costs])
+    self.work = _RangeMax([step_model.layer_work_bytes(c) * scale for c in costs])
     self.slot_factor = slot_factor
     self.batch_input_bytes = batch_input_bytes
 
@@ -107,8 +79,28 @@ class _MemoryModel:
         self.weights[ends] - self.weights[starts], self.inputs[starts] if recompute else kept,
         self.products[ends] - self.products[starts], self.inputs[starts], self.inputs[ends],
         in_flight, awaiting, self.slot_factor, cache, cached)
-    return (held + step_model.working_bytes(kept, recompute, cache) +
+    return (held + step_model.working_bytes(kept, recompute, cache,
+                                            self.work(starts, ends)) +
             (self.batch_input_bytes if first else 0.0))
+
+
+class _RangeMax:
+  """max(values[s:e]) for arrays of s < e, in O(1) per pair (a sparse table:
+  level j holds the max of each run of 2**j values)."""
+
+  def __init__(self, values: Sequence[float]):
+    levels = [np.asarray(values, dtype=float)]
+    while 2 ** len(levels) <= len(values):
+      below, half = levels[-1], 2 ** (len(levels) - 1)
+      levels.append(np.maximum(below[:-half], below[half:]))
+    self.table = np.full((len(levels), len(values)), -np.inf)
+    for j, row in enumerate(levels):
+      self.table[j, :len(row)] = row
+
+  def __call__(self, starts: Any, ends: Any) -> Any:
+    starts, ends = np.asarray(starts), np.asarray(ends)
+    level = np.floor(np.log2(np.maximum(ends - starts, 1))).astype(int)
+    return np.maximum(self.table[level, starts], self.table[level, ends - 2 ** level])
 
 
 def _batch_input_bytes(costs: Sequence[LayerCost], per_replica_batch: int) -> float:
@@ -164,14 +156,25 @@ def best_split(costs: Sequence[LayerCost], num_cells: int, micro_batch: float,
 def predict(costs: Sequence[LayerCost], machine: Machine, num_replicas: int,
             splits: Sequence[int], num_micro_batches: int, recompute: str,
             schedule_name: str, batch_size: int, virtual_stages: int = 1,
-            num_token_slices: int = 1) -> Plan:
+            num_token_slices: int = 1, weight_gradient_group: int = 1) -> Plan:
   """The model's step time, bubble and per-device peak memory of one plan."""
-  shape = PlanShape(num_replicas, tuple(splits), num_micro_batches, recompute,
-                    schedule_name, virtual_stages, num_token_slices=num_token_slices)
-  got = step_model.predict(costs, machine, shape, batch_size)
-  return Plan(num_replicas, len(splits), tuple(splits), num_micro_batches, recompute,
-              schedule_name, got.step_s, got.bubble, got.peak_bytes, virtual_stages,
-              num_token_slices)
+  return step_model.predict(costs, machine, PlanShape(
+      num_replicas, tuple(splits), num_micro_batches, recompute, schedule_name,
+      virtual_stages, weight_gradient_group, num_token_slices), batch_size)
+
+
+# The most a device's measured peak has exceeded its predicted one over the plans of
+# bench/planner.py (docs/benchmarks.md, "Planner"): a plan with less margin than this
+# is "tight", not "fits".
+MEMORY_MODEL_ERROR = 0.05
+
+
+def fit_word(need: float, budget: float) -> str:
+  """'fits' where `need` bytes leave at least MEMORY_MODEL_ERROR of themselves free
+  in `budget`, 'tight' where they fit with less, 'does NOT fit' over it."""
+  if need > budget:
+    return "does NOT fit"
+  return "fits" if need * (1.0 + MEMORY_MODEL_ERROR) <= budget else "tight"
 
 
 MAX_DEVICE_BYTES = 2.0**50  # 1 PiB: no device's memory is larger
@@ -255,18 +258,20 @@ def plan(costs: Sequence[LayerCost], machine: Machine, batch_size: int,
             for v in _schedule_variants(name, num_cells, m, devices):
               if name != "interleaved_1f1b" and num_cells > devices:
                 continue
-              shape = _best_shape(costs, machine, replicas, num_cells, m, recompute, name, v,
-                                  batch_size, s)
-              layout = shape.make_schedule()
-              cells = step_model.cell_costs(costs, shape, batch_size, machine)
-              need = max(step_model.device_peaks(layout, cells, machine.slot_factor,
-                                                 _batch_input_bytes(costs, per_replica),
-                                                 replicas))
-              if need <= machine.memory_bytes:
-                candidates.append((step_model.lower_bound_s(
-                    layout, cells, machine, replicas, layout.num_micro_batches), shape))
-              else:
-                smallest_need = min(smallest_need, need)
+              for g in _weight_gradient_groups(name, recompute, m * s, s):
+                shape = _best_shape(costs, machine, PlanShape(
+                    replicas, tuple(range(1, num_cells + 1)), m, recompute, name, v, g, s),
+                    batch_size)
+                layout = shape.make_schedule()
+                cells = step_model.cell_costs(costs, shape, batch_size, machine)
+                need = max(step_model.device_peaks(layout, cells, machine.slot_factor,
+                                                   _batch_input_bytes(costs, per_replica),
+                                                   replicas))
+                if need <= machine.memory_bytes:
+                  candidates.append((step_model.lower_bound_s(
+                      layout, cells, machine, replicas, g), shape))
+                else:
+                  smallest_need = min(smallest_need, need)
   if not candidates:
     raise PlanError(f"no plan fits {format_bytes(machine.memory_bytes)} per device on "
                     f"{machine.num_devices} device(s); the smallest any plan needs is "
@@ -276,34 +281,46 @@ def plan(costs: Sequence[LayerCost], machine: Machine, batch_size: int,
   for bound, shape in candidates:
     if len(kept) >= top and bound > kept[top - 1].step_s:
       break
-    kept.append(predict(costs, machine, shape.num_replicas, shape.splits,
-                        shape.num_micro_batches, shape.recompute, shape.schedule,
-                        batch_size, shape.virtual_stages, shape.num_token_slices))
+    kept.append(step_model.predict(costs, machine, shape, batch_size))
     kept.sort(key=lambda p: (p.step_s, max(p.peak_bytes)))
   return kept[:top]
 
 
-def _best_shape(costs: Sequence[LayerCost], machine: Machine, replicas: int,
-                num_cells: int, num_micro_batches: int, recompute: str, name: str,
-                virtual_stages: int, batch_size: int, num_token_slices: int = 1) -> PlanShape:
-  """This configuration with the best split that fits (`best_split`), or, when none
-  does, with the split that needs no budget (its peaks say by how much)."""
-  per_replica = batch_size // replicas
-  shape = PlanShape(replicas, tuple(range(1, num_cells + 1)), num_micro_batches, recompute,
-                    name, virtual_stages, num_token_slices=num_token_slices)
+WEIGHT_GRADIENT_GROUPS = (1, 2, 4)
+
+
+def _weight_gradient_groups(name: str, recompute: str, units: int, slices: int
+                            ) -> list[int]:
+  """The G to try: 1, and where a cell can defer its weight gradients (a
+  re-materialized cell under any schedule but zb_h1, which places one W per
+  backward itself) WEIGHT_GRADIENT_GROUPS and S (a micro-batch's slices in one
+  product) up to the units M·S. G trades a larger product's speed (the fitted
+  line's fixed part paid once per group) for the projections' inputs held until it."""
+  if name == "zb_h1" or recompute == "never":
+    return [1]
+  return sorted({g for g in (*WEIGHT_GRADIENT_GROUPS, slices) if g <= units})
+
+
+def _best_shape(costs: Sequence[LayerCost], machine: Machine, shape: PlanShape,
+                batch_size: int) -> PlanShape:
+  """`shape` with the best split that fits (`best_split`), or, when none does, with
+  the split that needs no budget (its peaks say by how much)."""
+  per_replica = batch_size // shape.num_replicas
   layout = shape.make_schedule()
+  num_cells = shape.num_cells
   held = [layout.max_in_flight(k) for k in range(num_cells)]
   awaiting = [layout.max_awaiting_weights(k) for k in range(num_cells)]
   cached = [layout.max_cached(k) for k in range(num_cells)]
-  unit = per_replica / num_micro_batches / num_token_slices
+  unit = per_replica / shape.num_micro_batches / shape.num_token_slices
   inputs = _batch_input_bytes(costs, per_replica)
-  budget = machine.memory_bytes / virtual_stages
-  slots = machine.slot_factor + (2.0 if replicas > 1 else 0.0)  # all-reduce buffers
-  splits = best_split(costs, num_cells, unit, held, recompute, slots, budget, awaiting,
-                      inputs, num_token_slices, cached)
+  budget = machine.memory_bytes / shape.virtual_stages
+  # all-reduce buffers
+  slots = machine.slot_factor + (2.0 if shape.num_replicas > 1 else 0.0)
+  splits = best_split(costs, num_cells, unit, held, shape.recompute, slots, budget, awaiting,
+                      inputs, shape.num_token_slices, cached)
   if splits is None:
-    splits = best_split(costs, num_cells, unit, held, recompute, slots, float("inf"),
-                        awaiting, inputs, num_token_slices, cached)
+    splits = best_split(costs, num_cells, unit, held, shape.recompute, slots, float("inf"),
+                        awaiting, inputs, shape.num_token_slices, cached)
   return dataclasses.replace(shape, splits=tuple(splits))
 
 
@@ -316,12 +333,17 @@ def format_bytes(n: float) -> str:
 
 def format_plans(plans: Sequence[Plan]) -> str:
   """A table: one row per plan."""
-  rows = [f"{'R':>2} {'K':>3} {'M':>4}  {'recompute':11} {'schedule':16} {'step':>9} "
+  rows = [f"{'R':>2} {'K':>3} {'M':>4}  {'recompute':11} {'schedule':20} {'step':>9} "
           f"{'bubble':>6}  {'peak/device':>11}  splits"]
   for p in plans:
-    name = (p.schedule + (f" V={p.virtual_stages}" if p.virtual_stages > 1 else "")
-            + (f" S={p.num_token_slices}" if p.num_token_slices > 1 else ""))
-    rows.append(f"{p.num_replicas:>2} {p.num_cells:>3} {p.num_micro_batches:>4}  "
-                f"{p.recompute:11} {name:16} {p.step_s * 1e3:7.1f}ms {p.bubble:6.1%}  "
-                f"{max(p.peak_bytes) / 2**20:8.1f}MiB  {list(p.splits)}")
+    shape = p.shape
+    name = (shape.schedule
+            + (f" V={shape.virtual_stages}" if shape.virtual_stages > 1 else "")
+            + (f" G={shape.weight_gradient_group}" if shape.weight_gradient_group > 1
+               else "")
+            + (f" S={shape.num_token_slices}" if shape.num_token_slices > 1 else ""))
+    rows.append(f"{shape.num_replicas:>2} {shape.num_cells:>3} "
+                f"{shape.num_micro_batches:>4}  {shape.recompute:11} {name:20} "
+                f"{p.step_s * 1e3:7.1f}ms {p.bubble:6.1%}  "
+                f"{max(p.peak_bytes) / 2**20:8.1f}MiB  {list(shape.splits)}")
   return "\n".join(rows)

@@ -87,6 +87,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import functools
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -336,35 +337,85 @@ class PipelineSchedule:
     return groups
 
   def simulate(self, forward_time: Times = 1.0, backward_time: Times = 1.0,
-               weight_time: Times = 1.0, transfer_time: float = 0.0
+               weight_time: Times = 1.0, transfer_time: float = 0.0,
+               cores: float | None = None
                ) -> dict[tuple[int, Action], tuple[float, float]]:
     """(start, end) of every action, one call at a time per device: the planned
-    timeline the measured one is compared with.
+    timeline the measured one is compared with, and the planner's step.
 
     Times are per micro-batch, one value or one per cell: the forward, the backward's
     input gradients, and the weight gradients, which a cell that defers them runs in
     its W actions (a W of n micro-batches takes n·weight_time) and the others inside
     their backward. `transfer_time` is added to every hand-off between devices.
+    `cores`: where fewer than the devices compute at once at full speed (devices
+    sharing a host's cores), n > cores devices with an action ready each run at
+    cores / n of their speed, as an operating system shares the cores among busy
+    processes; None or at least the devices: every device at full speed.
     """
     f, b, w = (_per_cell(t, self.num_cells, name) for t, name in (
         (forward_time, "forward_time"), (backward_time, "backward_time"),
         (weight_time, "weight_time")))
     groups = [self.weight_groups(k) for k in range(self.num_cells)]
-    times: dict[tuple[int, Action], tuple[float, float]] = {}
-    free = [0.0] * self.num_devices
-    for k, action in self.execution_order():
+
+    def duration(k: int, action: Action) -> float:
       if action.phase == FORWARD:
-        duration = f[k]
-      elif action.phase == BACKWARD:
-        duration = b[k] + (0.0 if groups[k] else w[k])
-      else:
-        duration = w[k] * len(groups[k][action.micro_batch])
+        return f[k]
+      if action.phase == BACKWARD:
+        return b[k] + (0.0 if groups[k] else w[k])
+      return w[k] * len(groups[k][action.micro_batch])
+
+    def ready_at(k: int, action: Action, free: float) -> float:
       d = self.device_of[k]
-      ready = max([free[d]] + [
-          times[dep][1] + (transfer_time if self.device_of[dep[0]] != d else 0.0)
-          for dep in self.dependencies(k, action)])
-      times[(k, action)] = (ready, ready + duration)
-      free[d] = ready + duration
+      return max([free] + [times[dep][1] + (transfer_time if self.device_of[dep[0]] != d
+                                            else 0.0)
+                           for dep in self.dependencies(k, action)])
+
+    times: dict[tuple[int, Action], tuple[float, float]] = {}
+    if cores is None or cores >= self.num_devices:
+      free = [0.0] * self.num_devices
+      for k, action in self.execution_order():
+        start = ready_at(k, action, free[self.device_of[k]])
+        times[(k, action)] = (start, start + duration(k, action))
+        free[self.device_of[k]] = start + duration(k, action)
+      return times
+    return self._shared_simulation(duration, ready_at, cores, times)
+
+  def _shared_simulation(self, duration, ready_at, cores: float, times: dict
+                         ) -> dict[tuple[int, Action], tuple[float, float]]:
+    """`simulate` with the devices' busy ones sharing `cores` (processor sharing): the
+    clock advances to the next action end or start; in between each of the n busy
+    devices does min(1, cores / n) seconds of work per second."""
+    orders = self.device_orders
+    position = [0] * self.num_devices
+    remaining = [duration(*order[0]) if order else 0.0 for order in orders]
+    started: list[float | None] = [None] * self.num_devices
+    now = 0.0
+    total = sum(len(order) for order in orders)
+    while len(times) < total:
+      for d, order in enumerate(orders):  # when can each device's next action start?
+        if position[d] < len(order) and started[d] is None and all(
+            dep in times for dep in self.dependencies(*order[position[d]])):
+          started[d] = ready_at(*order[position[d]], now)
+      running = [d for d in range(self.num_devices)
+                 if started[d] is not None and started[d] <= now]
+      waiting = [started[d] for d in range(self.num_devices)
+                 if started[d] is not None and started[d] > now]
+      if not running:
+        if not waiting:
+          self.execution_order()  # raises ScheduleError naming the deadlock
+        now = min(waiting)
+        continue
+      rate = min(1.0, cores / len(running))
+      step = min([remaining[d] / rate for d in running] + [w - now for w in waiting])
+      now += step
+      for d in running:
+        remaining[d] -= step * rate
+        if remaining[d] <= 1e-12:
+          times[orders[d][position[d]]] = (started[d], now)
+          position[d] += 1
+          started[d] = None
+          if position[d] < len(orders[d]):
+            remaining[d] = duration(*orders[d][position[d]])
     return times
 
   def bubble(self, forward_time: Times = 1.0, backward_time: Times = 1.0,
@@ -648,6 +699,30 @@ def deferring_cells(name: str, num_cells: int, weight_gradient_group: int,
 
 
 SLICED_SCHEDULES = ("gpipe", "1f1b")  # those that run token slices
+
+
+@functools.lru_cache(maxsize=1024)
+def build(name: str, num_cells: int, num_micro_batches: int, *, virtual_stages: int = 1,
+          weight_gradient_group: int = 1, recomputed: tuple[bool, ...] = (),
+          num_token_slices: int = 1, device_of: tuple[int, ...] = ()
+          ) -> PipelineSchedule:
+  """The schedule a pipeline runs (`PipeliningLayer.plan`; the planner predicts with
+  the same): `make`'s, with the W actions of the cells that defer their weight
+  gradients (`deferring_cells`: every cell under zb_h1, which places them itself;
+  with weight_gradient_group G > 1 the re-materialized ones, `recomputed[k]`, after
+  every G-th backward and the last), on the devices `device_of` (default: cell k on
+  device k mod K/V). Kept: a search asks for the same ones many times.
+
+  Raises ScheduleError naming what these cells and micro-batches cannot run.
+  """
+  recomputed = recomputed or (True,) * num_cells
+  deferring = deferring_cells(name, num_cells, weight_gradient_group, recomputed)
+  plan = make(name, num_cells, num_micro_batches, virtual_stages=virtual_stages,
+              weight_cells=deferring, num_token_slices=num_token_slices)
+  if name != "zb_h1":
+    plan = plan.with_weight_gradients(weight_gradient_group, deferring)
+  num_devices = num_cells // virtual_stages
+  return plan.on_devices(device_of or tuple(k % num_devices for k in range(num_cells)))
 
 
 def is_slice_count(value: Any) -> bool:

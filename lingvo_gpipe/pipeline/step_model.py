@@ -20,10 +20,12 @@ LayerCost.backward_split_s)
 split, where the cell defers weight gradients (zb_h1, weight_gradient_group > 1),
 into B (input gradients) and W (weight gradients) by the measured weight-gradient
 share of each layer's backward. Every hand-off adds latency + bytes / link rate.
-The schedule is simulated with these times (`PipelineSchedule.simulate`; where
-fewer cores than devices compute at once, `shared_simulation`: the busy devices
-share the cores equally), then each device applies its update (update seconds per
-weight byte, measured); with R replicas an all-reduce of the gradients follows.
+With weight_gradient_group G > 1 a W of G micro-batches runs one product of G·b rows
+(`grouped_weight_s`). The schedule the pipeline runs (`schedule.build`) is simulated
+with these times (`PipelineSchedule.simulate`; where fewer cores than devices compute
+at once, the busy devices share the cores equally), then each device applies its
+update (update seconds per weight byte, measured); with R replicas an all-reduce of
+the gradients follows.
 
 Memory. Each device holds, for each of its cells (`device_peaks`):
 
@@ -37,7 +39,10 @@ Memory. Each device holds, for each of its cells (`device_peaks`):
                                     output gradients of the cell's projections
   + inbox                           one hand-off received ahead each way
   + the largest working set of one action: a backward's recomputed forward (its
-    kept tensors) when re-materialized
+    kept tensors) when re-materialized, and the most one of its layers allocates
+    while it runs beyond what it is given and leaves (temporaries, concatenations,
+    kernels' buffers, the gradients it returns: measured by the allocator,
+    LayerCost.forward_work_bytes / backward_work_bytes)
   cell 0's device also holds the whole batch of inputs (micro-batches are slices);
   with R replicas every device also holds the all-reduce's two weight-sized buffers.
 
@@ -50,7 +55,6 @@ temporaries, and variables outside the stack (the global step, the loss scale).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -88,7 +92,10 @@ class Machine:
 
 @dataclasses.dataclass(frozen=True)
 class PlanShape:
-  """A plan's configuration: what `task.pipeline` says."""
+  """A plan's configuration: every `task.pipeline` field a plan decides
+  (`pipeline_fields`, the one map between a plan and params both ways:
+  planning.with_plan, planning.own_shape). token_slice_lengths None: near-equal
+  slices (what the planner plans; the time model treats given lengths as equal)."""
   num_replicas: int
   splits: tuple[int, ...]
   num_micro_batches: int
@@ -97,37 +104,56 @@ class PlanShape:
   virtual_stages: int = 1
   weight_gradient_group: int = 1
   num_token_slices: int = 1
+  token_slice_lengths: tuple[int, ...] | None = None
 
   @property
   def num_cells(self) -> int:
     return len(self.splits)
 
   @property
+  def num_devices(self) -> int:
+    """Devices per replica: K / V."""
+    return self.num_cells // self.virtual_stages
+
+  @property
   def bounds(self) -> list[tuple[int, int]]:
     return list(zip([0, *self.splits[:-1]], self.splits))
 
+  def pipeline_fields(self) -> dict[str, Any]:
+    """{task.pipeline key: value} that runs this shape."""
+    return {"num_cells": self.num_cells, "splits": list(self.splits),
+            "num_micro_batches": self.num_micro_batches, "recompute": self.recompute,
+            "schedule": self.schedule, "virtual_stages": self.virtual_stages,
+            "weight_gradient_group": self.weight_gradient_group,
+            "num_token_slices": self.num_token_slices,
+            "token_slice_lengths": (None if self.token_slice_lengths is None
+                                    else list(self.token_slice_lengths)),
+            "num_replicas": self.num_replicas}
+
+  @classmethod
+  def from_pipeline(cls, pipeline: Any, splits: Sequence[int]) -> PlanShape:
+    """The shape pipeline params (a task's `pipeline`) run with the cells ending at
+    `splits` (their partitioner's)."""
+    lengths = pipeline.token_slice_lengths
+    return cls(pipeline.num_replicas, tuple(splits), pipeline.num_micro_batches,
+               pipeline.recompute, pipeline.schedule, pipeline.virtual_stages,
+               pipeline.weight_gradient_group, pipeline.num_token_slices,
+               None if lengths is None else tuple(lengths))
+
+  def params_override(self) -> str:
+    """The `--params_override` that runs this shape."""
+    return ";".join(f"task.pipeline.{key}={value}"
+                    for key, value in self.pipeline_fields().items())
+
   def make_schedule(self) -> schedule.PipelineSchedule:
-    """The schedule the pipeline layer runs for this shape (PipeliningLayer._make_plan,
-    with cell k on device k mod D)."""
-    return _make_schedule(self.schedule, self.num_cells, self.num_micro_batches,
-                          self.virtual_stages, self.weight_gradient_group, self.recompute,
-                          self.num_token_slices)
-
-
-@functools.lru_cache(maxsize=1024)
-def _make_schedule(name: str, num_cells: int, num_micro_batches: int, virtual_stages: int,
-                   weight_gradient_group: int, recompute: str, num_token_slices: int = 1
-                   ) -> schedule.PipelineSchedule:
-  """PlanShape.make_schedule, kept: a search asks for the same ones many times."""
-  deferring = schedule.deferring_cells(name, num_cells, weight_gradient_group,
-                                       [recomputes(recompute, k, num_cells)
-                                        for k in range(num_cells)])
-  plan = schedule.make(name, num_cells, num_micro_batches, virtual_stages=virtual_stages,
-                       weight_cells=deferring, num_token_slices=num_token_slices)
-  if name != "zb_h1":
-    plan = plan.with_weight_gradients(weight_gradient_group, deferring)
-  num_devices = num_cells // virtual_stages
-  return plan.on_devices([k % num_devices for k in range(num_cells)])
+    """The schedule the pipeline layer runs for this shape (schedule.build, cell k
+    on device k mod D)."""
+    return schedule.build(self.schedule, self.num_cells, self.num_micro_batches,
+                          virtual_stages=self.virtual_stages,
+                          weight_gradient_group=self.weight_gradient_group,
+                          recomputed=tuple(recomputes(self.recompute, k, self.num_cells)
+                                           for k in range(self.num_cells)),
+                          num_token_slices=self.num_token_slices)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,6 +172,9 @@ class CellCost:
   # Token slices: every per-micro-batch figure above is per unit (a slice of a
   # micro-batch); the cache entries the cell keeps per micro-batch in flight.
   cache_bytes: float = 0.0
+  # The most one of its layers allocates while it runs, beyond what it is given and
+  # leaves (LayerCost.forward_work_bytes, backward_work_bytes), per unit.
+  work_bytes: float = 0.0
 
 
 def layer_times(cost: LayerCost, batch: float) -> tuple[float, float]:
@@ -197,6 +226,7 @@ def cell_costs(costs: Sequence[LayerCost], shape: PlanShape, batch_size: int,
     backward = sum(b for _, b in times)
     weight = sum(b * c.weight_share for (_, b), c in zip(times, costs[s:e]))
     kept = sum(unit_kept_bytes(c, shape.num_token_slices) for c in costs[s:e]) * scale
+    work = max(layer_work_bytes(c) for c in costs[s:e]) * scale
     inputs = costs[s].input_bytes * scale
     cells.append(CellCost(
         forward_s=forward + machine.action_overhead_s,
@@ -207,7 +237,8 @@ def cell_costs(costs: Sequence[LayerCost], shape: PlanShape, batch_size: int,
         output_bytes=costs[e].input_bytes * scale if e < len(costs) else 0.0,
         recompute=remat,
         cache_bytes=(sum(c.cache_bytes for c in costs[s:e]) * whole / costs[0].batch
-                     if shape.num_token_slices > 1 else 0.0)))
+                     if shape.num_token_slices > 1 else 0.0),
+        work_bytes=work))
   return cells
 
 
@@ -233,27 +264,20 @@ def predict(costs: Sequence[LayerCost], machine: Machine, shape: PlanShape,
               for c in cells]
   forward = [c.forward_s for c in cells]
   # A cell that defers runs B without its weight gradients and each W at the weight
-  # share; `simulate` adds weight_time to B where the cell does not defer.
+  # share (of G micro-batches at once: `grouped_weight_s`); `simulate` adds weight
+  # time to B where the cell does not defer.
   input_grad = [c.backward_s - c.weight_s for c in cells]
   weight = [c.weight_s for c in cells]
-  if machine.cores is not None and machine.cores < plan.num_devices:
-    times = shared_simulation(plan, forward, input_grad, weight, max(transfer),
-                              machine.cores)
-  else:
-    times = plan.simulate(forward, input_grad, weight, max(transfer))
+  if shape.weight_gradient_group > 1:
+    grouped = grouped_weight_s(costs, shape, batch_size)
+    weight = [g if plan.defers(k) and plan.weight_groups(k) else w
+              for k, (w, g) in enumerate(zip(weight, grouped))]
+  times = plan.simulate(forward, input_grad, weight, max(transfer), cores=machine.cores)
   finish = [0.0] * plan.num_devices
   for (k, _), (_, end) in times.items():
     finish[plan.device_of[k]] = max(finish[plan.device_of[k]], end)
-  device_weights = [0.0] * plan.num_devices
-  for k, c in enumerate(cells):
-    device_weights[plan.device_of[k]] += c.weight_bytes
-  updates = [w * machine.update_s_per_byte for w in device_weights]
-  step = max(f + u for f, u in zip(finish, updates))
-  if machine.cores is not None and machine.cores < plan.num_devices:
-    step = max(step, max(finish) + sum(updates) / machine.cores)
-  if shape.num_replicas > 1:
-    step += (2.0 * (shape.num_replicas - 1) / shape.num_replicas * max(device_weights) /
-             machine.allreduce_bytes_per_s)
+  step = _with_update_and_allreduce(finish, max(finish), _device_weights(plan, cells),
+                                    machine, shape.num_replicas)
   inputs = costs[0].input_bytes * batch_size / shape.num_replicas / costs[0].batch
   peaks = device_peaks(plan, cells, machine.slot_factor, inputs, shape.num_replicas)
   defers = [plan.defers(k) for k in range(plan.num_cells)]
@@ -264,25 +288,61 @@ def predict(costs: Sequence[LayerCost], machine: Machine, shape: PlanShape,
                     max(finish), action_s)
 
 
+def grouped_weight_s(costs: Sequence[LayerCost], shape: PlanShape, batch_size: int
+                     ) -> list[float]:
+  """Per cell: the weight-gradient seconds per micro-batch (unit) of a W over G =
+  shape.weight_gradient_group of them at once (one product of G·b rows: the fitted
+  line's fixed part paid once per group, not per micro-batch)."""
+  micro = batch_size / shape.num_replicas / shape.num_micro_batches / shape.num_token_slices
+  group = shape.weight_gradient_group
+  return [sum(layer_times(c, group * micro)[1] * c.weight_share for c in costs[s:e]) / group
+          for s, e in shape.bounds]
+
+
+def _device_weights(plan: schedule.PipelineSchedule, cells: Sequence[CellCost]
+                    ) -> list[float]:
+  """Per device: the weight bytes of its cells."""
+  weights = [0.0] * plan.num_devices
+  for k, c in enumerate(cells):
+    weights[plan.device_of[k]] += c.weight_bytes
+  return weights
+
+
+def _with_update_and_allreduce(device_s: Sequence[float], all_done_s: float,
+                               device_weights: Sequence[float], machine: Machine,
+                               num_replicas: int) -> float:
+  """The step: each device's seconds before its update (`device_s`) and its update
+  (seconds per weight byte); where fewer cores than devices compute at once, the
+  updates share the cores after `all_done_s` (what every device's work takes); then,
+  with R replicas, the all-reduce of the largest device's gradients (2(R−1)/R of
+  them each way at the link's rate). `predict` and `lower_bound_s` both end here."""
+  updates = [w * machine.update_s_per_byte for w in device_weights]
+  step = max(d + u for d, u in zip(device_s, updates))
+  if machine.cores is not None and machine.cores < len(device_s):
+    step = max(step, all_done_s + sum(updates) / machine.cores)
+  if num_replicas > 1:
+    step += (2.0 * (num_replicas - 1) / num_replicas * max(device_weights) /
+             machine.allreduce_bytes_per_s)
+  return step
+
+
 def lower_bound_s(plan: schedule.PipelineSchedule, cells: Sequence[CellCost],
-                  machine: Machine, num_replicas: int, num_micro_batches: int) -> float:
+                  machine: Machine, num_replicas: int, weight_gradient_group: int = 1
+                  ) -> float:
   """A bound `predict`'s step never falls below, without simulating: the busiest
   device's actions back to back and its update (with fewer cores than devices, also
   all devices' work over the cores), plus the all-reduce. The search simulates plans
-  in the order of this bound and stops where it passes the plans it keeps."""
+  in the order of this bound and stops where it passes the plans it keeps. (With
+  G > 1 the weight gradients are left out: grouped, they take less than
+  CellCost.weight_s.)"""
   busy = [0.0] * plan.num_devices
-  weights = [0.0] * plan.num_devices
   for k, c in enumerate(cells):
-    busy[plan.device_of[k]] += num_micro_batches * (c.forward_s + c.backward_s)
-    weights[plan.device_of[k]] += c.weight_bytes
-  updates = [w * machine.update_s_per_byte for w in weights]
-  bound = max(b + u for b, u in zip(busy, updates))
-  if machine.cores is not None and machine.cores < plan.num_devices:
-    bound = max(bound, (sum(busy) + sum(updates)) / machine.cores)
-  if num_replicas > 1:
-    bound += (2.0 * (num_replicas - 1) / num_replicas * max(weights) /
-              machine.allreduce_bytes_per_s)
-  return bound
+    weight = c.weight_s if weight_gradient_group > 1 else 0.0
+    busy[plan.device_of[k]] += plan.num_micro_batches * (c.forward_s + c.backward_s - weight)
+  cores = machine.cores if machine.cores is not None else math.inf
+  all_busy = sum(busy) / cores if cores < plan.num_devices else 0.0
+  return _with_update_and_allreduce(busy, all_busy, _device_weights(plan, cells), machine,
+                                    num_replicas)
 
 
 def held_bytes(weight_bytes: Any, stash_bytes: Any, product_bytes: Any, input_bytes: Any,
@@ -297,12 +357,22 @@ def held_bytes(weight_bytes: Any, stash_bytes: Any, product_bytes: Any, input_by
           2.0 * cached * cache_bytes)
 
 
-def working_bytes(kept_bytes: Any, recompute: bool, cache_bytes: Any = 0.0) -> Any:
+def layer_work_bytes(cost: LayerCost) -> float:
+  """The most a layer allocates while its forward or its backward runs, beyond what
+  it is given and what it leaves (measured by the allocator, at cost.batch)."""
+  return float(max(cost.forward_work_bytes, cost.backward_work_bytes))
+
+
+def working_bytes(kept_bytes: Any, recompute: bool, cache_bytes: Any = 0.0,
+                  work_bytes: Any = 0.0) -> Any:
   """The largest working set of one of a cell's actions: a re-materialized backward's
-  recomputed forward (without re-materialization it is in the stash); on token
-  slices also the whole-sequence cache entries a backward makes: those its slice
-  extends and the gradient of those it read."""
-  return (kept_bytes if recompute else 0.0) + 2.0 * cache_bytes
+  recomputed forward (without re-materialization it is in the stash), and the most
+  one layer allocates while it runs (`layer_work_bytes`: its temporaries and the
+  gradients it returns), counted as if the largest ran while the whole forward is
+  recomputed (a bound: a backward frees the layers' kept tensors as it goes down);
+  on token slices also the whole-sequence cache entries a backward makes: those its
+  slice extends and the gradient of those it read."""
+  return (kept_bytes if recompute else 0.0) + work_bytes + 2.0 * cache_bytes
 
 
 def device_peaks(plan: schedule.PipelineSchedule, cells: Sequence[CellCost],
@@ -322,63 +392,7 @@ def device_peaks(plan: schedule.PipelineSchedule, cells: Sequence[CellCost],
                           cells[k].cache_bytes, plan.max_cached(k))
                for k in mine)
     peaks.append(held + max(working_bytes(cells[k].kept_bytes, cells[k].recompute,
-                                          cells[k].cache_bytes)
+                                          cells[k].cache_bytes, cells[k].work_bytes)
                             for k in mine) +
                  (batch_input_bytes if 0 in mine else 0.0))
   return tuple(peaks)
-
-
-def shared_simulation(plan: schedule.PipelineSchedule, forward: Sequence[float],
-                      backward: Sequence[float], weight: Sequence[float],
-                      transfer_time: float, cores: float
-                      ) -> dict[tuple[int, schedule.Action], tuple[float, float]]:
-  """`plan.simulate` where at most `cores` devices compute at full speed: when n > cores
-  devices have an action ready, each runs at cores / n of its speed (an operating
-  system sharing the cores among busy processes). Same arguments and result."""
-  groups = [plan.weight_groups(k) for k in range(plan.num_cells)]
-
-  def duration(k: int, action: schedule.Action) -> float:
-    if action.phase == schedule.FORWARD:
-      return forward[k]
-    if action.phase == schedule.BACKWARD:
-      return backward[k] + (0.0 if groups[k] else weight[k])
-    return weight[k] * len(groups[k][action.micro_batch])
-
-  orders = plan.device_orders
-  position = [0] * plan.num_devices
-  remaining = [duration(*order[0]) if order else 0.0 for order in orders]
-  started = [0.0] * plan.num_devices
-  ready_at: list[float | None] = [None] * plan.num_devices
-  times: dict[tuple[int, schedule.Action], tuple[float, float]] = {}
-  now = 0.0
-  total = sum(len(order) for order in orders)
-  while len(times) < total:
-    for d, order in enumerate(orders):  # when can each device's next action start?
-      if position[d] < len(order) and ready_at[d] is None:
-        deps = plan.dependencies(*order[position[d]])
-        if all(dep in times for dep in deps):
-          ready_at[d] = max([now] + [times[dep][1] + (
-              transfer_time if plan.device_of[dep[0]] != d else 0.0) for dep in deps])
-          started[d] = ready_at[d]
-    running = [d for d in range(plan.num_devices)
-               if ready_at[d] is not None and ready_at[d] <= now]
-    waiting = [ready_at[d] for d in range(plan.num_devices)
-               if ready_at[d] is not None and ready_at[d] > now]
-    if not running:
-      now = min(waiting)
-      continue
-    rate = min(1.0, cores / len(running))
-    step = min(remaining[d] / rate for d in running)
-    if waiting:
-      step = min(step, min(waiting) - now)
-    now += step
-    for d in running:
-      remaining[d] -= step * rate
-      if remaining[d] <= 1e-12:
-        times[orders[d][position[d]]] = (started[d], now)
-        position[d] += 1
-        ready_at[d] = None
-        if position[d] < len(orders[d]):
-          remaining[d] = duration(*orders[d][position[d]])
-  return times
-
