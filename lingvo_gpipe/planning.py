@@ -15,6 +15,7 @@ predicted peaks; workers of a cluster log their own, tools/worker.py --memory_lo
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import os
 import platform
@@ -29,9 +30,11 @@ from lingvo_gpipe.pipeline import calibration, layer_profiler, planner, step_mod
 from lingvo_gpipe.pipeline.layer import PipeliningLayer
 from lingvo_gpipe.tasks import base_task
 
-COSTS_VERSION = "layer costs v6 (two sizes, weight share, products, split backward, work bytes)"
+COSTS_VERSION = ("layer costs v6 (two sizes, weight share, products, split backward, work "
+                 "bytes, kept inputs)")
 MACHINE_FIELDS = ("action_overhead_s", "update_s_per_byte", "link_latency_s",
-                  "link_bytes_per_s", "cores")
+                  "link_bytes_per_s", "cores", "weight_copies_one", "weight_copies",
+                  "activation_factor", "save_copies")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,11 +97,18 @@ def machine(params: Params, stack: MainStack, costs: Sequence[layer_profiler.Lay
         lambda s: tf.TensorSpec([max(1, s.shape[0] // 4)] + s.shape[1:], s.dtype), spec)
     found = calibration.measure_machine(
         setting.devices, setting.memory_bytes, params.task.train.optimizer, slot_factor,
-        work=layer_profiler.layer_work(stack.layer_params[heaviest], quarter))
+        work=layer_profiler.layer_work(stack.layer_params[heaviest], quarter),
+        copies=lambda twin: calibration.weight_copies(
+            twin, stack.layer_params, stack.specs, costs, params.task.train.optimizer,
+            params.task.pipeline.stack_variables))
     setting.log(f"Measured: {found.action_overhead_s * 1e3:.3f} ms per action, update "
                 f"{found.update_s_per_byte * 1e9:.3f} ns per weight byte, hand-off "
                 f"{found.link_latency_s * 1e3:.3f} ms + {found.link_bytes_per_s / 1e9:.3g} "
-                f"GB/s, {found.cores:.3g} device(s) computing at once at full speed")
+                f"GB/s, {found.cores:.3g} device(s) computing at once at full speed, a "
+                f"step's weight-sized buffers {found.weight_copies:.2g}× the weights "
+                f"({found.weight_copies_one:.2g}× at M=1), activations "
+                f"{found.activation_factor:.2g}× the layers' alone, a save's "
+                f"{found.save_copies:.2g}× the weights")
     return {name: getattr(found, name) for name in MACHINE_FIELDS}
 
   def decode(entry: Any) -> dict:
@@ -110,7 +120,8 @@ def machine(params: Params, stack: MainStack, costs: Sequence[layer_profiler.Lay
   if setting.cost_cache:
     # (the layers and the first's inputs fix the heaviest layer's inputs: not traced
     # unless measured)
-    key = ["machine v5", params.task.train.optimizer.to_text(),
+    key = ["machine v6", params.task.train.optimizer.to_text(),
+           params.task.pipeline.stack_variables,
            [lp.to_text() for lp in stack.layer_params], stack.specs, heaviest,
            platform.node(), tf.__version__, list(setting.devices)]
     figures = layer_profiler.cached_record(setting.cost_cache, key, measure, setting.log,
@@ -237,6 +248,10 @@ def allocator_peaks(devices: Sequence[str]) -> tuple[list[str], list[float]] | N
 
 
 def reset_allocator_peaks(devices: Sequence[str]) -> None:
+  """The local allocators' peaks reset, after what the planning left for the garbage
+  collector is freed (its tf.functions hold their variables in reference cycles: a
+  calibration's weights would otherwise count in the run's peak, and stay)."""
+  gc.collect()
   for name in _allocators(devices) or []:
     try:
       tf.config.experimental.reset_memory_stats(name)

@@ -204,8 +204,9 @@ def test_measured_costs_count_bytes_from_shapes_and_are_cached(tmp_path):
                                              steps=2)
   assert [c.weight_bytes for c in costs] == [(16 * 32 + 32) * 4, (32 * 16 + 16) * 4]
   assert [c.input_bytes for c in costs] == [8 * 16 * 4, 8 * 32 * 4]
-  # tanh(x·W + b) keeps at least its output for tanh's gradient and x for W's.
-  assert costs[0].kept_bytes >= (8 * 16 + 8 * 32) * 4
+  # tanh(x·W + b) keeps its output for tanh's gradient and its input x for W's (the
+  # input apart: in a cell it is the previous layer's output, counted there).
+  assert costs[0].kept_bytes == 8 * 32 * 4 and costs[0].kept_input_bytes == 8 * 16 * 4
   # Its deferred backward keeps x·W's x [8, 16] and the gradient of x·W [8, 32].
   assert [c.product_bytes for c in costs] == [(8 * 16 + 8 * 32) * 4, (8 * 32 + 8 * 16) * 4]
   # Seconds beyond an empty call's, fitted at 8 and 2 examples (a line that does not
@@ -494,3 +495,36 @@ def test_plan_mode_refuses_a_bad_budget_and_cache_path_in_one_line(tmp_path):
     assert refused.returncode == 2, (flag, refused.stderr[-2000:])
     assert why in refused.stderr and "Traceback" not in refused.stderr, refused.stderr[-2000:]
     assert len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+
+
+@pytest.mark.parametrize("kind", ["linear", "conv"])
+def test_layer_working_sets_read_off_the_allocator_are_the_hand_count(kind):
+  """A backward allocates the gradients it returns and its own temporaries; counted by
+  hand, in buffers the CPU allocator tracks (>= 256 KiB; smaller ones it leaves out,
+  so the input gradient or bias are at most that under). Linear + relu [512, 1024] →
+  [512, 1024]: relu's gradient, dx [512, 1024] and dW [1024, 1024] (db is small).
+  Conv 3×3, 32 → 64 channels on [16, 64, 64, 32]: dx [16, 64, 64, 32] and dW
+  [3, 3, 32, 64]. The fit through two batches leaves the weight gradient as the
+  batch-independent part."""
+  import tensorflow as tf
+
+  from lingvo_gpipe.core import layers
+  from lingvo_gpipe.pipeline import step_model
+
+  if kind == "linear":
+    params = layers.Linear.Params().set(name="fc", input_dim=1024, output_dim=1024,
+                                        activation="RELU")
+    spec = tf.TensorSpec([512, 1024], tf.float32)
+    hand = 4 * (512 * 1024 + 512 * 1024 + 1024 * 1024)
+    weight_gradient = 4 * 1024 * 1024
+  else:
+    params = layers.Conv2D.Params().set(name="conv", filter_shape=(3, 3, 32, 64))
+    spec = tf.TensorSpec([16, 64, 64, 32], tf.float32)
+    hand = 4 * (16 * 64 * 64 * 32 + 3 * 3 * 32 * 64)
+    weight_gradient = 4 * 3 * 3 * 32 * 64
+  cost = layer_profiler.measure_layer_costs([params], spec, steps=1)[0]
+  assert hand - 2**18 <= cost.backward_work_bytes <= 1.25 * hand
+  if kind == "linear":
+    assert cost.backward_work_fixed_bytes == pytest.approx(weight_gradient, rel=0.02)
+    assert step_model.layer_work_bytes(cost, 128) == pytest.approx(
+        weight_gradient + (hand - weight_gradient) / 4, rel=0.05)

@@ -74,9 +74,17 @@ def global_norm(tensors: Sequence[Any], variables: Sequence[tf.Variable]) -> tf.
 
 
 @chunk_function
-def _all_finite(variables: list[tf.Variable]) -> tf.Tensor:
-  return tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(v.read_value()))
-                                 for v in variables]))
+def _all_finite(handles: list[tf.Tensor], dtype: tf.DType, shape: tuple[int, ...]
+                ) -> tf.Tensor:
+  """Whether the variables of `handles` (resource tensors of one dtype and shape) are
+  finite. Handles, not the variables: a module-level tf.function keeps the variables
+  it is first traced with, and so their buffers, alive for the process (a
+  calibration's variables would stay in the trainer's memory); resource handles are
+  traced by their spec, which does not hold the variable's shape: `shape` keys the
+  trace (tests/variable_chunks_test.py pins both)."""
+  return tf.reduce_all(tf.stack([
+      tf.reduce_all(tf.math.is_finite(tf.raw_ops.ReadVariableOp(resource=h, dtype=dtype)))
+      for h in handles]))
 
 
 def all_finite(variables: Sequence[tf.Variable]) -> tf.Tensor:
@@ -86,7 +94,9 @@ def all_finite(variables: Sequence[tf.Variable]) -> tf.Tensor:
   checks = []
   for chunk in chunks(floating):
     with tf.device(floating[chunk[0]].device):
-      checks.append(_all_finite([floating[i] for i in chunk]))
+      first = floating[chunk[0]]
+      checks.append(_all_finite([floating[i].handle for i in chunk], first.dtype,
+                                tuple(first.shape.as_list())))
   return tf.reduce_all(tf.stack(checks)) if checks else tf.constant(True)
 
 

@@ -9,6 +9,7 @@ the second; the concurrency: on all of them at once). A few seconds in all.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -35,29 +36,143 @@ def action_overhead_s(device: str, few: int = 2, many: int = 18) -> float:
   """The device loop's seconds per action beyond its cell's call: a training step of
   one cell holding one 4-wide layer on `device` at `many` and at `few` micro-batches,
   the difference over the 2·(many − few) actions it adds."""
-  from lingvo_gpipe import train_step
   from lingvo_gpipe.core import optimizers
+
+  sgd = optimizers.SGD.Params()
+  _, at_many = _calibration_step(device, many, many, 4, 1, sgd)
+  _, at_few = _calibration_step(device, few, many, 4, 1, sgd)
+  extra = _median_call_s(at_many) - _median_call_s(at_few)
+  return max(extra / (2 * (many - few)), 0.0)
+
+
+def training_step(device: str, layer_params: Sequence[Any], inputs: Any,
+                  num_micro_batches: int, optimizer_params: Any, recompute: str = "always",
+                  stack_variables: bool = True) -> tuple[tuple[Any, Any], Callable[[], Any]]:
+  """((the model, its optimizer), a function running one training step and returning
+  its loss): one cell of the layers of `layer_params` on `device`, M micro-batches of
+  the nested `inputs` [B, ...], the loss the mean square of every floating output,
+  the optimizer of `optimizer_params` with learning rate 0 (the step changes
+  nothing)."""
+  from lingvo_gpipe import train_step
   from lingvo_gpipe.pipeline.layer import PipeliningLayer
 
-  def step_at(num_micro_batches: int) -> Callable[[], Any]:
-    stack = PipeliningLayer.Params().set(
-        name="calibration", num_cells=1, num_micro_batches=num_micro_batches,
-        devices=[device], random_seed=1,
-        layers=[layers.Linear.Params().set(name="fc", input_dim=4, output_dim=4)]
-    ).instantiate()
-    model = train_step.StackWithLoss(
-        stack, lambda out, _: {"loss": (tf.reduce_mean(tf.square(out)),
-                                        tf.cast(tf.shape(out)[0], tf.float32))})
-    optimizer = optimizers.SGD.Params().set(learning_rate=0.0).instantiate()
-    optimizer.create_slots(model.trainable_variables)
-    step = tf.function(train_step.TrainStep(model, optimizer, tf.Variable(0, dtype=tf.int64),
-                                            input_device=device))
-    with tf.device(device):
-      batch = {"inputs": tf.zeros([many, 4])}
-    return lambda: step(batch)[0]["loss"]
+  stack = PipeliningLayer.Params().set(
+      name="calibration", num_cells=1, num_micro_batches=num_micro_batches,
+      devices=[device], random_seed=1, stack_variables=stack_variables,
+      recompute=recompute, layers=[p.copy() for p in layer_params]).instantiate()
 
-  extra = _median_call_s(step_at(many)) - _median_call_s(step_at(few))
-  return max(extra / (2 * (many - few)), 0.0)
+  def loss(outputs: Any, _) -> dict:
+    floating = [t for t in tf.nest.flatten(outputs) if t.dtype.is_floating]
+    batch = tf.cast(tf.shape(floating[0])[0], tf.float32)
+    return {"loss": (tf.add_n([tf.reduce_mean(tf.square(tf.cast(t, tf.float32)))
+                               for t in floating]), batch)}
+
+  model = train_step.StackWithLoss(stack, loss)
+  optimizer = optimizer_params.copy().set(learning_rate=0.0).instantiate()
+  optimizer.create_slots(model.trainable_variables)
+  step = tf.function(train_step.TrainStep(model, optimizer, tf.Variable(0, dtype=tf.int64),
+                                          input_device=device))
+  batch = {"inputs": inputs}
+  return (model, optimizer), lambda: step(batch)[0]["loss"]
+
+
+def _calibration_step(device: str, num_micro_batches: int, batch: int, width: int,
+                      depth: int, optimizer_params: Any, stack_variables: bool = True
+                      ) -> tuple[tuple[Any, Any], Callable[[], Any]]:
+  """`training_step` of `depth` [width, width] Linear layers at `batch` rows."""
+  with tf.device(device):
+    inputs = tf.zeros([batch, width])
+  return training_step(device, [layers.Linear.Params().set(name=f"fc{i}", input_dim=width,
+                                                           output_dim=width)
+                                for i in range(depth)],
+                       inputs, num_micro_batches, optimizer_params,
+                       stack_variables=stack_variables)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepMemory:
+  """How a training step of the model's own layers allocates beyond what the step
+  model counts (`weight_copies`): weight-sized buffers per weight byte at one
+  micro-batch and at several, the factor on the activations' bytes, and a save's
+  copies per weight byte."""
+  weight_copies_one: float = 2.0
+  weight_copies: float = 2.0
+  activation_factor: float = 1.0
+  save_copies: float = 0.0
+
+
+def weight_copies(device: str | None, layer_params: Sequence[Any], input_specs: Any,
+                  costs: Sequence[Any], optimizer_params: Any, stack_variables: bool
+                  ) -> StepMemory:
+  """What a training step of the model's own layers, and a checkpoint save of them,
+  allocate beyond the weights and their optimizer slots, read off the allocator of
+  `device` (a local one: layer_profiler.local_twin) around steps of one cell of all
+  `layer_params` (M = 1 without re-materialization, M = 4 with and without), each at
+  two batches (one example per micro-batch, and `input_specs`' batch), set against
+  what the step model counts for their activations (`costs`: the layers' LayerCosts
+  at that batch): beyond(b) = copies · weights + factor · activations(b), solved
+  from the two batches. The copies are what grows with the weights (the gradient
+  sums and the copy a backward adds into, reads of stacked rows, the update's
+  temporaries), never below the formula's 2; the factor, never below 1, what the
+  layers measured alone leave out of the engine's steps. The save: a stacked
+  variable's rows copied out to be saved each under its own key. The formula's
+  StepMemory() where the allocator cannot be read or the model does not fit."""
+  import os
+  import tempfile
+
+  from lingvo_gpipe.pipeline import layer_profiler
+
+  allocator = layer_profiler.allocator_name(device)
+  try:
+    tf.config.experimental.reset_memory_stats(allocator)
+  except (ValueError, tf.errors.OpError):
+    return StepMemory()
+
+  def peak_beyond(fn: Callable[[], Any]) -> float:
+    before = tf.config.experimental.get_memory_info(allocator)["current"]
+    tf.config.experimental.reset_memory_stats(allocator)
+    fn()
+    return tf.config.experimental.get_memory_info(allocator)["peak"] - before
+
+  def activations(num_micro_batches: int, recompute: str, batch: int) -> float:
+    shape = step_model.PlanShape(1, (len(layer_params),), num_micro_batches, recompute,
+                                 "gpipe")
+    cells = step_model.cell_costs(costs, shape, batch, step_model.Machine(1, float("inf")))
+    return step_model.device_peaks(shape.make_schedule(), cells, 0.0, 0.0)[0]
+
+  def measured(num_micro_batches: int, recompute: str, batch: int) -> tuple[Any, float]:
+    with tf.device(device):
+      inputs = tf.nest.map_structure(layer_profiler.random_like,
+                                     layer_profiler.with_batch(input_specs, batch))
+    model, run = training_step(device, layer_params, inputs, num_micro_batches,
+                               optimizer_params, recompute, stack_variables)
+    np.asarray(run())  # traced; the slots exist now
+    return model, max(peak_beyond(lambda: np.asarray(run())) for _ in range(2))
+
+  batch = tf.nest.flatten(input_specs)[0].shape[0]
+  copies = {1: 2.0, 4: 2.0}
+  factor = 1.0
+  try:
+    for num_micro_batches, recompute in ((1, "never"), (4, "never"), (4, "always")):
+      small, large = num_micro_batches, max(batch, num_micro_batches)
+      (model, optimizer), at_small = measured(num_micro_batches, recompute, small)
+      weights = sum(v.shape.num_elements() * v.dtype.size for v in model.trainable_variables)
+      act_small = activations(num_micro_batches, recompute, small)
+      slope = 1.0
+      if large > small:
+        _, at_large = measured(num_micro_batches, recompute, large)
+        act_large = activations(num_micro_batches, recompute, large)
+        slope = max((at_large - at_small) / max(act_large - act_small, 1.0), 1.0)
+      factor = max(factor, slope)
+      copies[num_micro_batches] = max(copies[num_micro_batches],
+                                      (at_small - slope * act_small) / weights)
+    checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer)
+    with tempfile.TemporaryDirectory() as folder:
+      save = max(peak_beyond(lambda: checkpoint.write(os.path.join(folder, "c")))
+                 for _ in range(2))
+  except tf.errors.ResourceExhaustedError:
+    return StepMemory()
+  return StepMemory(copies[1], copies[4], factor, save / weights)
 
 
 def update_s_per_byte(device: str, optimizer_params: Any, num_variables: int = 8,
@@ -173,14 +288,20 @@ def _matmul_chain(device: str, size: int = 384, chain: int = 16) -> Callable[[],
 
 def measure_machine(devices: Sequence[str], memory_bytes: float, optimizer_params: Any,
                     slot_factor: float,
-                    work: Callable[[str], Callable[[], Any]] | None = None
+                    work: Callable[[str], Callable[[], Any]] | None = None,
+                    copies: Callable[[str], StepMemory] | None = None
                     ) -> step_model.Machine:
   """A Machine for `devices`, the figures measured on them as above (`work`: what
-  `concurrency` runs)."""
+  `concurrency` runs; `copies(device)`: the model's `weight_copies`, measured on the
+  first device's local twin; the formula's without)."""
+  from lingvo_gpipe.pipeline import layer_profiler
+
   latency, rate = link(devices[0], devices[1]) if len(devices) > 1 else (0.0, float("inf"))
+  twin = layer_profiler.local_twin(devices[0])
+  memory = copies(twin) if copies is not None and twin is not None else StepMemory()
   return step_model.Machine(
       num_devices=len(devices), memory_bytes=memory_bytes, slot_factor=slot_factor,
       action_overhead_s=action_overhead_s(devices[0]),
       update_s_per_byte=update_s_per_byte(devices[0], optimizer_params),
       link_latency_s=latency, link_bytes_per_s=rate, cores=concurrency(devices, work),
-      allreduce_bytes_per_s=rate)
+      allreduce_bytes_per_s=rate, **dataclasses.asdict(memory))

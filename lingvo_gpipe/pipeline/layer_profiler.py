@@ -44,6 +44,11 @@ class LayerCost:
   (`step_model.layer_times`): forward_s and backward_s at `batch`, and the intercepts
   forward_fixed_s and backward_fixed_s (0: proportional to b). weight_share is the
   part of the backward that computes weight gradients (what a W action runs).
+  kept_bytes is what the backward keeps of the forward beyond the layer's inputs and
+  its weights' reads (those alias buffers counted elsewhere: the previous layer's
+  kept outputs, the variables); kept_input_bytes the inputs it keeps (a cell keeps
+  its first layer's). The working sets are lines too (`step_model.layer_work_bytes`):
+  the weight gradients a backward returns do not shrink with the batch.
   """
   forward_s: float
   backward_s: float
@@ -67,6 +72,9 @@ class LayerCost:
   # buffers, and the gradients it returns.
   forward_work_bytes: int = 0
   backward_work_bytes: int = 0
+  forward_work_fixed_bytes: int = 0
+  backward_work_fixed_bytes: int = 0
+  kept_input_bytes: int = 0
 
   @property
   def step_s(self) -> float:
@@ -113,13 +121,30 @@ def measure_layer_costs(layer_params: Sequence[Any], input_specs: Any, steps: in
     costs = _measure_layer_costs(layer_params, input_specs, steps, full, small_batch)
   if not full:
     return costs
-  memory = measure_layer_memory(layer_params, input_specs, local_twin(device))
+  twin = local_twin(device)
+  batch = tf.nest.flatten(input_specs)[0].shape[0]
+  memory = (measure_layer_memory(layer_params, input_specs, twin) if twin is not None
+            else None)
+  small = max(1, batch // 4)
+  at_small = (measure_layer_memory(layer_params, with_batch(input_specs, small), twin)
+              if memory is not None and small < batch else None)
   if memory is None:
     return costs
-  return [dataclasses.replace(c, kept_bytes=c.kept_bytes + m.kept_excess_bytes,
-                              forward_work_bytes=m.forward_work_bytes,
-                              backward_work_bytes=m.backward_work_bytes)
-          for c, m in zip(costs, memory)]
+  out = []
+  for i, (c, m) in enumerate(zip(costs, memory)):
+    fixed = (0, 0) if at_small is None else tuple(
+        int(_intercept(small, getattr(at_small[i], name), batch, getattr(m, name)))
+        for name in ("forward_work_bytes", "backward_work_bytes"))
+    out.append(dataclasses.replace(
+        c, kept_bytes=c.kept_bytes + m.kept_excess_bytes,
+        forward_work_bytes=m.forward_work_bytes, backward_work_bytes=m.backward_work_bytes,
+        forward_work_fixed_bytes=fixed[0], backward_work_fixed_bytes=fixed[1]))
+  return out
+
+
+def with_batch(specs: Any, batch: int) -> Any:
+  """Nested tf.TensorSpecs `specs` with batch `batch` (axis 0)."""
+  return tf.nest.map_structure(lambda s: tf.TensorSpec([batch, *s.shape[1:]], s.dtype), specs)
 
 
 def _measure_layer_costs(layer_params, input_specs, steps, full, small_batch):
@@ -150,7 +175,7 @@ def _measure_layer_costs(layer_params, input_specs, steps, full, small_batch):
       continue
     forward_s = timed(forward, flat)
     share = _weight_share(layer, call, flat, timed, forward_s, both_s) if not first else 1.0
-    pair, kept_bytes, _ = _forward_backward_pair(call, flat)
+    pair, kept, _ = _forward_backward_pair(call, flat)
     split_s = _split_backward_s(pair, flat, timed)
     fixed = (0.0, 0.0, 0.0)
     if small is not None and small < batch:
@@ -163,7 +188,8 @@ def _measure_layer_costs(layer_params, input_specs, steps, full, small_batch):
           (forward_s, both_s - forward_s, split_s)))
     costs.append(LayerCost(forward_s, max(both_s - forward_s, 0.0),
                            _nbytes(layer.trainable_variables), _nbytes(flat),
-                           kept_bytes, batch, forward_fixed_s=fixed[0],
+                           kept.intermediates, batch, kept_input_bytes=kept.inputs,
+                           forward_fixed_s=fixed[0],
                            backward_fixed_s=fixed[1], weight_share=share,
                            product_bytes=_product_bytes(layer, inputs),
                            backward_split_s=split_s, backward_split_fixed_s=fixed[2],
@@ -269,11 +295,22 @@ class _Timer:
     return max(_median_seconds(fn, args, self.steps) - self.call_s, 0.0)
 
 
+@dataclasses.dataclass(frozen=True)
+class KeptBytes:
+  """What a layer's backward takes from its forward, each buffer once (a tensor and
+  its identities share one): `intermediates`, what the forward allocates for it;
+  `inputs`, the layer's inputs it keeps (allocated before: the previous layer's
+  output); `held`, the intermediates and the outputs together (what the forward
+  leaves allocated). Reads of variables alias their buffers: in none."""
+  intermediates: int
+  inputs: int
+  held: int
+
+
 def _forward_backward_pair(call: Callable, flat: Sequence[tf.Tensor]
-                           ) -> tuple[Any, int, int]:
-  """(TensorFlow's forward/backward pair of `call`, the bytes of what its backward takes
-  from its forward, the bytes of that and the outputs together: what the forward
-  leaves allocated), each buffer counted once."""
+                           ) -> tuple[Any, KeptBytes, int]:
+  """(TensorFlow's forward/backward pair of `call`, the KeptBytes of what its backward
+  takes from its forward, the number of outputs)."""
   from lingvo_gpipe.pipeline import tf_internals
 
   concrete = tf.function(call, autograph=False).get_concrete_function(
@@ -284,12 +321,18 @@ def _forward_backward_pair(call: Callable, flat: Sequence[tf.Tensor]
     found = {}  # each buffer once: a tensor and its identities share one
     for i in positions:
       source = _aliased_source(concrete.graph.outputs[i])
-      found[(source.op.name, source.value_index)] = source
+      if source.op.type != "ReadVariableOp":
+        found[(source.op.name, source.value_index)] = source
     return found
 
   kept = buffers(pair.kept_positions)
-  held = {**kept, **buffers(range(pair.num_outputs))}
-  return pair, _nbytes(list(kept.values())), _nbytes(list(held.values()))
+  inputs = {key: t for key, t in kept.items() if t.op.type == "Placeholder"}
+  intermediates = {key: t for key, t in kept.items() if key not in inputs}
+  outputs = {key: t for key, t in buffers(range(pair.num_outputs)).items()
+             if t.op.type != "Placeholder"}
+  return pair, KeptBytes(_nbytes(list(intermediates.values())),
+                         _nbytes(list(inputs.values())),
+                         _nbytes(list({**intermediates, **outputs}.values()))), pair.num_outputs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -303,12 +346,13 @@ class LayerMemory:
 
 def local_twin(device: str | None) -> str | None:
   """The device of this process whose allocator stands in for `device`'s: itself when
-  local; this process's CPU for a remote CPU (a worker on the same kind of host); None
-  for a remote accelerator (no local allocator behaves as its does)."""
+  local ('' for the default device); this process's CPU for a remote CPU (a worker on
+  the same kind of host); None for a remote accelerator (no local allocator behaves
+  as its does)."""
   spec = tf.DeviceSpec.from_string(device or "")
   kind = (spec.device_type or "CPU").upper()
   if spec.job in (None, "localhost"):
-    return device
+    return device or ""
   if kind != "CPU":
     return None
   from lingvo_gpipe.pipeline import tf_internals
@@ -333,7 +377,7 @@ def measure_layer_memory(layer_params: Sequence[Any], input_specs: Any,
   `repeats` runs (a bound: the allocator rounds and splits its chunks by history).
   None where the allocator cannot be read (a remote accelerator; a CPU without
   TensorFlow's BFC allocator)."""
-  if device is None and tf.config.list_logical_devices("GPU"):
+  if not device and tf.config.list_logical_devices("GPU"):
     return None  # (the default device is a GPU; the caller did not say which)
   name = allocator_name(device)
   try:
@@ -348,10 +392,10 @@ def measure_layer_memory(layer_params: Sequence[Any], input_specs: Any,
       layer = p.copy().instantiate()
       structure: dict[str, Any] = {}
       flat = [layer.to_fprop_dtype(t) for t in tf.nest.flatten(inputs)]
-      pair, _, held_bytes = _forward_backward_pair(_flat_call(layer, inputs, structure), flat)
+      pair, kept, _ = _forward_backward_pair(_flat_call(layer, inputs, structure), flat)
       runs = [_memory_of_one_run(pair, flat, name) for _ in range(repeats + 1)][1:]
       held, forward_work, backward_work = (max(r[i] for r in runs) for i in range(3))
-      found.append(LayerMemory(max(held - held_bytes, 0), forward_work, backward_work))
+      found.append(LayerMemory(max(held - kept.held, 0), forward_work, backward_work))
       outputs, _ = pair.forward(list(flat))
       inputs = tf.nest.pack_sequence_as(structure["out"], list(outputs))
   return found
@@ -374,8 +418,11 @@ def _memory_of_one_run(pair: Any, flat: Sequence[tf.Tensor], allocator: str
   tf.config.experimental.reset_memory_stats(allocator)
   grads = pair.backward(seeds, list(kept))
   backward_work = tf.config.experimental.get_memory_info(allocator)["peak"] - start
+  # The allocator's statistics leave out allocations under 256 KiB on CPU (seen on
+  # TensorFlow 2.21); the gradients the backward returns are its floor.
+  returned = _nbytes([tf.convert_to_tensor(g) for g in grads if g is not None])
   del grads, outputs, kept, seeds
-  return held, forward_work, backward_work
+  return held, forward_work, max(backward_work, returned)
 
 
 def _split_backward_s(pair: Any, flat: Sequence[tf.Tensor], timed: Callable) -> float:

@@ -52,8 +52,9 @@ class _MemoryModel:
   ends, ...)` gives cells [start, end) their `step_model` bytes (held + working set,
   and the batch of inputs on cell 0), elementwise over arrays of starts and ends."""
 
-  def __init__(self, costs: Sequence[LayerCost], micro_batch: float, slot_factor: float,
-               batch_input_bytes: float, num_token_slices: int = 1):
+  def __init__(self, costs: Sequence[LayerCost], micro_batch: float, weight_factor: float,
+               batch_input_bytes: float, num_token_slices: int = 1, save_factor: float = 0.0,
+               activation_factor: float = 1.0):
     scale = micro_batch / costs[0].batch
 
     def prefix(values: list[float]) -> np.ndarray:
@@ -65,23 +66,28 @@ class _MemoryModel:
     self.products = prefix([c.product_bytes * scale for c in costs])
     # a cell's input is its first layer's; its output the next cell's input (none last)
     self.inputs = np.array([c.input_bytes * scale for c in costs] + [0.0])
+    self.kept_inputs = np.array([c.kept_input_bytes * scale for c in costs] + [0.0])
     self.cache = prefix([c.cache_bytes * scale * num_token_slices if num_token_slices > 1
                          else 0.0 for c in costs])
-    self.work = _RangeMax([step_model.layer_work_bytes(c) * scale for c in costs])
-    self.slot_factor = slot_factor
+    self.work = _RangeMax([step_model.layer_work_bytes(c, micro_batch) for c in costs])
+    self.weight_factor = weight_factor
+    self.save_factor = save_factor
+    self.activation_factor = activation_factor
     self.batch_input_bytes = batch_input_bytes
 
   def peak(self, starts: Any, ends: Any, in_flight: int, awaiting: int, recompute: bool,
            first: bool, cached: int = 0) -> Any:
-    kept = self.kept[ends] - self.kept[starts]
+    kept = self.kept[ends] - self.kept[starts] + self.kept_inputs[starts]
     cache = self.cache[ends] - self.cache[starts]
+    weights = self.weights[ends] - self.weights[starts]
     held = step_model.held_bytes(
-        self.weights[ends] - self.weights[starts], self.inputs[starts] if recompute else kept,
+        0.0, self.inputs[starts] if recompute else kept,
         self.products[ends] - self.products[starts], self.inputs[starts], self.inputs[ends],
-        in_flight, awaiting, self.slot_factor, cache, cached)
-    return (held + step_model.working_bytes(kept, recompute, cache,
-                                            self.work(starts, ends)) +
+        in_flight, awaiting, 0.0, cache, cached)
+    working = step_model.working_bytes(kept, recompute, cache, self.work(starts, ends))
+    step = (weights * self.weight_factor + self.activation_factor * (held + working) +
             (self.batch_input_bytes if first else 0.0))
+    return np.maximum(step, self.save_factor * weights)
 
 
 class _RangeMax:
@@ -108,11 +114,11 @@ def _batch_input_bytes(costs: Sequence[LayerCost], per_replica_batch: int) -> fl
 
 
 def cell_memory(costs: Sequence[LayerCost], start: int, end: int, micro_batch: float,
-                in_flight: int, recompute: bool, slot_factor: float, awaiting: int = 0,
+                in_flight: int, recompute: bool, weight_factor: float, awaiting: int = 0,
                 batch_input_bytes: float = 0.0) -> float:
   """Predicted peak bytes of the cell of layers [start, end) alone on its device
   (step_model's terms; `batch_input_bytes` for cell 0)."""
-  model = _MemoryModel(costs, micro_batch, slot_factor, batch_input_bytes)
+  model = _MemoryModel(costs, micro_batch, weight_factor, batch_input_bytes)
   return float(model.peak(start, end, in_flight, awaiting, recompute,
                           first=batch_input_bytes > 0))
 
@@ -130,19 +136,22 @@ def cell_times(costs: Sequence[LayerCost], bounds: Sequence[tuple[int, int]],
 
 
 def best_split(costs: Sequence[LayerCost], num_cells: int, micro_batch: float,
-               held: Sequence[int], recompute: str, slot_factor: float,
+               held: Sequence[int], recompute: str, weight_factor: float,
                memory_bytes: float, awaiting: Sequence[int] | None = None,
                batch_input_bytes: float = 0.0, num_token_slices: int = 1,
-               cached: Sequence[int] | None = None) -> tuple[int, ...] | None:
+               cached: Sequence[int] | None = None, save_factor: float = 0.0,
+               activation_factor: float = 1.0) -> tuple[int, ...] | None:
   """The split (cells' end indices) with the least largest cell time (forward +
   backward) whose every cell k fits `memory_bytes` with held[k] micro-batches (units
   of `micro_batch`) in flight, awaiting[k] awaiting their W and, with token slices,
-  cached[k] micro-batches' caches, under the policy `recompute`; None when none fits
-  (partition.min_bottleneck_split, exact)."""
+  cached[k] micro-batches' caches, under the policy `recompute`, its weights held
+  `weight_factor` times (Machine.weight_factor) and `save_factor` times in a
+  checkpoint save; None when none fits (partition.min_bottleneck_split, exact)."""
   remat = [recomputes(recompute, k, num_cells) for k in range(num_cells)]
   layer = [step_model.layer_times(c, micro_batch) for c in costs]
   times = [[f * (2.0 if remat[k] else 1.0) + b for f, b in layer] for k in range(num_cells)]
-  memory = _MemoryModel(costs, micro_batch, slot_factor, batch_input_bytes, num_token_slices)
+  memory = _MemoryModel(costs, micro_batch, weight_factor, batch_input_bytes,
+                        num_token_slices, save_factor, activation_factor)
   awaiting = awaiting or [0] * num_cells
   cached = cached or [0] * num_cells
 
@@ -264,9 +273,10 @@ def plan(costs: Sequence[LayerCost], machine: Machine, batch_size: int,
                     batch_size)
                 layout = shape.make_schedule()
                 cells = step_model.cell_costs(costs, shape, batch_size, machine)
-                need = max(step_model.device_peaks(layout, cells, machine.slot_factor,
-                                                   _batch_input_bytes(costs, per_replica),
-                                                   replicas))
+                need = max(step_model.device_peaks(
+                    layout, cells, machine.weight_factor(replicas, m),
+                    _batch_input_bytes(costs, per_replica), machine.save_factor,
+                    machine.activation_factor))
                 if need <= machine.memory_bytes:
                   candidates.append((step_model.lower_bound_s(
                       layout, cells, machine, replicas, g), shape))
@@ -314,12 +324,12 @@ def _best_shape(costs: Sequence[LayerCost], machine: Machine, shape: PlanShape,
   unit = per_replica / shape.num_micro_batches / shape.num_token_slices
   inputs = _batch_input_bytes(costs, per_replica)
   budget = machine.memory_bytes / shape.virtual_stages
-  # all-reduce buffers
-  slots = machine.slot_factor + (2.0 if shape.num_replicas > 1 else 0.0)
-  splits = best_split(costs, num_cells, unit, held, shape.recompute, slots, budget, awaiting,
-                      inputs, shape.num_token_slices, cached)
+  factor = machine.weight_factor(shape.num_replicas, shape.num_micro_batches)
+  splits = best_split(costs, num_cells, unit, held, shape.recompute, factor, budget, awaiting,
+                      inputs, shape.num_token_slices, cached, machine.save_factor,
+                      machine.activation_factor)
   if splits is None:
-    splits = best_split(costs, num_cells, unit, held, shape.recompute, slots, float("inf"),
+    splits = best_split(costs, num_cells, unit, held, shape.recompute, factor, float("inf"),
                         awaiting, inputs, shape.num_token_slices, cached)
   return dataclasses.replace(shape, splits=tuple(splits))
 

@@ -29,8 +29,10 @@ the gradients follows.
 
 Memory. Each device holds, for each of its cells (`device_peaks`):
 
-  weights · (3 + slot_factor)       weights, gradient sums, optimizer slots, and the
-                                    copy of the sums a backward adds into
+  weights · (1 + slot_factor         weights, optimizer slots, and the step's weight-
+             + weight_copies)       sized buffers (the gradient sums and the copy a
+                                    backward adds into by the formula: 2; measured:
+                                    Machine.weight_copies)
   + in_flight · stash               stash slots, allocated for the whole loop
                                     (PipelineSchedule.max_in_flight): the cell's input
                                     when re-materialized, else all its forward keeps
@@ -45,11 +47,13 @@ Memory. Each device holds, for each of its cells (`device_peaks`):
     LayerCost.forward_work_bytes / backward_work_bytes)
   cell 0's device also holds the whole batch of inputs (micro-batches are slices);
   with R replicas every device also holds the all-reduce's two weight-sized buffers.
+  A checkpoint save holds weights · (1 + slot_factor + save_copies): the peak is the
+  larger of the two.
 
 Left out: the task's head (loss and metrics on the last cell; its softmax is a layer
 of the stack in this library's models, the loss itself is small), TensorFlow's own
-buffers (a runtime's allocator pools, kernels' scratch), the optimizer update's
-temporaries, and variables outside the stack (the global step, the loss scale).
+buffers (a runtime's allocator pools), the input pipeline's prefetched batches, and
+variables outside the stack (the global step, the loss scale).
 """
 
 from __future__ import annotations
@@ -78,6 +82,16 @@ class Machine:
     devices sharing a host's cores: fewer, measured by calibration.concurrency).
   allreduce_bytes_per_s: gradient all-reduce bandwidth between replicas (measured:
     the link's).
+  weight_copies_one, weight_copies: bytes a training step allocates beyond the
+    weights and their slots, per weight byte, at one micro-batch and at several
+    (gradient sums and the copy a backward adds into, rows of stacked weights read
+    per call, the update's temporaries; measured by calibration.weight_copies; 2 by
+    the formula: the sums and their copy).
+  activation_factor: the engine's step allocates this many times the bytes the
+    layers measured alone count for its activations (stash, hand-offs, working sets;
+    measured: calibration.weight_copies).
+  save_copies: bytes a checkpoint save allocates beyond the weights and slots, per
+    weight byte (a stacked variable's rows copied out to be saved one by one).
   """
   num_devices: int
   memory_bytes: float
@@ -88,6 +102,22 @@ class Machine:
   link_bytes_per_s: float = math.inf
   cores: float | None = None
   allreduce_bytes_per_s: float = 10e9
+  weight_copies_one: float = 2.0
+  weight_copies: float = 2.0
+  activation_factor: float = 1.0
+  save_copies: float = 0.0
+
+  def weight_factor(self, num_replicas: int, num_micro_batches: int) -> float:
+    """Bytes a device holds through a step per byte of its weights: the weights, their
+    slots, the step's weight-sized buffers, and with replicas the all-reduce's two
+    (what it sends and what it gets back)."""
+    copies = self.weight_copies_one if num_micro_batches == 1 else self.weight_copies
+    return 1.0 + self.slot_factor + copies + (2.0 if num_replicas > 1 else 0.0)
+
+  @property
+  def save_factor(self) -> float:
+    """Bytes a device holds while a checkpoint is saved per byte of its weights."""
+    return 1.0 + self.slot_factor + self.save_copies
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,6 +237,15 @@ def unit_kept_bytes(cost: LayerCost, num_token_slices: int) -> float:
   return cost.kept_bytes + cost.cache_bytes * (num_token_slices - 1)
 
 
+def cell_kept_bytes(costs: Sequence[LayerCost], num_token_slices: int) -> float:
+  """What a backward keeps of the forward of a cell of these layers, at the profiled
+  batch: each layer's kept intermediates (`unit_kept_bytes`) and the inputs its
+  first layer keeps (each later layer's kept inputs are the earlier one's outputs,
+  counted there)."""
+  return (sum(unit_kept_bytes(c, num_token_slices) for c in costs) +
+          costs[0].kept_input_bytes)
+
+
 def cell_costs(costs: Sequence[LayerCost], shape: PlanShape, batch_size: int,
                machine: Machine) -> list[CellCost]:
   """Per cell of `shape`: its actions' seconds (overhead included) and bytes at the
@@ -225,8 +264,8 @@ def cell_costs(costs: Sequence[LayerCost], shape: PlanShape, batch_size: int,
     forward = sum(f for f, _ in times)
     backward = sum(b for _, b in times)
     weight = sum(b * c.weight_share for (_, b), c in zip(times, costs[s:e]))
-    kept = sum(unit_kept_bytes(c, shape.num_token_slices) for c in costs[s:e]) * scale
-    work = max(layer_work_bytes(c) for c in costs[s:e]) * scale
+    kept = cell_kept_bytes(costs[s:e], shape.num_token_slices) * scale
+    work = max(layer_work_bytes(c, micro) for c in costs[s:e])
     inputs = costs[s].input_bytes * scale
     cells.append(CellCost(
         forward_s=forward + machine.action_overhead_s,
@@ -279,7 +318,9 @@ def predict(costs: Sequence[LayerCost], machine: Machine, shape: PlanShape,
   step = _with_update_and_allreduce(finish, max(finish), _device_weights(plan, cells),
                                     machine, shape.num_replicas)
   inputs = costs[0].input_bytes * batch_size / shape.num_replicas / costs[0].batch
-  peaks = device_peaks(plan, cells, machine.slot_factor, inputs, shape.num_replicas)
+  peaks = device_peaks(plan, cells, machine.weight_factor(shape.num_replicas,
+                                                          shape.num_micro_batches),
+                       inputs, machine.save_factor, machine.activation_factor)
   defers = [plan.defers(k) for k in range(plan.num_cells)]
   action_s = (tuple(forward),
               tuple(b if d else b + w for b, w, d in zip(input_grad, weight, defers)),
@@ -346,21 +387,29 @@ def lower_bound_s(plan: schedule.PipelineSchedule, cells: Sequence[CellCost],
 
 
 def held_bytes(weight_bytes: Any, stash_bytes: Any, product_bytes: Any, input_bytes: Any,
-               output_bytes: Any, in_flight: int, awaiting: int, slot_factor: float,
+               output_bytes: Any, in_flight: int, awaiting: int, weight_factor: float,
                cache_bytes: Any = 0.0, cached: int = 0) -> Any:
-  """What a cell holds on its device through the step (module docstring): weights,
-  sums and their copy, slots, stash and product slots, the inbox; with token slices,
+  """What a cell holds on its device through the step (module docstring): its weights
+  times `weight_factor` (Machine.weight_factor: weights, slots, sums and the step's
+  other weight-sized buffers), stash and product slots, the inbox; with token slices,
   the cache slots of `cached` micro-batches and their gradients'. Elementwise over
   arrays too (the planner's split search evaluates many cells at once)."""
-  return (weight_bytes * (3.0 + slot_factor) + in_flight * stash_bytes +
+  return (weight_bytes * weight_factor + in_flight * stash_bytes +
           awaiting * product_bytes + input_bytes + output_bytes +
           2.0 * cached * cache_bytes)
 
 
-def layer_work_bytes(cost: LayerCost) -> float:
-  """The most a layer allocates while its forward or its backward runs, beyond what
-  it is given and what it leaves (measured by the allocator, at cost.batch)."""
-  return float(max(cost.forward_work_bytes, cost.backward_work_bytes))
+def layer_work_bytes(cost: LayerCost, batch: float) -> float:
+  """The most a layer allocates while its forward or its backward runs at `batch`
+  examples, beyond what it is given and what it leaves (measured by the allocator at
+  two sizes: lines a + c·b, as the times; a backward's weight gradients are its
+  fixed part)."""
+  scale = batch / cost.batch
+  forward = cost.forward_work_fixed_bytes + (
+      cost.forward_work_bytes - cost.forward_work_fixed_bytes) * scale
+  backward = cost.backward_work_fixed_bytes + (
+      cost.backward_work_bytes - cost.backward_work_fixed_bytes) * scale
+  return float(max(forward, backward, 0.0))
 
 
 def working_bytes(kept_bytes: Any, recompute: bool, cache_bytes: Any = 0.0,
@@ -376,23 +425,26 @@ def working_bytes(kept_bytes: Any, recompute: bool, cache_bytes: Any = 0.0,
 
 
 def device_peaks(plan: schedule.PipelineSchedule, cells: Sequence[CellCost],
-                 slot_factor: float, batch_input_bytes: float,
-                 num_replicas: int = 1) -> tuple[float, ...]:
-  """Per device: what its cells hold, the largest working set among them (one action
-  at a time), and the batch of inputs on cell 0's device; with replicas, the
-  all-reduce's two gradient buffers (what it sends and what it gets back)."""
+                 weight_factor: float, batch_input_bytes: float,
+                 save_factor: float = 0.0, activation_factor: float = 1.0
+                 ) -> tuple[float, ...]:
+  """Per device: its cells' weights times `weight_factor`, `activation_factor` times
+  what they hold besides (`held_bytes`) and the largest working set among them (one
+  action at a time), and the batch of inputs on cell 0's device; or, where more, its
+  weights times `save_factor` (Machine.save_factor: what a checkpoint save holds)."""
   peaks = []
   for d in range(plan.num_devices):
     mine = [k for k in range(plan.num_cells) if plan.device_of[k] == d]
-    held = sum(held_bytes(cells[k].weight_bytes, cells[k].stash_bytes,
+    weights = sum(cells[k].weight_bytes for k in mine)
+    held = sum(held_bytes(0.0, cells[k].stash_bytes,
                           cells[k].product_bytes, cells[k].input_bytes,
                           cells[k].output_bytes, plan.max_in_flight(k),
-                          plan.max_awaiting_weights(k),
-                          slot_factor + (2.0 if num_replicas > 1 else 0.0),
+                          plan.max_awaiting_weights(k), 0.0,
                           cells[k].cache_bytes, plan.max_cached(k))
                for k in mine)
-    peaks.append(held + max(working_bytes(cells[k].kept_bytes, cells[k].recompute,
-                                          cells[k].cache_bytes, cells[k].work_bytes)
-                            for k in mine) +
-                 (batch_input_bytes if 0 in mine else 0.0))
+    working = max(working_bytes(cells[k].kept_bytes, cells[k].recompute,
+                                cells[k].cache_bytes, cells[k].work_bytes) for k in mine)
+    step = (weights * weight_factor + activation_factor * (held + working) +
+            (batch_input_bytes if 0 in mine else 0.0))
+    peaks.append(max(step, save_factor * weights))
   return tuple(peaks)
