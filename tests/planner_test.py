@@ -528,3 +528,34 @@ def test_layer_working_sets_read_off_the_allocator_are_the_hand_count(kind):
     assert cost.backward_work_fixed_bytes == pytest.approx(weight_gradient, rel=0.02)
     assert step_model.layer_work_bytes(cost, 128) == pytest.approx(
         weight_gradient + (hand - weight_gradient) / 4, rel=0.05)
+
+
+@pytest.mark.parametrize("schedule_name, num_cells, virtual_stages, group, slices", [
+    ("gpipe", 2, 1, 1, 1), ("1f1b", 3, 1, 2, 1), ("zb_h1", 4, 1, 1, 1),
+    ("interleaved_1f1b", 4, 2, 1, 1), ("1f1b", 2, 1, 2, 2), ("gpipe", 4, 1, 4, 1)])
+def test_the_layer_the_chart_and_the_planner_simulate_the_same_step(
+    cpu_devices, schedule_name, num_cells, virtual_stages, group, slices):
+  """One shape: the pipeline layer's schedule is the planner's (schedule.build for
+  both), and the planner's predicted loops (Prediction.schedule_s) are what the chart
+  and the layer's bubble_planned simulate from the same per-cell action times
+  (MeasuredTimeline.planned: PipelineSchedule.simulate of [F, B, W] per cell)."""
+  from lingvo_gpipe.core import layers
+  from lingvo_gpipe.pipeline.layer import PipeliningLayer
+  from lingvo_gpipe.pipeline.step_model import PlanShape, predict
+
+  shape = PlanShape(1, tuple(range(1, num_cells + 1)), 4, "except_last", schedule_name,
+                    virtual_stages, group, slices)
+  layer = PipeliningLayer.Params().set(
+      name="same", splits=list(shape.splits), num_micro_batches=4, recompute="except_last",
+      schedule=schedule_name, virtual_stages=virtual_stages, weight_gradient_group=group,
+      num_token_slices=slices, devices=cpu_devices[:shape.num_devices],
+      layers=[layers.Linear.Params().set(name=f"fc{i}", input_dim=4, output_dim=4)
+              for i in range(num_cells)]).instantiate()
+  assert layer.plan() == shape.make_schedule()
+  costs = [LayerCost(forward_s=1e-3 * (i + 1), backward_s=2e-3, weight_bytes=64,
+                     input_bytes=16, kept_bytes=32, batch=8, weight_share=0.4)
+           for i in range(num_cells)]
+  prediction = predict(costs, Machine(shape.num_devices, np.inf, action_overhead_s=0.0),
+                       shape, 8)
+  simulated = layer.plan().simulate(*prediction.action_s)
+  assert max(end for _, end in simulated.values()) == pytest.approx(prediction.schedule_s)
