@@ -166,7 +166,8 @@ def _measure_layer_costs(layer_params, input_specs, steps, full, small_batch):
     outputs = call(*flat)
     # The partitioner's costs (not full) keep the call's own cost: a layer too small
     # to time would otherwise cost 0 and move between cells for free.
-    timed = _Timer(steps, call_s if full else 0.0)
+    # (the partitioner's costs, not full: single calls, each layer's fixed cost kept)
+    timed = _Timer(steps, call_s) if full else _Timer(steps, 0.0, chain=1)
     both_s = timed(forward_backward, flat)
     if not full:
       costs.append(LayerCost(0.0, both_s, _nbytes(layer.trainable_variables),
@@ -283,16 +284,59 @@ def _done(tensors: Sequence[tf.Tensor]) -> list[tf.Tensor]:
   return [tf.add_n([tf.reduce_sum(f) for f in firsts]) if firsts else tf.zeros([])]
 
 
-class _Timer:
-  """Median seconds of a function's calls (`_median_seconds`), less the cost of
-  calling an empty function (`call_s`), never below zero."""
+CHAINED_CALLS = 3
 
-  def __init__(self, steps: int, call_s: float):
-    self.steps, self.call_s = steps, call_s
+
+class _Timer:
+  """Seconds of one call of a function as a cell's loop pays it: the median of
+  `steps` runs of CHAINED_CALLS calls one after another in one tf.function, less
+  the median of runs of one call, over the calls it adds (each call not inlined,
+  as a cell calls its layers: tf_internals.NOT_INLINED; each on its own copy of the
+  arguments), never below zero. A run from Python pays a fixed cost beyond an empty
+  call's (`call_s`) that a step pays once, not per action (docs/benchmarks.md,
+  "Planner"). `chain=1`: one call less `call_s` (the partitioner's relative costs)."""
+
+  def __init__(self, steps: int, call_s: float, chain: int = CHAINED_CALLS):
+    self.steps, self.call_s, self.chain = steps, call_s, chain
 
   def __call__(self, fn: Callable, args: Sequence[Any]) -> float:
-    fn(*args)  # trace, warm up
-    return max(_median_seconds(fn, args, self.steps) - self.call_s, 0.0)
+    if self.chain == 1:
+      fn(*args)  # trace, warm up
+      return max(_median_seconds(fn, args, self.steps) - self.call_s, 0.0)
+    one, more = _chained(fn, len(args), 1), _chained(fn, len(args), self.chain)
+    copies = list(args) + [_copy(t) for _ in range(self.chain - 1) for t in args]
+    one(*args)  # trace, warm up
+    more(*copies)
+    runs = [(_median_seconds(more, copies, 1) - _median_seconds(one, args, 1))
+            for _ in range(self.steps)]
+    return max(float(np.median(runs)) / (self.chain - 1), 0.0)
+
+
+def _chained(fn: Callable, num_args: int, calls: int) -> Callable:
+  """A tf.function making `calls` calls of `fn` (not inlined) one after another,
+  call i on arguments [i·num_args, (i+1)·num_args)."""
+  from lingvo_gpipe.pipeline.tf_internals import NOT_INLINED
+
+  inner = tf.function(lambda *a: fn(*a), autograph=False, experimental_attributes=NOT_INLINED)
+
+  @tf.function(autograph=False)
+  def chained(*a):
+    # Every call's output is summed into the result: a call whose outputs only gate
+    # the next one (a control dependency) is pruned from the graph TensorFlow runs.
+    outs: list = []
+    for i in range(calls):
+      with tf.control_dependencies(outs[-1:]):
+        outs.append(tf.add_n(inner(*a[i * num_args:(i + 1) * num_args])))
+    return [tf.add_n(outs)]
+
+  return chained
+
+
+def _copy(t: Any) -> Any:
+  """A tensor equal to `t` in another buffer (anything else: itself)."""
+  if isinstance(t, tf.Tensor):
+    return tf.identity(t) + tf.zeros([], t.dtype) if t.dtype != tf.bool else tf.identity(t)
+  return t
 
 
 @dataclasses.dataclass(frozen=True)
