@@ -27,7 +27,7 @@ import tensorflow as tf
 
 from lingvo_gpipe.core.hyperparams import Params, ParamsError
 from lingvo_gpipe.pipeline import calibration, layer_profiler, planner, step_model
-from lingvo_gpipe.pipeline.layer import PipeliningLayer
+from lingvo_gpipe.pipeline.layer import PipeliningLayer, requested_cells
 from lingvo_gpipe.tasks import base_task
 
 COSTS_VERSION = ("layer costs v6 (two sizes, weight share, products, split backward, work "
@@ -211,7 +211,9 @@ def plan_run(params: Params, setting: Setting, auto: bool) -> Planned:
   prediction = step_model.predict(costs, found, shape, batch_size)
   setting.log(f"Predicted: step {prediction.step_s * 1e3:.1f} ms, peak per device "
               f"{format_peaks(prediction.peak_bytes)}; {verdict(prediction, setting)}")
-  return Planned(with_plan(params, shape), prediction, found)
+  # (an unpipelined task run as it is stays unpipelined: its shape is one cell)
+  pipelined = auto or requested_cells(params.task.pipeline) > 0
+  return Planned(with_plan(params, shape) if pipelined else params, prediction, found)
 
 
 def verdict(prediction: step_model.Prediction, setting: Setting) -> str:

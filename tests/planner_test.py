@@ -525,9 +525,14 @@ def test_layer_working_sets_read_off_the_allocator_are_the_hand_count(kind):
   cost = layer_profiler.measure_layer_costs([params], spec, steps=1)[0]
   assert hand - 2**18 <= cost.backward_work_bytes <= 1.25 * hand
   if kind == "linear":
-    assert cost.backward_work_fixed_bytes == pytest.approx(weight_gradient, rel=0.02)
-    assert step_model.layer_work_bytes(cost, 128) == pytest.approx(
-        weight_gradient + (hand - weight_gradient) / 4, rel=0.05)
+    # The order of the backward's ops varies between runs (inter-op threads): relu's
+    # gradient may be freed before dW is allocated, so a peak is up to one activation
+    # buffer [b, 1024] under the hand count; at the small batch (128) that moves the
+    # fitted intercept by up to 4/3 of one such buffer.
+    small_buffer = 4 * 128 * 1024
+    assert abs(cost.backward_work_fixed_bytes - weight_gradient) <= 4 / 3 * small_buffer + 1e4
+    assert abs(step_model.layer_work_bytes(cost, 128) -
+               (weight_gradient + (hand - weight_gradient) / 4)) <= small_buffer + 1e4
 
 
 @pytest.mark.parametrize("schedule_name, num_cells, virtual_stages, group, slices", [
@@ -559,3 +564,17 @@ def test_the_layer_the_chart_and_the_planner_simulate_the_same_step(
                        shape, 8)
   simulated = layer.plan().simulate(*prediction.action_s)
   assert max(end for _, end in simulated.values()) == pytest.approx(prediction.schedule_s)
+
+
+def test_a_plan_with_less_margin_than_the_models_error_is_tight_not_fits():
+  from lingvo_gpipe import planning
+  from lingvo_gpipe.pipeline import step_model
+
+  error = planner.MEMORY_MODEL_ERROR
+  shape = step_model.PlanShape(1, (2, 4), 4, "always", "gpipe")
+  setting = planning.Setting(("a", "b"), 1000.0, "")
+  for need, word in [(1000.0 / (1 + error), "fits"), (1000.0 / (1 + error / 2), "tight"),
+                     (1000.0, "tight"), (1001.0, "does NOT fit")]:
+    assert planner.fit_word(need, 1000.0) == word, need
+    said = planning.verdict(step_model.Prediction(shape, 1.0, 0.0, (need / 2, need)), setting)
+    assert said.startswith(word) and "on device 1" in said and "1000 B" in said, said

@@ -62,9 +62,12 @@ flags.DEFINE_string("profile_steps", "", "A,B: capture a TensorFlow profile of g
                     "e.g. 10,12.")
 flags.DEFINE_enum("plan", "", ["", "auto", "check"], "Train modes: 'auto' trains with the "
                   "best plan for the devices and --device_memory (replacing task.pipeline's "
-                  "cells, splits, micro-batches, recompute, schedule, replicas); 'check' "
-                  "with the params as given. Both log the predicted step and per-device "
-                  "peak and, when training ends, the measured ones beside them.")
+                  "num_cells, splits, num_micro_batches, recompute, schedule, "
+                  "virtual_stages, weight_gradient_group, num_token_slices, "
+                  "token_slice_lengths (near-equal), num_replicas); 'check' with the params "
+                  "as given (their split written into them). Both log the predicted step "
+                  "and per-device peak and, when training ends, the measured ones beside "
+                  "them.")
 flags.DEFINE_string("device_memory", "16GB", "--mode=plan and --plan: each device's memory "
                     "budget (e.g. 16GB, 512MiB); plans keep 10% of it free.")
 flags.DEFINE_string("cost_cache", "~/.cache/lingvo_gpipe/layer_costs.json", "--mode=plan and "

@@ -278,9 +278,9 @@ class PipeliningLayer(BaseLayer):
         raise PipelineError(f"{self.path}: partition_cost='measured' profiles the layers, "
                             "which needs eager execution; build the pipeline eagerly, or "
                             "measure first and give the costs (partition_cost='given')")
-      return [c.step_s for c in layer_profiler.measure_layer_costs(
+      return layer_profiler.partition_costs(
           [base_layer.inherit_fprop_dtype(lp, self.fprop_dtype) for lp in p.layers],
-          p.input_specs, steps=3, full=False)]
+          p.input_specs)
     from lingvo_gpipe.core import layers as layers_lib
 
     seq = layers_lib.Sequential.Params().set(name="cost_probe", layers=p.layers,

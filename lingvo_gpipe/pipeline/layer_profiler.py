@@ -166,7 +166,6 @@ def _measure_layer_costs(layer_params, input_specs, steps, full, small_batch):
     outputs = call(*flat)
     # The partitioner's costs (not full) keep the call's own cost: a layer too small
     # to time would otherwise cost 0 and move between cells for free.
-    # (the partitioner's costs, not full: single calls, each layer's fixed cost kept)
     timed = _Timer(steps, call_s) if full else _Timer(steps, 0.0, chain=1)
     both_s = timed(forward_backward, flat)
     if not full:
@@ -176,13 +175,13 @@ def _measure_layer_costs(layer_params, input_specs, steps, full, small_batch):
       continue
     forward_s = timed(forward, flat)
     share = _weight_share(layer, call, flat, timed, forward_s, both_s) if not first else 1.0
-    pair, kept, _ = _forward_backward_pair(call, flat)
+    pair, kept = _forward_backward_pair(call, flat)
     split_s = _split_backward_s(pair, flat, timed)
     fixed = (0.0, 0.0, 0.0)
     if small is not None and small < batch:
       part = [t[:small] for t in flat]
       at_small = (timed(forward, part), timed(forward_backward, part))
-      small_pair, _, _ = _forward_backward_pair(call, part)
+      small_pair, _ = _forward_backward_pair(call, part)
       fixed = tuple(_intercept(small, s, batch, b) for s, b in zip(
           (at_small[0], at_small[1] - at_small[0],
            _split_backward_s(small_pair, part, timed)),
@@ -197,6 +196,17 @@ def _measure_layer_costs(layer_params, input_specs, steps, full, small_batch):
                            cache_bytes=_cache_bytes(layer, inputs)))
     inputs = tf.nest.pack_sequence_as(structure["out"], list(outputs))
   return costs
+
+
+PARTITION_STEPS = 7  # timed runs per layer: 3 let a noisy machine pick another split
+
+
+def partition_costs(layer_params: Sequence[Any], input_specs: Any) -> list[float]:
+  """Each layer's forward + backward seconds at the batch of `input_specs`, the call
+  included (never 0): what `partition_cost='measured'` balances, wherever the
+  partitioner asks (the trainer before it builds, a pipeline built eagerly)."""
+  return [c.step_s for c in measure_layer_costs(layer_params, input_specs,
+                                                steps=PARTITION_STEPS, full=False)]
 
 
 def layer_work(layer_params: Any, input_specs: Any) -> Callable[[str], Callable[[], Any]]:
@@ -352,9 +362,9 @@ class KeptBytes:
 
 
 def _forward_backward_pair(call: Callable, flat: Sequence[tf.Tensor]
-                           ) -> tuple[Any, KeptBytes, int]:
+                           ) -> tuple[Any, KeptBytes]:
   """(TensorFlow's forward/backward pair of `call`, the KeptBytes of what its backward
-  takes from its forward, the number of outputs)."""
+  takes from its forward)."""
   from lingvo_gpipe.pipeline import tf_internals
 
   concrete = tf.function(call, autograph=False).get_concrete_function(
@@ -376,7 +386,7 @@ def _forward_backward_pair(call: Callable, flat: Sequence[tf.Tensor]
              if t.op.type != "Placeholder"}
   return pair, KeptBytes(_nbytes(list(intermediates.values())),
                          _nbytes(list(inputs.values())),
-                         _nbytes(list({**intermediates, **outputs}.values()))), pair.num_outputs
+                         _nbytes(list({**intermediates, **outputs}.values())))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -436,7 +446,7 @@ def measure_layer_memory(layer_params: Sequence[Any], input_specs: Any,
       layer = p.copy().instantiate()
       structure: dict[str, Any] = {}
       flat = [layer.to_fprop_dtype(t) for t in tf.nest.flatten(inputs)]
-      pair, kept, _ = _forward_backward_pair(_flat_call(layer, inputs, structure), flat)
+      pair, kept = _forward_backward_pair(_flat_call(layer, inputs, structure), flat)
       runs = [_memory_of_one_run(pair, flat, name) for _ in range(repeats + 1)][1:]
       held, forward_work, backward_work = (max(r[i] for r in runs) for i in range(3))
       found.append(LayerMemory(max(held - kept.held, 0), forward_work, backward_work))

@@ -45,6 +45,9 @@ Memory. Each device holds, for each of its cells (`device_peaks`):
     while it runs beyond what it is given and leaves (temporaries, concatenations,
     kernels' buffers, the gradients it returns: measured by the allocator,
     LayerCost.forward_work_bytes / backward_work_bytes)
+  the stash, product and cache slots, the inbox and the working set times
+  Machine.activation_factor (what the engine's steps of the model's own layers
+  allocate beyond the layers measured alone; measured);
   cell 0's device also holds the whole batch of inputs (micro-batches are slices);
   with R replicas every device also holds the all-reduce's two weight-sized buffers.
   A checkpoint save holds weights · (1 + slot_factor + save_copies): the peak is the

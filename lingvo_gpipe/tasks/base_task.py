@@ -109,10 +109,8 @@ def with_partition_costs(task_params: Params, input_params: Params,
   if pipeline.partition_cost == "measured" and not pipeline.layer_costs:
     if log is not None:
       log("Measuring each layer's forward and backward time for the partition ...")
-    # 7 timed runs per layer after a warm-up: 3 let a noisy machine pick another split.
-    costs = layer_profiler.measure_layer_costs(layers_params, completed.pipeline.input_specs,
-                                               steps=7, full=False)
-    completed.pipeline.layer_costs = [c.step_s for c in costs]
+    completed.pipeline.layer_costs = layer_profiler.partition_costs(
+        layers_params, completed.pipeline.input_specs)
   return completed.freeze() if task_params.is_frozen else completed
 
 
