@@ -98,7 +98,7 @@ def machine(params: Params, stack: MainStack, costs: Sequence[layer_profiler.Lay
     found = calibration.measure_machine(
         setting.devices, setting.memory_bytes, params.task.train.optimizer, slot_factor,
         work=layer_profiler.layer_work(stack.layer_params[heaviest], quarter),
-        copies=lambda twin: calibration.weight_copies(
+        copies=lambda twin: calibration.step_memory(
             twin, stack.layer_params, stack.specs, costs, params.task.train.optimizer,
             params.task.pipeline.stack_variables))
     setting.log(f"Measured: {found.action_overhead_s * 1e3:.3f} ms per action, update "

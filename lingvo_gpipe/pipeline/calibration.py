@@ -92,7 +92,7 @@ def _calibration_step(device: str, num_micro_batches: int, batch: int, width: in
 @dataclasses.dataclass(frozen=True)
 class StepMemory:
   """How a training step of the model's own layers allocates beyond what the step
-  model counts (`weight_copies`): weight-sized buffers per weight byte at one
+  model counts (`step_memory`): weight-sized buffers per weight byte at one
   micro-batch and at several, the factor on the activations' bytes, and a save's
   copies per weight byte."""
   weight_copies_one: float = 2.0
@@ -101,7 +101,7 @@ class StepMemory:
   save_copies: float = 0.0
 
 
-def weight_copies(device: str | None, layer_params: Sequence[Any], input_specs: Any,
+def step_memory(device: str | None, layer_params: Sequence[Any], input_specs: Any,
                   costs: Sequence[Any], optimizer_params: Any, stack_variables: bool
                   ) -> StepMemory:
   """What a training step of the model's own layers, and a checkpoint save of them,
@@ -292,7 +292,7 @@ def measure_machine(devices: Sequence[str], memory_bytes: float, optimizer_param
                     copies: Callable[[str], StepMemory] | None = None
                     ) -> step_model.Machine:
   """A Machine for `devices`, the figures measured on them as above (`work`: what
-  `concurrency` runs; `copies(device)`: the model's `weight_copies`, measured on the
+  `concurrency` runs; `copies(device)`: the model's `step_memory`, measured on the
   first device's local twin; the formula's without)."""
   from lingvo_gpipe.pipeline import layer_profiler
 

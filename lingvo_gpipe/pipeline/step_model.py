@@ -88,11 +88,11 @@ class Machine:
   weight_copies_one, weight_copies: bytes a training step allocates beyond the
     weights and their slots, per weight byte, at one micro-batch and at several
     (gradient sums and the copy a backward adds into, rows of stacked weights read
-    per call, the update's temporaries; measured by calibration.weight_copies; 2 by
+    per call, the update's temporaries; measured by calibration.step_memory; 2 by
     the formula: the sums and their copy).
   activation_factor: the engine's step allocates this many times the bytes the
     layers measured alone count for its activations (stash, hand-offs, working sets;
-    measured: calibration.weight_copies).
+    measured: calibration.step_memory).
   save_copies: bytes a checkpoint save allocates beyond the weights and slots, per
     weight byte (a stacked variable's rows copied out to be saved one by one).
   """
