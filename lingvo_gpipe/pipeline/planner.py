@@ -79,15 +79,14 @@ class _MemoryModel:
            first: bool, cached: int = 0) -> Any:
     kept = self.kept[ends] - self.kept[starts] + self.kept_inputs[starts]
     cache = self.cache[ends] - self.cache[starts]
-    weights = self.weights[ends] - self.weights[starts]
     held = step_model.held_bytes(
-        0.0, self.inputs[starts] if recompute else kept,
-        self.products[ends] - self.products[starts], self.inputs[starts], self.inputs[ends],
-        in_flight, awaiting, 0.0, cache, cached)
+        self.inputs[starts] if recompute else kept, self.products[ends] - self.products[starts],
+        self.inputs[starts], self.inputs[ends], in_flight, awaiting, cache, cached)
     working = step_model.working_bytes(kept, recompute, cache, self.work(starts, ends))
-    step = (weights * self.weight_factor + self.activation_factor * (held + working) +
-            (self.batch_input_bytes if first else 0.0))
-    return np.maximum(step, self.save_factor * weights)
+    return step_model.peak_bytes(self.weights[ends] - self.weights[starts], held, working,
+                                 self.batch_input_bytes if first else 0.0,
+                                 self.weight_factor, self.activation_factor,
+                                 self.save_factor)
 
 
 class _RangeMax:

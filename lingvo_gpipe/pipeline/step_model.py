@@ -66,6 +66,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from lingvo_gpipe.pipeline import schedule
 from lingvo_gpipe.pipeline.layer import recomputes
 from lingvo_gpipe.pipeline.layer_profiler import LayerCost
@@ -312,8 +314,7 @@ def predict(costs: Sequence[LayerCost], machine: Machine, shape: PlanShape,
   weight = [c.weight_s for c in cells]
   if shape.weight_gradient_group > 1:
     grouped = grouped_weight_s(costs, shape, batch_size)
-    weight = [g if plan.defers(k) and plan.weight_groups(k) else w
-              for k, (w, g) in enumerate(zip(weight, grouped))]
+    weight = [g if plan.defers(k) else w for k, (w, g) in enumerate(zip(weight, grouped))]
   times = plan.simulate(forward, input_grad, weight, max(transfer), cores=machine.cores)
   finish = [0.0] * plan.num_devices
   for (k, _), (_, end) in times.items():
@@ -389,17 +390,27 @@ def lower_bound_s(plan: schedule.PipelineSchedule, cells: Sequence[CellCost],
                                     num_replicas)
 
 
-def held_bytes(weight_bytes: Any, stash_bytes: Any, product_bytes: Any, input_bytes: Any,
-               output_bytes: Any, in_flight: int, awaiting: int, weight_factor: float,
-               cache_bytes: Any = 0.0, cached: int = 0) -> Any:
-  """What a cell holds on its device through the step (module docstring): its weights
-  times `weight_factor` (Machine.weight_factor: weights, slots, sums and the step's
-  other weight-sized buffers), stash and product slots, the inbox; with token slices,
-  the cache slots of `cached` micro-batches and their gradients'. Elementwise over
-  arrays too (the planner's split search evaluates many cells at once)."""
-  return (weight_bytes * weight_factor + in_flight * stash_bytes +
-          awaiting * product_bytes + input_bytes + output_bytes +
+def held_bytes(stash_bytes: Any, product_bytes: Any, input_bytes: Any, output_bytes: Any,
+               in_flight: int, awaiting: int, cache_bytes: Any = 0.0, cached: int = 0
+               ) -> Any:
+  """What a cell holds on its device through the step besides its weights (module
+  docstring): stash and product slots, the inbox; with token slices, the cache slots
+  of `cached` micro-batches and their gradients'. Elementwise over arrays too (the
+  planner's split search evaluates many cells at once)."""
+  return (in_flight * stash_bytes + awaiting * product_bytes + input_bytes + output_bytes +
           2.0 * cached * cache_bytes)
+
+
+def peak_bytes(weight_bytes: Any, held: Any, working: Any, batch_input_bytes: Any,
+               weight_factor: float, activation_factor: float, save_factor: float) -> Any:
+  """A device's peak: its weights times `weight_factor` (Machine.weight_factor),
+  `activation_factor` times what its cells hold besides (`held_bytes`) and its largest
+  working set (`working_bytes`), and the batch of inputs where cell 0 is; or, where
+  more, its weights times `save_factor` (Machine.save_factor: a checkpoint save).
+  Elementwise over arrays too (`device_peaks` and the planner's split search)."""
+  step = (weight_bytes * weight_factor + activation_factor * (held + working) +
+          batch_input_bytes)
+  return np.maximum(step, save_factor * weight_bytes)
 
 
 def layer_work_bytes(cost: LayerCost, batch: float) -> float:
@@ -431,23 +442,20 @@ def device_peaks(plan: schedule.PipelineSchedule, cells: Sequence[CellCost],
                  weight_factor: float, batch_input_bytes: float,
                  save_factor: float = 0.0, activation_factor: float = 1.0
                  ) -> tuple[float, ...]:
-  """Per device: its cells' weights times `weight_factor`, `activation_factor` times
-  what they hold besides (`held_bytes`) and the largest working set among them (one
-  action at a time), and the batch of inputs on cell 0's device; or, where more, its
-  weights times `save_factor` (Machine.save_factor: what a checkpoint save holds)."""
+  """Per device, `peak_bytes` of its cells: what they hold through the step, the
+  largest working set among them (one action at a time), and the batch of inputs on
+  cell 0's device."""
   peaks = []
   for d in range(plan.num_devices):
     mine = [k for k in range(plan.num_cells) if plan.device_of[k] == d]
-    weights = sum(cells[k].weight_bytes for k in mine)
-    held = sum(held_bytes(0.0, cells[k].stash_bytes,
-                          cells[k].product_bytes, cells[k].input_bytes,
-                          cells[k].output_bytes, plan.max_in_flight(k),
-                          plan.max_awaiting_weights(k), 0.0,
+    held = sum(held_bytes(cells[k].stash_bytes, cells[k].product_bytes,
+                          cells[k].input_bytes, cells[k].output_bytes,
+                          plan.max_in_flight(k), plan.max_awaiting_weights(k),
                           cells[k].cache_bytes, plan.max_cached(k))
                for k in mine)
     working = max(working_bytes(cells[k].kept_bytes, cells[k].recompute,
                                 cells[k].cache_bytes, cells[k].work_bytes) for k in mine)
-    step = (weights * weight_factor + activation_factor * (held + working) +
-            (batch_input_bytes if 0 in mine else 0.0))
-    peaks.append(max(step, save_factor * weights))
+    peaks.append(float(peak_bytes(sum(cells[k].weight_bytes for k in mine), held, working,
+                                  batch_input_bytes if 0 in mine else 0.0, weight_factor,
+                                  activation_factor, save_factor)))
   return tuple(peaks)
