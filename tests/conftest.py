@@ -33,3 +33,16 @@ def run_trainer(*args: str, env: dict | None = None, timeout: int = 300):
   return subprocess.run([sys.executable, str(REPO / "tools" / "trainer.py"), *args],
                         capture_output=True, text=True, timeout=timeout, env=full_env,
                         cwd=REPO)
+
+
+@pytest.fixture
+def cpu_allocator_stats() -> None:
+  """Skips a test that reads the CPU allocator's statistics where this TensorFlow keeps
+  none (oneDNN off, TF_ENABLE_ONEDNN_OPTS=0, without TF_CPU_ALLOCATOR_USE_BFC=true):
+  there the planner falls back to its formula (layer_profiler.measure_layer_memory
+  returns None)."""
+  try:
+    tf.config.experimental.get_memory_info("CPU:0")
+  except ValueError as e:
+    pytest.skip(f"the CPU allocator keeps no statistics here ({e}); set "
+                "TF_CPU_ALLOCATOR_USE_BFC=true to run this test")

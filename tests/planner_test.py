@@ -498,7 +498,7 @@ def test_plan_mode_refuses_a_bad_budget_and_cache_path_in_one_line(tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["linear", "conv"])
-def test_layer_working_sets_read_off_the_allocator_are_the_hand_count(kind):
+def test_layer_working_sets_read_off_the_allocator_are_the_hand_count(kind, cpu_allocator_stats):
   """A backward allocates the gradients it returns and its own temporaries; counted by
   hand, in buffers the CPU allocator tracks (>= 256 KiB; smaller ones it leaves out,
   so the input gradient or bias are at most that under). Linear + relu [512, 1024] →
@@ -582,7 +582,7 @@ def test_a_plan_with_less_margin_than_the_models_error_is_tight_not_fits():
 
 @pytest.mark.parametrize("num_micro_batches, recompute", [(2, "never"), (8, "always")])
 def test_a_whole_cells_step_stays_within_the_bound_the_planner_states(
-    cpu_devices, num_micro_batches, recompute):
+    cpu_devices, num_micro_batches, recompute, cpu_allocator_stats):
   """The engine's own training step of one cell (four Linear [512, 512] + relu layers,
   Adam, stacked weights) at other M than the step memory was calibrated at (M = 1 and
   4, as the planner does, at the training batch its layer costs are measured at), its

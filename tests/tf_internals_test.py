@@ -274,7 +274,7 @@ def test_inplace_add_writes_into_its_input():
                                   start.numpy() + np.stack([r.numpy() for r in rows]))
 
 
-def test_unstacking_a_variable_read_copies_nothing():
+def test_unstacking_a_variable_read_copies_nothing(cpu_allocator_stats):
   """Item 11: the rows of an unstacked variable read [16, 256, 256] (256 KiB each)
   take no new memory, eagerly and inside a function; a row-by-row product does (the
   allocator's count works)."""

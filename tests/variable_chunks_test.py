@@ -8,6 +8,9 @@ import tensorflow as tf
 from lingvo_gpipe.core import variable_chunks
 
 MIB = 2**20
+# What a few small tensors of the traces take (the BFC allocator counts them too; the
+# default CPU allocator only buffers of 256 KiB or more): far under one variable here.
+SMALL = MIB // 4
 
 
 def held_bytes() -> int:
@@ -15,7 +18,7 @@ def held_bytes() -> int:
   return tf.config.experimental.get_memory_info("CPU:0")["current"]
 
 
-def test_a_module_level_function_traced_with_variables_keeps_them_alive():
+def test_a_module_level_function_traced_with_variables_keeps_them_alive(cpu_allocator_stats):
   """The TensorFlow behaviour `variable_chunks._all_finite` works around (seen on 2.21):
   the first variables a module-level tf.function is traced with stay allocated after
   every Python reference to them is gone; their resource handles do not. Fails (and
@@ -35,12 +38,12 @@ def test_a_module_level_function_traced_with_variables_keeps_them_alive():
 
   before = held_bytes()
   call(by_handle, True)
-  assert held_bytes() == before
+  assert held_bytes() - before < SMALL  # (a kept variable here is 1 MiB or more)
   call(by_variable, False)
   assert held_bytes() - before >= 2 * MIB
 
 
-def test_the_finite_check_and_the_norm_release_their_variables():
+def test_the_finite_check_and_the_norm_release_their_variables(cpu_allocator_stats):
   """A calibration's variables (planning, before training) must not stay in the
   trainer's memory: after global_norm and all_finite over variables that then go out
   of scope, the allocator holds what it held before."""
@@ -53,7 +56,7 @@ def test_the_finite_check_and_the_norm_release_their_variables():
 
   before = held_bytes()
   check()
-  assert held_bytes() == before
+  assert held_bytes() - before < SMALL  # (a kept variable here is 1 MiB or more)
 
 
 def test_the_finite_check_reads_each_shape_and_finds_a_nan():
