@@ -5,8 +5,11 @@ PY := $(VENV)/bin/python
 LOGDIR ?= /tmp/lingvo_gpipe/amoeba_net_tiny
 MODEL ?= image.AmoebaNetTiny
 DEVICES ?= cpu:2
+# The full TensorFlow wheel (with its GPU kernels), for the GPU audit only: its own venv,
+# so the CPU install stays tensorflow-cpu.
+GPU_VENV ?= .venv-gpu
 
-.PHONY: install train test lint clean
+.PHONY: install train test lint clean gpu-audit
 
 install: $(VENV)/.installed
 
@@ -24,8 +27,19 @@ train: install
 test: install
 	$(PY) -m pytest -q -n 2 --dist worksteal tests
 
+# Every op of every paper model's training step has a GPU kernel (no GPU needed):
+# tools/gpu_audit.py over the whole grid, then the audit's own tests with GPU kernels.
+gpu-audit: $(GPU_VENV)/.installed
+	$(GPU_VENV)/bin/python tools/gpu_audit.py
+	$(GPU_VENV)/bin/python -m pytest -q tests/placement_audit_test.py tests/tf_internals_test.py
+
+$(GPU_VENV)/.installed: setup.py pyproject.toml
+	$(PYTHON) -m venv $(GPU_VENV)
+	LINGVO_GPIPE_TF_REQUIREMENT='tensorflow==2.21.0' $(GPU_VENV)/bin/pip install -e '.[test]'
+	touch $@
+
 lint: install
 	$(VENV)/bin/ruff check .
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache
+	rm -rf $(VENV) $(GPU_VENV) *.egg-info .pytest_cache

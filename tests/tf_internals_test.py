@@ -300,3 +300,12 @@ def test_unstacking_a_variable_read_copies_nothing(cpu_allocator_stats):
   # (a row's sum of 65,536 normals can cancel to near 0: compared at the sums' scale)
   assert_close(row_sums().numpy(), stack.numpy().sum(axis=(1, 2)))
   assert tf.config.experimental.get_memory_info("CPU:0")["peak"] - before < 256 * 1024
+
+
+def test_kernel_registry_matches_type_constraints():
+  """tf_internals item 13: TensorFlow's matcher, on this build's CPU kernels."""
+  node = tf.compat.v1.NodeDef(name="m", op="MatMul", device="/device:CPU:0")
+  node.attr["T"].type = tf.float32.as_datatype_enum
+  assert tf_internals.registered_kernel(node)
+  node.attr["T"].type = tf.string.as_datatype_enum
+  assert tf_internals.registered_kernel(node) == b""

@@ -64,6 +64,7 @@ import tensorflow as tf
 from lingvo_gpipe.core import base_layer, stacked_variables
 from lingvo_gpipe.pipeline import channels, tf_internals, timeline
 from lingvo_gpipe.pipeline.cell_function import CallSignature, CellFunctions
+from lingvo_gpipe.pipeline.placement_audit import on_host
 from lingvo_gpipe.pipeline.schedule import (
   BACKWARD,
   FORWARD,
@@ -315,21 +316,38 @@ def _slots(specs: Sequence[tf.TensorSpec], size: int) -> list[tf.TensorArray]:
           for s in specs]
 
 
+# TensorLists have no GPU kernels for int16 (tools/gpu_audit.py found them): the bits
+# of a half-precision float that a forward keeps as int16 (cell_function._as_bits)
+# sit in the stash as float16 bits. A slot only copies them: every bit comes back.
+_STASHED_AS = {tf.int16: tf.float16}
+
+
+def _stash_slots(specs: Sequence[tf.TensorSpec], size: int) -> list[tf.TensorArray]:
+  """`_slots` for what a forward keeps for its backward (`_stashed` writes, `_take`
+  reads back in the specs' dtypes)."""
+  return _slots([tf.TensorSpec(s.shape, _STASHED_AS.get(s.dtype, s.dtype)) for s in specs],
+                size)
+
+
+def _stashed(t: tf.Tensor) -> tf.Tensor:
+  return tf.bitcast(t, _STASHED_AS[t.dtype]) if t.dtype in _STASHED_AS else t
+
+
 def _take(slots: Sequence[tf.TensorArray], index: Any, specs: Sequence[tf.TensorSpec]
           ) -> tuple[list[tf.Tensor], list[tf.TensorArray]]:
-  """Slot `index` of each TensorArray of `_slots`, and the arrays with the slot
-  emptied (scalars stay)."""
+  """Slot `index` of each TensorArray of `_slots`, in its spec's dtype, and the
+  arrays with the slot emptied (scalars stay)."""
   values, emptied = [], []
   for ta, spec in zip(slots, specs):
     value = ta.read(index)
     value.set_shape(spec.shape)
-    values.append(value)
+    values.append(tf.bitcast(value, spec.dtype) if value.dtype != spec.dtype else value)
     if spec.shape.rank:
       with tf.control_dependencies([value]):
         # an empty placeholder (0 along the batch and any dimension only known at run
         # time, such as a token slice's keys up to its end)
         ta = ta.write(index, tf.zeros([0] + [d or 0 for d in spec.shape[1:].as_list()],
-                                      spec.dtype))
+                                      ta.dtype))
     emptied.append(ta)
   return values, emptied
 
@@ -438,7 +456,7 @@ class CellLoop:
     sig0 = self.signatures[0]
     return CellState(
         sums=sig0.layout.zeros(),
-        stash=[_slots(sig.saved, self.stash_slots) for sig in self.signatures],
+        stash=[_stash_slots(sig.saved, self.stash_slots) for sig in self.signatures],
         outputs=(_list(sig0.outputs, self.num_micro_batches) if self.cell.head is not None
                  else []),
         stats=_list(sig0.stats, self.num_micro_batches),
@@ -519,7 +537,7 @@ class CellLoop:
     head = (_slice(self.step_inputs.head_inputs, row.offset, rows, row.token_offset, tokens)
             if self.cell.head else [])
     cache = self._cache_entries(state.cache, row, sig.cache, row.token_slice > 0)
-    start = _timestamp(flat + head + cache)
+    start = _timestamp(self.cell.device, flat + head + cache)
     flat, head = _after(flat, [start]), _after(head, [start])
     outputs, stats, saved, cache = self.cell.forward(sig, flat, head, self.step_inputs.step,
                                                      self._call_info(row), cache)
@@ -530,12 +548,13 @@ class CellLoop:
       sent = []
       kept = [ta.write(row.micro_batch, t) for ta, t in zip(state.outputs, outputs)]
     stash = list(state.stash)
-    stash[c] = [ta.write(row.stash_slot, t) for ta, t in zip(stash[c], saved)]
+    stash[c] = [ta.write(row.stash_slot, _stashed(t)) for ta, t in zip(stash[c], saved)]
     state = state._replace(
         outputs=kept, stash=stash,
         stats=[ta.write(row.micro_batch, t) for ta, t in zip(state.stats, stats)],
         cache=self._write_cache(state.cache, row, cache))
-    end = _timestamp(list(outputs) + list(saved) + list(stats) + list(cache), sent)
+    end = _timestamp(self.cell.device,
+                     list(outputs) + list(saved) + list(stats) + list(cache), sent)
     return state, start, end
 
   def backward(self, c: int, state: CellState, args: ActionArgs) -> ActionResult:
@@ -557,7 +576,7 @@ class CellLoop:
     cache = self._cache_entries(state.cache, row, sig.cache, True)
     cache_grads = self._cache_entries(state.cache_grads, row, sig.cache,
                                       row.token_slice < self.num_token_slices - 1)
-    start = _timestamp(seeds + saved + cache + cache_grads)
+    start = _timestamp(cell.device, seeds + saved + cache + cache_grads)
     seeds = _after(seeds, [start])
     input_grads, cache_grads, sums, product_inputs, product_grads = cell.backward(
         sig, saved, seeds, state.sums, self.step_inputs.step, self._call_info(row), cache,
@@ -572,21 +591,21 @@ class CellLoop:
                         zip(state.product_inputs, product_inputs)],
         product_grads=[ta.write(row.product_slot, t) for ta, t in
                        zip(state.product_grads, product_grads)])
-    end = _timestamp(list(input_grads) + list(sums) + list(product_inputs)
+    end = _timestamp(cell.device, list(input_grads) + list(sums) + list(product_inputs)
                      + list(product_grads) + list(cache_grads), sent)
     return state, start, end
 
   def weight_gradient(self, n: int, state: CellState, args: ActionArgs) -> ActionResult:
     """W of a group of n backwards: their product slots, from the row's first one,
     concatenated → one product per projection, added to the sums."""
-    start = _timestamp(list(state.sums))
+    start = _timestamp(self.cell.device, list(state.sums))
     sig, first = self.signatures[0], args.row.first_product_slot
     inputs, product_inputs = _read_group(
         state.product_inputs, self.product_slots, first, n, sig.product_inputs)
     grads, product_grads = _read_group(
         state.product_grads, self.product_slots, first, n, sig.product_grads)
     sums = self.cell.weight_gradients(_after(state.sums, [start]), inputs, grads)
-    end = _timestamp(list(sums))
+    end = _timestamp(self.cell.device, list(sums))
     return (state._replace(sums=sums, product_inputs=product_inputs,
                            product_grads=product_grads), start, end)
 
@@ -672,10 +691,13 @@ class DeviceLoop:
     return cells, state.times.write(i, tf.stack([start, end]))
 
 
-def _timestamp(wait_for: Sequence[Any], also: Sequence[Any] = ()) -> tf.Tensor:
-  """The time once `wait_for` (tensors) and `also` (ops) are done."""
+def _timestamp(device: str | None, wait_for: Sequence[Any], also: Sequence[Any] = ()
+               ) -> tf.Tensor:
+  """The time once `wait_for` (tensors) and `also` (ops) are done, read on `device`'s
+  host (on a GPU: once the host has dispatched them, timeline.py)."""
   deps = [t for t in list(wait_for) + list(also) if t is not None]
-  with tf.control_dependencies(deps):
+  with tf.control_dependencies(deps), on_host(
+      device, "Timestamp has CPU kernels only: the host's clock, 8 bytes per stamp"):
     return tf.timestamp()
 
 

@@ -104,6 +104,24 @@ test named beside it, then `TENSORFLOW_CHECKED` is updated.
     module's attributes for its rows in tf.Module's order. Pinned by
     `tests/stacked_variables_test.py` (a checkpoint of one tf.Variable per weight
     restored bit for bit; the weights listed in the unstacked model's order).
+13. `registered_kernel(node_def)`: the kernel registry's `TryFindKernelClass`
+    (`tensorflow.python.util._pywrap_kernel_registry`, private), TensorFlow's own match
+    of a NodeDef (its device's type, its attributes against each kernel's type
+    constraints, a DEFAULT kernel as any device's fallback) → the kernel's class name,
+    or b"" where none admits it. It reads only what this build registered: the full
+    `tensorflow` wheel registers its GPU kernels without a GPU, `tensorflow-cpu` none.
+    Pinned by `tests/tf_internals_test.py::test_kernel_registry_matches_type_constraints`.
+14. `called_functions(graph)`: the functions a traced graph calls, with each one's
+    FuncGraph, from `Graph._functions` (private; nested calls register theirs in the
+    outer graph) and `AtomicFunction.graph`: the Python ops of every function body, so
+    an op found there has its creating frame (`Operation.traceback`). Pinned by
+    `tests/placement_audit_test.py` (an op inside a Case inside a While inside a
+    tf.function call is found with its frame).
+15. An attribute of our own on traced ops (`set_attr`; its name starts with '_', like
+    TensorFlow's internal ones, which kernels do not constrain and which stay on the
+    node in the function library): `placement_audit.on_host` records there why an op
+    runs on the host. Pinned by `tests/placement_audit_test.py` (the reason is read
+    back from the traced step's library, and the step's results are unchanged).
 """
 
 from __future__ import annotations
@@ -117,6 +135,7 @@ import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
 from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2
 from tensorflow.python.eager import context
+from tensorflow.python.util import _pywrap_kernel_registry
 
 TENSORFLOW_CHECKED = "2.21"  # major.minor
 
@@ -158,16 +177,31 @@ def step_options() -> Iterator[None]:
     ctx.function_call_options = previous
 
 
+@contextlib.contextmanager
+def new_ops() -> Iterator[list[tf.Operation]]:
+  """Yields a list that holds, once the block is left, the ops made within it in the
+  graph being traced (none when executing eagerly)."""
+  graph = tf.compat.v1.get_default_graph()
+  before = len(graph.get_operations())
+  made: list[tf.Operation] = []
+  yield made
+  made.extend(graph.get_operations()[before:])
+
+
+def set_attr(op: tf.Operation, name: str, value: attr_value_pb2.AttrValue) -> None:
+  """Sets an attribute of a traced op; `name` starts with '_' (TensorFlow's internal
+  attributes, which no kernel constrains). Items 3 and 15 above."""
+  op._set_attr(name, value)  # noqa: SLF001
+
+
 def unlowered(build: Callable[[], Any]) -> Any:
   """Runs `build` (which makes a tf.while_loop or tf.switch_case in the graph being
   traced) and keeps the While and Case ops it made functional (item 3 above)."""
-  graph = tf.compat.v1.get_default_graph()
-  before = len(graph.get_operations())
-  result = build()
-  for op in graph.get_operations()[before:]:
+  with new_ops() as made:
+    result = build()
+  for op in made:
     if op.type in _FUNCTIONAL_CONTROL_FLOW:
-      op._set_attr("_lower_using_switch_merge",  # noqa: SLF001
-                   attr_value_pb2.AttrValue(b=False))
+      set_attr(op, "_lower_using_switch_merge", attr_value_pb2.AttrValue(b=False))
   return result
 
 
@@ -244,3 +278,23 @@ def forward_backward_pair(concrete: Any) -> ForwardBackwardPair:
       backward_captures.append(kept_positions.index(position))
   return ForwardBackwardPair(forward.call_flat, backward, num_outputs, kept_positions,
                              backward_captures, list(concrete.captured_inputs), trainable)
+
+
+def registered_kernel(node_def: Any) -> bytes:
+  """The class of the kernel TensorFlow would run for `node_def` (a NodeDef whose
+  device names the device type), b"" where none is registered (item 13 above)."""
+  return _pywrap_kernel_registry.TryFindKernelClass(node_def.SerializeToString())
+
+
+def called_functions(graph: Any) -> dict[str, Any]:
+  """Name → FuncGraph of each function `graph` calls, directly or not (item 14 above);
+  a function kept only as a FunctionDef maps to None."""
+  found: dict[str, Any] = {}
+  pending = [graph]
+  while pending:
+    for name, function in pending.pop()._functions.items():  # noqa: SLF001
+      if name not in found:
+        found[name] = getattr(function, "graph", None)
+        if found[name] is not None:
+          pending.append(found[name])
+  return found

@@ -124,3 +124,11 @@ def _configure(spec: str) -> list[str]:
           f"cannot set up {spec!r}: TensorFlow already initialized {have} {kind.upper()} "
           "device(s); configure devices before running any op") from e
   return [d.name for d in tf.config.list_logical_devices(kind.upper())][:wanted]
+
+
+
+def host_of(device: str | None) -> str:
+  """The CPU of the host that runs `device` ('/job:w/task:1/device:GPU:0' →
+  '/job:w/task:1/device:CPU:0'; a local device or None → '/device:CPU:0')."""
+  spec = tf.DeviceSpec.from_string(device or "")
+  return spec.replace(device_type="CPU", device_index=0).to_string()
