@@ -49,6 +49,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+LOGICAL_DEVICES = "cpu:{n}"  # the logical setting's --devices (--logical_devices)
 
 PARAM_FILE = textwrap.dedent('''
     """Planner benchmark models (written by bench/planner.py)."""
@@ -221,7 +222,8 @@ def measure(name: str, setting: str, param_dir: str, cache: str, steps: int,
   if setting == "workers":
     extra = with_workers(devices, on_workers)
   else:
-    run(trainer_command(param_dir, plan[0], cache, f"--devices=cpu:{devices}", *args))
+    run(trainer_command(param_dir, plan[0], cache,
+                        f"--devices={LOGICAL_DEVICES.format(n=devices)}", *args))
     extra = {}
   found = json.loads((Path(logdir) / "train" / "plan_check.json").read_text())
   out = {"predicted_step_s": found["predicted_step_s"],
@@ -231,7 +233,10 @@ def measure(name: str, setting: str, param_dir: str, cache: str, steps: int,
     out.update(extra)
     out["peak_error"] = [m / p - 1 for m, p in zip(extra["measured_peak_per_device"],
                                                   found["predicted_peak_bytes"])]
-  else:
+  elif len(found["measured_peak_bytes"]) > 1:  # logical GPUs: an allocator each
+    out["measured_peak_per_device"] = found["measured_peak_bytes"]
+    out["peak_error"] = found["peak_error"]
+  else:  # logical CPUs: one allocator for all
     out["measured_peak_total"] = found["measured_peak_bytes"][0]
     out["predicted_peak_total"] = sum(found["predicted_peak_bytes"])
     out["peak_error"] = found["peak_error"]
@@ -251,7 +256,8 @@ def fill_cache(family: str, setting: str, devices: int, param_dir: str, cache: s
     with_workers(devices, lambda spec, _: run(trainer_command(
         param_dir, family, cache, f"--cluster_spec={spec}", *args)))
   else:
-    run(trainer_command(param_dir, family, cache, f"--devices=cpu:{devices}", *args))
+    run(trainer_command(param_dir, family, cache,
+                        f"--devices={LOGICAL_DEVICES.format(n=devices)}", *args))
 
 
 def versus_default(family: str, devices: int, param_dir: str, cache: str, steps: int,
@@ -326,10 +332,15 @@ def main() -> None:
   parser.add_argument("--steps", type=int, default=8, help="training steps per run")
   parser.add_argument("--no_plan_time", action="store_true")
   parser.add_argument("--logs", default=None, help="keep the runs' logdirs here")
+  parser.add_argument("--logical_devices", default=LOGICAL_DEVICES,
+                      help="the logical setting's --devices, {n} the count (e.g. "
+                      "gpu:{n}:8192: one GPU split, an allocator per logical GPU)")
   parser.add_argument("--versus_default", default="Lm",
                       help="the family to run today's default against --plan=auto with "
                       "('' for none)")
   args = parser.parse_args()
+  global LOGICAL_DEVICES
+  LOGICAL_DEVICES = args.logical_devices
   names = ([] if args.only == "none" else
            [n for n in (args.only.split(",") if args.only else PLANS)])
   settings = args.settings.split(",")

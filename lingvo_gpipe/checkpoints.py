@@ -12,12 +12,15 @@ every `ckpt-N` on disk. Here the files themselves are the truth:
   one is tried; a checkpoint of another model (`CheckpointMismatchError`, raised by the
   caller's restore function) stops the search: that is the user's mistake, not damage.
   Nothing on disk changes during the search;
+- `orphaned_data(directory)` lists the `ckpt-N.data-*` files whose `.index` is gone
+  (deleted, or never written): no restore can read them, and the next save of step N
+  would write over them;
 - `CheckpointStore.repair` then, once the caller has checked the whole run, moves the
-  unreadable checkpoints into `<dir>/unreadable/` (kept, not deleted, and no longer in
-  the way of a save at the same step), removes `ckpt-N_temp/` directories and
-  `checkpoint.tmp<uuid>` files that an interrupted save left, and rewrites the index
-  so that it lists the checkpoints that are on disk (so `max_to_keep` rotates them,
-  oldest first, as before);
+  unreadable checkpoints and the orphaned data files into `<dir>/unreadable/` (kept,
+  not deleted, and no longer in the way of a save at the same step), removes
+  `ckpt-N_temp/` directories and `checkpoint.tmp<uuid>` files that an interrupted save
+  left, and rewrites the index so that it lists the checkpoints that are on disk (so
+  `max_to_keep` rotates them, oldest first, as before);
 - `CheckpointStore.save` turns a failed save (a full disk, say) into one
   `CheckpointSaveError` line naming the error and the last good checkpoint, and removes
   the half-written files of that save.
@@ -45,6 +48,8 @@ CHECKPOINT_NAME = "ckpt"
 UNREADABLE_DIR = "unreadable"
 _CHECKPOINT_INDEX = re.compile(rf"^{CHECKPOINT_NAME}-(\d+)\.index$")
 _INTERRUPTED_SAVE = re.compile(rf"^{CHECKPOINT_NAME}-\d+_temp$")
+# A shard of a checkpoint's data, as TensorFlow names it: <prefix>.data-00000-of-00001.
+_CHECKPOINT_DATA = re.compile(rf"^({CHECKPOINT_NAME}-\d+)\.data-\d+-of-\d+$")
 # TensorFlow rewrites the index through checkpoint.tmp<uuid>; a kill can leave one.
 _INTERRUPTED_INDEX_WRITE = re.compile(r"^checkpoint\.tmp[0-9a-f]+$")
 
@@ -100,6 +105,19 @@ def interrupted_saves(directory: str) -> list[str]:
   while writing); TensorFlow writes a checkpoint there and moves it into place last."""
   return sorted(os.path.join(directory, n) for n in _names(directory)
                 if _INTERRUPTED_SAVE.match(n))
+
+
+def orphaned_data(directory: str) -> list[str]:
+  """The prefixes (`<dir>/ckpt-N`) whose `.data-*` files are in `directory` without their
+  `.index`, newest first. Not while `ckpt-N_temp/` exists: a save writes there, then
+  moves its data files into place and writes the `.index` last, removing `_temp` after;
+  until then the data files are a save in flight, not an orphan (`repair` removes an
+  interrupted save's `_temp` first, so the data it had moved are then found)."""
+  names = set(_names(directory))
+  prefixes = {m.group(1) for m in map(_CHECKPOINT_DATA.match, names) if m}
+  orphaned = [p for p in prefixes if f"{p}.index" not in names and f"{p}_temp" not in names]
+  return [os.path.join(directory, p)
+          for p in sorted(orphaned, key=lambda p: int(p.rsplit("-", 1)[1]), reverse=True)]
 
 
 @contextlib.contextmanager
@@ -180,6 +198,8 @@ class Restored:
   path: str | None
   unreadable: list[tuple[str, str]]   # (prefix, why), newest first
   index_names: str | None             # what the index calls newest (None: missing/damaged)
+  # Prefixes of data files without their .index (orphaned_data), newest first.
+  orphaned: list[str] = dataclasses.field(default_factory=list)
 
 
 class CheckpointStore:
@@ -217,6 +237,10 @@ class CheckpointStore:
     with _tensorflow_warnings_off():
       state = tf.train.get_checkpoint_state(self.directory)
     index_names = state.model_checkpoint_path if state else None
+    orphaned = orphaned_data(self.directory)
+    for prefix in orphaned:
+      self.log(f"warning: checkpoint {prefix} has data files but no .index, so it cannot "
+               f"be read; training moves them to {UNREADABLE_DIR}/")
     unreadable: list[tuple[str, str]] = []
     for step, prefix in find(self.directory):
       try:
@@ -228,29 +252,23 @@ class CheckpointStore:
         self.log(f"warning: checkpoint {prefix} cannot be read ({first_line(e)}); "
                  "trying the next older one")
         continue
-      return Restored(step, prefix, unreadable, index_names)
+      return Restored(step, prefix, unreadable, index_names, orphaned)
     if unreadable:
       listed = "; ".join(f"{p}: {why}" for p, why in unreadable)
       raise NoReadableCheckpointError(
           f"none of the {len(unreadable)} checkpoints in {self.directory} can be read "
           f"({listed}); not starting from step 0 over them: move them elsewhere or use "
           "a new --logdir")
-    return Restored(None, None, [], index_names)
+    return Restored(None, None, [], index_names, orphaned)
 
   # -- making the directory consistent (writes) ----------------------------------------
 
   def repair(self, found: Restored) -> None:
-    """Sets aside what `restore_newest` could not read, removes interrupted saves and
-    makes the index list the checkpoints on disk; then saves may begin."""
+    """Sets aside what `restore_newest` could not read, removes interrupted saves, sets
+    aside data files without their `.index` and makes the index list the checkpoints
+    on disk; then saves may begin."""
     for prefix, _ in found.unreadable:
-      aside = os.path.join(self.directory, UNREADABLE_DIR)
-      os.makedirs(aside, exist_ok=True)
-      for name in os.listdir(self.directory):
-        if name.startswith(os.path.basename(prefix) + "."):
-          target = os.path.join(aside, name)
-          while os.path.exists(target):  # set aside before, at the same step
-            target += ".again"
-          os.replace(os.path.join(self.directory, name), target)
+      aside = self._set_aside(os.path.basename(prefix) + ".")
       self.log(f"Moved the unreadable checkpoint {prefix} to {aside}/ (kept, not used)")
     for leftover in interrupted_saves(self.directory):
       shutil.rmtree(leftover, ignore_errors=True)
@@ -259,6 +277,12 @@ class CheckpointStore:
       if _INTERRUPTED_INDEX_WRITE.match(name):
         os.remove(os.path.join(self.directory, name))
         self.log(f"Removed {name}, left by an index write that did not finish")
+    # Looked for again, after the interrupted saves are gone: a save killed between
+    # moving its data into place and writing the .index leaves such files too.
+    for prefix in orphaned_data(self.directory):
+      aside = self._set_aside(os.path.basename(prefix) + ".data-")
+      self.log(f"Moved the data files of checkpoint {prefix}, whose .index is missing, "
+               f"to {aside}/ (kept, not used)")
     on_disk = sorted(find(self.directory))
     if on_disk and found.index_names != on_disk[-1][1]:
       index = os.path.join(self.directory, "checkpoint")
@@ -276,6 +300,20 @@ class CheckpointStore:
     self._manager = tf.train.CheckpointManager(
         self.checkpoint, self.directory, max_to_keep=self.max_to_keep,
         checkpoint_name=CHECKPOINT_NAME)
+
+  def _set_aside(self, starting: str) -> str:
+    """Moves the files of the directory whose names start with `starting` into
+    `<dir>/unreadable/` (a name already there, set aside before at the same step, gets
+    '.again' appended), and returns that folder."""
+    aside = os.path.join(self.directory, UNREADABLE_DIR)
+    os.makedirs(aside, exist_ok=True)
+    for name in _names(self.directory):
+      if name.startswith(starting):
+        target = os.path.join(aside, name)
+        while os.path.exists(target):
+          target += ".again"
+        os.replace(os.path.join(self.directory, name), target)
+    return aside
 
   # -- saving ----------------------------------------------------------------------------
 

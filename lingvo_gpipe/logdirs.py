@@ -7,12 +7,28 @@
 Files are replaced atomically (`write_atomically`): a reader, or a run after a crash or
 a full disk, sees the old text or the new one, never a mix or nothing.
 
-A resumed run must be one its checkpoints can follow. Its model is checked by the
-restore itself (a variable of another shape or name does not restore); its training
-input is checked here: the checkpoints hold the input's position, which belongs to the
-input the run started with (another batch size, seed, or example set has other
-positions). Every other difference (max_steps, intervals, learning rate, eval input,
-pipeline layout …) is fine and is reported as a note.
+A resumed run must be one its checkpoints can follow. Each param that differs from
+params.txt falls in one row of RESUME_RULES (docs/trainer.md, "Resuming"):
+
+  allowed                       how the step runs (task.pipeline.*: K, splits,
+                                placement, schedule, micro-batches, recompute, token
+                                slices, replicas), compute dtype float32 ↔ bfloat16,
+                                the training loop's settings, the eval input
+  allowed with a consequence    float16 ↔ another compute dtype: the dynamic loss
+                                scale (float16's only) starts at its initial value,
+                                or is dropped
+  refused                       the training input (the checkpoints hold its
+                                position, which belongs to the input they started
+                                with): refused here, before anything is written
+  checked by the restore        everything else (the model's dimensions, layers,
+                                vocabulary, optimizer): a variable of another shape
+                                or name does not restore, and the restore names the
+                                first; a change of no variable (a dropout rate)
+                                trains on
+
+params.txt is read strictly: a line that is not `key : value`, or a value that does
+not parse as its key's type, is an error naming the line; `set_params_aside` (the
+trainer's --reset_params) moves a damaged one out of the way.
 """
 
 from __future__ import annotations
@@ -26,17 +42,56 @@ import socket
 import sys
 
 from lingvo_gpipe import checkpoints
-from lingvo_gpipe.core.hyperparams import Params
+from lingvo_gpipe.core.hyperparams import Params, ParamsError
 
 PARAMS_FILE = "params.txt"
 LOCK_FILE = "trainer.lock"
-# Keys of the training input that can change without invalidating its checkpointed
-# position: where the prepared data lives.
-_MOVABLE_INPUT_KEYS = frozenset({"train_input.data_dir"})
 # Expected to differ on every resume (the trainer's --max_steps): neither noted nor
 # a reason to keep the previous params.txt.
 _EXPECTED_TO_CHANGE = frozenset({"task.train.max_steps"})
 _ABSENT = "(absent)"
+
+ALLOWED = "allowed"
+CONSEQUENCE = "allowed with a consequence"
+REFUSED = "refused"
+CHECKED = "checked by the restore"
+
+
+@dataclasses.dataclass(frozen=True)
+class ResumeRule:
+  """Changes of the keys `keys` (a regular expression matching the whole key) fall in
+  row `verdict`, for the reason `why`."""
+  keys: str
+  verdict: str
+  why: str
+
+
+# The first rule whose keys match a changed key decides (the module docstring's table).
+RESUME_RULES = (
+    ResumeRule(r"train_input\.data_dir", ALLOWED, "where the prepared data lives"),
+    ResumeRule(r"train_input\..*", REFUSED, "the checkpoints hold the training input's "
+               "position, which belongs to the input they were written with"),
+    ResumeRule(r"task\.pipeline\..*", ALLOWED, "how the step runs, not what it trains: a "
+               "checkpoint keeps each weight under its own key, whatever the cells, "
+               "placement, schedule, micro-batches or replicas"),
+    ResumeRule(r"task(\..*)?\.fprop_dtype", ALLOWED, "the compute dtype: the weights and "
+               "optimizer slots stay in their own dtype"),
+    ResumeRule(r"task\.train\.optimizer\.cls", CHECKED, "another optimizer has other slots"),
+    ResumeRule(r"task\.train\..*", ALLOWED, "the training loop's settings"),
+    ResumeRule(r"eval_input\..*", ALLOWED, "evaluation only reads the checkpoints"),
+    ResumeRule(r".*", CHECKED, "a variable of another shape or name does not restore; a "
+               "change of no variable trains on"),
+)
+_FLOAT16_RULE = ResumeRule("", CONSEQUENCE, "float16 alone keeps a dynamic loss scale: "
+                           "it starts at its initial value, or is dropped")
+
+
+def resume_rule(key: str, old: str, new: str) -> ResumeRule:
+  """The row of RESUME_RULES a change of `key` from `old` to `new` (their text) falls in."""
+  rule = next(r for r in RESUME_RULES if re.fullmatch(r.keys, key))
+  if rule.keys.endswith("fprop_dtype") and "float16" in (old + new).replace("bfloat16", ""):
+    return _FLOAT16_RULE
+  return rule
 
 
 class LogdirError(ValueError):
@@ -162,59 +217,97 @@ def _check_writable_dir(logdir: str, name: str) -> None:
         pass
 
 
-def _leaves(text: str) -> dict[str, str]:
-  """'a.b : value' lines → {'a.b': 'value'} (the value's text, compared as text)."""
+def _leaves(text: str, path: str = PARAMS_FILE) -> dict[str, str]:
+  """'a.b : value' lines → {'a.b': 'value'} (the value's text, compared as text).
+  Raises LogdirError naming the first line that is not one (blank lines aside)."""
   leaves = {}
-  for line in text.splitlines():
+  for number, line in enumerate(text.splitlines(), 1):
+    if not line.strip():
+      continue
     key, sep, value = line.partition(" : ")
-    if sep:
-      leaves[key.strip()] = value
+    if not sep or not re.fullmatch(r"[A-Za-z0-9_.\[\]]+", key.strip()):
+      raise LogdirError(f"{path} line {number} is not 'key : value': {line[:80]!r}; it "
+                        "records the params of this logdir's checkpoints: restore it, or "
+                        "set it aside with --reset_params (the restore still checks the "
+                        "model against the checkpoint)")
+    leaves[key.strip()] = value
   return leaves
 
 
 @dataclasses.dataclass
 class ParamsChange:
-  """How a run's params differ from the logdir's params.txt: (key, old, new) triples."""
-  fine: list[tuple[str, str, str]]
-  incompatible: list[tuple[str, str, str]]
+  """How a run's params differ from the logdir's params.txt: (key, old, new, rule) per
+  differing key, in key order."""
+  changes: list[tuple[str, str, str, ResumeRule]]
+  has_checkpoints: bool = True
 
-  @staticmethod
-  def describe(changes: list[tuple[str, str, str]]) -> str:
-    return "; ".join(f"{key}: {old} -> {new}" for key, old, new in changes)
+  def of(self, verdict: str) -> list[tuple[str, str, str, ResumeRule]]:
+    return [c for c in self.changes if c[3].verdict == verdict]
+
+  def describe(self, separator: str = "\n  ", first: str | None = None) -> str:
+    """'key: old -> new (verdict: why)' per change, joined by `separator` (and led
+    by it, unless `first` says otherwise)."""
+    lead = separator if first is None else first
+    return lead + separator.join(f"{key}: {old} -> {new} ({rule.verdict}: {rule.why})"
+                                 for key, old, new, rule in self.changes)
 
 
 def compare_params(logdir: str, params: Params) -> ParamsChange | None:
-  """Compares `params` with <logdir>/params.txt; None if the logdir has none."""
+  """Compares `params` with <logdir>/params.txt; None if the logdir has none. Raises
+  LogdirError if params.txt is damaged: a line that is not `key : value`, or a value
+  of a key `params` has that does not parse as that key's type."""
+  path = os.path.join(logdir, PARAMS_FILE)
   previous = read_params_text(logdir)
   if previous is None:
     return None
-  old = _leaves(previous)
+  old = _leaves(previous, path)
   new = _leaves(params.to_text())
-  change = ParamsChange([], [])
+  _check_values(old, new, params, path)
+  has_checkpoints = bool(checkpoints.find(os.path.join(logdir, "train")))
+  change = ParamsChange([], has_checkpoints)
   for key in sorted(old.keys() | new.keys()):
     before, after = old.get(key, _ABSENT), new.get(key, _ABSENT)
     if before == after or key in _EXPECTED_TO_CHANGE:
       continue
-    follows = not key.startswith("train_input.") or key in _MOVABLE_INPUT_KEYS
-    (change.fine if follows else change.incompatible).append((key, before, after))
+    change.changes.append((key, before, after, resume_rule(key, before, after)))
   return change
 
 
-def check_resumable(logdir: str, params: Params) -> list[tuple[str, str, str]]:
+def _check_values(old: dict[str, str], new: dict[str, str], params: Params,
+                  path: str) -> None:
+  """Each changed value of params.txt parses as its key's type, where the key's value
+  in `params` round-trips through text (numbers, bools, strings, lists, dtypes)."""
+  probe = params.copy()
+  for key, value in old.items():
+    if key not in new or new[key] == value:
+      continue
+    try:
+      probe.set_from_text(key, value)
+    except (ParamsError, AttributeError, KeyError) as e:
+      try:
+        probe.set_from_text(key, new[key])
+      except (ParamsError, AttributeError, KeyError):
+        continue  # a value text cannot give back (an object): compared as text only
+      raise LogdirError(f"{path}: '{key} : {value[:80]}' is not a value of that key: "
+                        f"{str(e).splitlines()[0]}; restore params.txt, or set it aside "
+                        "with --reset_params") from None
+
+
+def check_resumable(logdir: str, params: Params) -> ParamsChange | None:
   """Raises IncompatibleParamsError if the checkpoints in `logdir` cannot follow
-  `params`; returns the differences that are fine (for a note)."""
+  `params` (a refused row of RESUME_RULES); returns how the params differ from
+  params.txt (None without one), for the trainer's note."""
   change = compare_params(logdir, params)
-  if change is None:
-    return []
-  if not checkpoints.find(os.path.join(logdir, "train")):
-    return sorted(change.fine + change.incompatible)  # nothing to follow yet
-  if change.incompatible:
+  if change is None or not change.has_checkpoints:
+    return change  # nothing to follow yet
+  refused = change.of(REFUSED)
+  if refused:
     raise IncompatibleParamsError(
         f"these params differ from {os.path.join(logdir, PARAMS_FILE)}, which its "
-        f"checkpoints were written with, and the checkpointed input position cannot "
-        f"follow them: {ParamsChange.describe(change.incompatible)}. Use a new --logdir, "
-        "or the params of params.txt")
-  return change.fine
+        "checkpoints were written with, and a resume cannot follow them: "
+        + ParamsChange(refused).describe(separator="; ", first="") + ". Use a new --logdir, or the "
+        "params of params.txt")
+  return change
 
 
 def _comparable(text: str) -> dict[str, str]:
@@ -233,12 +326,24 @@ def read_params_text(logdir: str) -> str | None:
   except (OSError, UnicodeDecodeError) as e:
     why = e.strerror if isinstance(e, OSError) else "not UTF-8 text"
     raise LogdirError(f"{path} cannot be read as params text ({why}); it records the "
-                      "params of this logdir's checkpoints: restore it, or use a new "
-                      "--logdir") from None
-  if text and not _leaves(text):
+                      "params of this logdir's checkpoints: restore it, set it aside with "
+                      "--reset_params, or use a new --logdir") from None
+  if not text.strip():
     raise LogdirError(f"{path} holds no 'key : value' lines; it records the params of "
-                      "this logdir's checkpoints: restore it, or use a new --logdir")
+                      "this logdir's checkpoints: restore it, set it aside with "
+                      "--reset_params, or use a new --logdir")
   return text
+
+
+def set_params_aside(logdir: str) -> str | None:
+  """Renames <logdir>/params.txt to params.txt.set_aside_<time> (kept, not deleted) so a
+  run can go on without it; returns the new path (None if there was none)."""
+  path = os.path.join(logdir, PARAMS_FILE)
+  if not os.path.lexists(path):
+    return None
+  aside = f"{path}.set_aside_{datetime.datetime.now():%Y%m%d_%H%M%S}"
+  os.rename(path, aside)
+  return aside
 
 
 def write_params(logdir: str, params: Params, step: int) -> None:

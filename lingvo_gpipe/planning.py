@@ -100,11 +100,12 @@ def machine(params: Params, stack: MainStack, costs: Sequence[layer_profiler.Lay
         work=layer_profiler.layer_work(stack.layer_params[heaviest], quarter),
         copies=lambda twin: calibration.step_memory(
             twin, stack.layer_params, stack.specs, costs, params.task.train.optimizer,
-            params.task.pipeline.stack_variables))
+            params.task.pipeline.stack_variables), log=setting.log)
+    hand_off = ("none (one device)" if len(setting.devices) < 2 else
+                f"{found.link_latency_s * 1e3:.3f} ms + {found.link_bytes_per_s / 1e9:.3g} GB/s")
     setting.log(f"Measured: {found.action_overhead_s * 1e3:.3f} ms per action, update "
                 f"{found.update_s_per_byte * 1e9:.3f} ns per weight byte, hand-off "
-                f"{found.link_latency_s * 1e3:.3f} ms + {found.link_bytes_per_s / 1e9:.3g} "
-                f"GB/s, {found.cores:.3g} device(s) computing at once at full speed, a "
+                f"{hand_off}, {found.cores:.3g} device(s) computing at once at full speed, a "
                 f"step's weight-sized buffers {found.weight_copies:.2g}× the weights "
                 f"({found.weight_copies_one:.2g}× at M=1), activations "
                 f"{found.activation_factor:.2g}× the layers' alone, a save's "

@@ -44,7 +44,8 @@ from lingvo_gpipe import checkpoints, logdirs, train_step
 from lingvo_gpipe.core import base_layer, loss_scale
 from lingvo_gpipe.core.hyperparams import Params
 from lingvo_gpipe.pipeline import hybrid, schedule_chart, tf_internals, timeline
-from lingvo_gpipe.pipeline.layer import PipelineError, requested_cells
+from lingvo_gpipe.pipeline.layer import requested_cells
+from lingvo_gpipe.preflight import check_batch_splits
 from lingvo_gpipe.tasks import base_task
 
 
@@ -61,6 +62,11 @@ def cyclic_gc_paused():
   finally:
     if was_enabled:
       gc.enable()
+
+
+# The checkpoint key of the dynamic loss scale's variables (saved only where a layer
+# computes in float16): the one difference a restore lets through.
+LOSS_SCALE_KEY = "loss_scale/"
 
 
 class TrainerError(RuntimeError):
@@ -124,35 +130,6 @@ def _build_replicas(task_params: Params) -> hybrid.Replicas:
   except hybrid.HybridError as e:
     raise hybrid.HybridError(f"task.pipeline.num_replicas: {e}") from None
   return hybrid.Replicas(tasks, [task.input_device for task in tasks])
-
-
-def check_batch_splits(params: Params) -> None:
-  """Refuses a training batch that cannot be split into the replicas and micro-batches
-  the params ask for, from the params alone, so that nothing is built first (the
-  schedule of M micro-batches is made when the pipeline is built: M = 10^9 would take
-  hours before the batch refused it).
-
-  Raises:
-    hybrid.HybridError, layer.PipelineError: ValueErrors naming the keys and what
-      would be valid.
-  """
-  batch = params.train_input.batch_size
-  pipeline = params.task.pipeline
-  num_replicas = pipeline.num_replicas
-  if not isinstance(num_replicas, int) or num_replicas < 1:
-    raise hybrid.HybridError(f"task.pipeline.num_replicas must be >= 1, got {num_replicas!r}")
-  if batch % num_replicas:
-    raise hybrid.HybridError(
-        f"train_input.batch_size={batch} is not divisible by task.pipeline.num_replicas="
-        f"{num_replicas}; use a multiple of {num_replicas}")
-  num_micro_batches = pipeline.num_micro_batches
-  per_replica = batch // num_replicas
-  if (requested_cells(pipeline) and isinstance(num_micro_batches, int)
-      and num_micro_batches > per_replica):  # (>= 1: check_pipeline_params)
-    shared = f" / {num_replicas} replicas" if num_replicas > 1 else ""
-    raise PipelineError(
-        f"task.pipeline.num_micro_batches={num_micro_batches} does not fit a batch of "
-        f"{per_replica} (train_input.batch_size={batch}{shared}); valid: 1..{per_replica}")
 
 
 class Trainer:
@@ -223,6 +200,13 @@ class Trainer:
       if status is not None:
         status.expect_partial()  # no warnings about it at exit: the error says it all
       differences = checkpoints.variable_mismatches(path, self.checkpoint)
+      if differences and all(d.startswith(LOSS_SCALE_KEY) for d in differences):
+        # float16 ↔ another dtype (docs/trainer.md, "Resuming"): everything else restored
+        self.log(f"Restored {path} without its loss scale: "
+                 + ("the loss scale starts at its initial value" if self.loss_scale is not None
+                    else "this run computes in no float16 and drops it"))
+        self.replicas.copy_from_first(self.optimizers)
+        return
       detail = "; ".join(differences) if differences else str(e).split("\n")[0]
       raise CheckpointMismatchError(
           f"checkpoint {path} does not match model: {detail}. Use a new --logdir, or "

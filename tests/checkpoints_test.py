@@ -97,6 +97,48 @@ def test_an_unreadable_newest_checkpoint_is_named_set_aside_and_the_older_one_us
   assert Model(saved).store.restore_newest().step == 30
 
 
+def test_data_whose_index_is_gone_is_set_aside_not_overwritten_by_the_next_save(saved):
+  (saved / "ckpt-30.index").unlink()
+  data = "ckpt-30.data-00000-of-00001"
+  before = files(saved)
+  model = Model(saved)
+  found = model.store.restore_newest()
+  assert found.step == 20 and found.orphaned == [str(saved / "ckpt-30")]
+  np.testing.assert_array_equal(model.value.numpy(), np.full([64, 64], 20.0))
+  assert any(str(saved / "ckpt-30") in line and "no .index" in line for line in model.log)
+  assert files(saved) == before  # the search changes nothing
+
+  model.store.repair(found)
+  assert not (saved / data).exists()
+  assert files(saved / checkpoints.UNREADABLE_DIR) == {data: before[data]}  # byte for byte
+  assert any(line.startswith(f"Moved the data files of checkpoint {saved / 'ckpt-30'}")
+             for line in model.log), model.log
+  # The same step again, other values: a new checkpoint, the moved bytes untouched.
+  model.value.assign(tf.fill([64, 64], 99.0))
+  model.store.save(30)
+  assert files(saved / checkpoints.UNREADABLE_DIR) == {data: before[data]}
+  assert files(saved)[data] != before[data]
+  restored = Model(saved)
+  assert restored.store.restore_newest().step == 30
+  np.testing.assert_array_equal(restored.value.numpy(), np.full([64, 64], 99.0))
+
+
+def test_data_of_a_save_in_flight_is_not_taken_for_an_orphan(saved):
+  """A save moves its data files out of ckpt-N_temp/ and writes the .index after; an
+  interrupted one is removed at start, and then its data files are set aside."""
+  (saved / "ckpt-40_temp").mkdir()
+  (saved / "ckpt-40.data-00000-of-00001").write_bytes(b"moved into place, no index yet")
+  assert checkpoints.orphaned_data(str(saved)) == []
+  model = Model(saved)
+  found = model.store.restore_newest()
+  assert found.step == 30 and found.orphaned == []
+  model.store.repair(found)
+  assert not (saved / "ckpt-40_temp").exists()
+  assert files(saved / checkpoints.UNREADABLE_DIR) == {
+      "ckpt-40.data-00000-of-00001": hashlib.sha256(b"moved into place, no index yet")
+      .hexdigest()}
+
+
 def test_when_no_checkpoint_can_be_read_the_run_refuses_and_changes_nothing(saved):
   for step in (10, 20, 30):
     os.truncate(saved / f"ckpt-{step}.data-00000-of-00001", 100)

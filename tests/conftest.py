@@ -1,4 +1,8 @@
-"""Test set-up: four logical CPU devices, configured before TensorFlow initializes."""
+"""Test set-up: four logical devices, configured before TensorFlow initializes.
+
+Logical CPUs by default; LINGVO_GPIPE_TEST_DEVICES=gpu:4:MEMORY_MB runs the tests that
+take `cpu_devices` on four logical GPUs instead (tools/gpu_check.sh).
+"""
 
 import os
 import sys
@@ -12,17 +16,20 @@ import tensorflow as tf  # noqa: E402
 from lingvo_gpipe.runtime.devices import configure_devices
 
 REPO = Path(__file__).resolve().parent.parent
-NUM_LOGICAL_CPUS = 4
+NUM_TEST_DEVICES = 4
+TEST_DEVICES = os.environ.get("LINGVO_GPIPE_TEST_DEVICES", f"cpu:{NUM_TEST_DEVICES}")
 
-configure_devices(f"cpu:{NUM_LOGICAL_CPUS}")
+_devices = configure_devices(TEST_DEVICES)
+if len(_devices) != NUM_TEST_DEVICES:
+  raise RuntimeError(f"LINGVO_GPIPE_TEST_DEVICES={TEST_DEVICES!r} gives {len(_devices)} "
+                     f"devices; the tests take {NUM_TEST_DEVICES}")
 tf.get_logger().setLevel("ERROR")
 
 
 @pytest.fixture
 def cpu_devices() -> list[str]:
-  devices = [d.name for d in tf.config.list_logical_devices("CPU")]
-  assert len(devices) == NUM_LOGICAL_CPUS
-  return devices
+  """The four test devices: logical CPUs (or GPUs, LINGVO_GPIPE_TEST_DEVICES)."""
+  return list(_devices)
 
 
 def run_trainer(*args: str, env: dict | None = None, timeout: int = 300):

@@ -1,5 +1,7 @@
 """Params: define, set, get, copy, freeze, iterate, text round trips, errors."""
 
+import re
+
 import pytest
 import tensorflow as tf
 
@@ -135,3 +137,25 @@ def test_everything_built_from_params_shares_one_base_that_refuses_unfrozen_para
   with pytest.raises(ParamsError, match=f"{params.cls.__name__} must be built from frozen"):
     params.cls(params)
   assert isinstance(params.instantiate(), params.cls)  # instantiate() freezes a copy
+
+
+def test_check_types_names_a_value_of_another_kind_than_its_default():
+  p = Params()
+  p.define("steps", 10, "")
+  p.define("rate", 0.5, "")
+  p.define("on", True, "")
+  p.define("name", "x", "")
+  p.define("anything", None, "")
+  child = Params()
+  child.define("dim", 4, "")
+  p.define("child", child, "")
+  p.set(rate=3, anything="whatever").check_types()  # an int is a float; None takes all
+  for key, value, message in [("steps", "10", "steps='10' is a str; this key takes an int"),
+                              ("steps", True, "steps=True is a bool"),
+                              ("on", 1, "on=1 is an int; this key takes a bool"),
+                              ("name", 7, "name=7 is an int; this key takes a str"),
+                              ("child.dim", 2.5, "child.dim=2.5 is a float")]:
+    q = p.copy().set(**{key: value})
+    with pytest.raises(ParamsError, match=re.escape(message)):
+      q.check_types()
+  p.copy().set(**{"steps": None}).check_types()  # None: not set

@@ -34,25 +34,56 @@ def test_a_changed_training_input_is_refused_naming_the_keys(tmp_path):
   with pytest.raises(logdirs.IncompatibleParamsError) as raised:
     logdirs.check_resumable(str(logdir), changed)
   message = str(raised.value)
-  assert "train_input.batch_size: 32 -> 16" in message and "train_input.seed: 1 -> 7" in message
+  assert "train_input.batch_size: 32 -> 16 (refused:" in message
+  assert "train_input.seed: 1 -> 7 (refused:" in message
   assert (logdir / "params.txt").read_text() == before
 
 
-def test_changes_its_checkpoints_can_follow_are_returned_as_notes(tmp_path):
+def test_each_change_falls_in_its_row_of_the_resume_rules(tmp_path):
   logdir = make_logdir(tmp_path)
   changed = demo_params(**{"task.train.max_steps": 99999, "task.train.log_interval_steps": 7,
-                           "eval_input.batch_size": 8,
-                           "task.train.optimizer.learning_rate": 0.5})
-  notes = logdirs.check_resumable(str(logdir), changed)
-  assert [key for key, _, _ in notes] == [
-      "eval_input.batch_size", "task.train.log_interval_steps",
-      "task.train.optimizer.learning_rate"]  # max_steps differs on every resume: no note
+                           "eval_input.batch_size": 8, "task.pipeline.num_cells": 2,
+                           "task.fprop_dtype": "bfloat16",
+                           "task.train.optimizer.learning_rate": 0.5,
+                           "task.softmax.num_classes": 3})
+  change = logdirs.check_resumable(str(logdir), changed)
+  rows = {key: rule.verdict for key, _, _, rule in change.changes}
+  assert rows == {  # max_steps differs on every resume: not a change
+      "eval_input.batch_size": logdirs.ALLOWED,
+      "task.fprop_dtype": logdirs.ALLOWED,
+      "task.pipeline.num_cells": logdirs.ALLOWED,
+      "task.softmax.num_classes": logdirs.CHECKED,
+      "task.train.log_interval_steps": logdirs.ALLOWED,
+      "task.train.optimizer.learning_rate": logdirs.ALLOWED}
+  float16 = logdirs.check_resumable(str(logdir), demo_params(**{"task.fprop_dtype": "float16"}))
+  assert [rule.verdict for *_, rule in float16.changes] == [logdirs.CONSEQUENCE]
+  assert "loss scale" in float16.describe()
 
 
 def test_without_a_checkpoint_any_change_is_only_a_note(tmp_path):
   logdir = make_logdir(tmp_path, with_checkpoint=False)
-  notes = logdirs.check_resumable(str(logdir), demo_params(**{"train_input.batch_size": 16}))
-  assert [key for key, _, _ in notes] == ["train_input.batch_size"]
+  change = logdirs.check_resumable(str(logdir), demo_params(**{"train_input.batch_size": 16}))
+  assert not change.has_checkpoints
+  assert [key for key, *_ in change.changes] == ["train_input.batch_size"]
+
+
+@pytest.mark.parametrize("line, damage, named", [
+    ("task.train.max_steps : 200", "task.train.max_steps 200", "is not 'key : value'"),
+    ("task.softmax.num_classes : 10", "task.softmax.num_classes : banana",
+     "'task.softmax.num_classes : banana' is not a value of that key")])
+def test_a_damaged_params_txt_is_refused_naming_the_line(tmp_path, line, damage, named):
+  logdir = make_logdir(tmp_path)
+  text = (logdir / "params.txt").read_text()
+  assert line in text
+  damaged = text.replace(line, damage)
+  (logdir / "params.txt").write_text(damaged)
+  with pytest.raises(logdirs.LogdirError) as raised:
+    logdirs.check_resumable(str(logdir), demo_params())
+  assert named in str(raised.value) and "--reset_params" in str(raised.value)
+  assert (logdir / "params.txt").read_text() == damaged
+  aside = logdirs.set_params_aside(str(logdir))
+  assert open(aside).read() == damaged and not (logdir / "params.txt").exists()
+  assert logdirs.check_resumable(str(logdir), demo_params()) is None
 
 
 def test_params_txt_keeps_the_params_it_replaces(tmp_path):
@@ -135,7 +166,8 @@ def test_a_failed_params_write_keeps_the_old_params_txt(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("content, why", [(bytes(range(256)), "not UTF-8 text"),
-                                          (b"just words\n", "holds no 'key : value' lines")])
+                                          (b"just words\n", "line 1 is not 'key : value'"),
+                                          (b"\n \n", "holds no 'key : value' lines")])
 def test_a_params_txt_that_is_not_params_text_is_refused_naming_it(tmp_path, content, why):
   logdir = make_logdir(tmp_path)
   (logdir / "params.txt").write_bytes(content)

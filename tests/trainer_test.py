@@ -141,7 +141,8 @@ def test_a_resumed_run_is_checked_before_it_writes_and_a_failed_save_loses_nothi
   full = run_with_file_size_limit(64 * 1024, MODEL, f"--logdir={logdir}", "--max_steps=20",
                                   f"--params_override={EVERY_10};task.train.log_interval_steps=5")
   assert full.returncode == 1, full.stderr
-  assert "Note: params that differ" in full.stdout and "log_interval_steps: 10 -> 5" in full.stdout
+  assert "Resuming with params that differ" in full.stdout
+  assert "log_interval_steps: 10 -> 5 (allowed: " in full.stdout
   assert full.stderr.count("\n") == 1, full.stderr
   assert f"could not write checkpoint {logdir / 'train' / 'ckpt-20'}" in full.stderr
   assert "File too large" in full.stderr
@@ -251,6 +252,23 @@ def test_bad_input_exits_2_with_a_named_error(args, message):
      r"task.pipeline.num_micro_batches=1000000000 does not fit a batch of 32 .* valid: 1..32"),
     ([], "import sys\nsys.exit(0)\n",
      r"param file .*broken\.py, line 2 does not load: it calls sys.exit\(0\)"),
+    # Pre-flight (lingvo_gpipe/preflight.py): refused before the logdir is made.
+    (["--model=lm.TransformerTiny", "--devices=cpu:2",
+      "--params_override=task.pipeline.num_token_slices=13"], "",
+     r"task.pipeline: num_token_slices=13 must be in 1..12 \(the sequence length\)"),
+    (["--model=lm.TransformerTiny", "--devices=cpu:2", "--params_override="
+      "task.pipeline.num_token_slices=2;task.pipeline.token_slice_lengths=[5, 5]"], "",
+     r"token_slice_lengths=\[5, 5\] must sum to the sequence length 12, not 10"),
+    (["--model=lm.TransformerTiny", "--devices=cpu:2", "--mode=train_and_eval",
+      "--params_override=eval_input.sequence_length=8"], "",
+     r"eval_input: synthetic_lm_eval: need 1 <= min_length <= max_length <= "
+     r"sequence_length - 2"),
+    (["--model=lm.TransformerTiny", "--devices=cpu:2", "--params_override=task.fprop_dtype=14"],
+     "", r"task.fprop_dtype=14 is not a dtype; valid: a name such as \['float32'"),
+    (["--params_override=task.fprop_dtype=True"], "", r"task.fprop_dtype=True is not a dtype"),
+    (["--devices=cpu:2", "--params_override=task.pipeline.num_cells=3;"
+      "task.pipeline.round_robin_devices=False"], "",
+     r"task.pipeline: 3 cells need 3 device\(s\); there are 2"),
 ])
 def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, args, file_text, message):
   param_file = tmp_path / "broken.py"
@@ -565,3 +583,48 @@ def test_ctrl_c_stops_after_the_step_in_flight_flushing_its_summaries(tmp_path):
   tf.train.load_checkpoint(latest)  # intact
   summarized = scalar_tags(logdir / "train")["loss"]
   assert 20 in summarized and max(summarized) < 100, summarized  # (at 20, 40, ...)
+
+
+def test_resume_rules_say_which_row_each_change_falls_in(tmp_path):
+  """docs/trainer.md's resume table through the binary: float32 → float16 resumes with
+  the loss scale at its start, and back; a changed shape is refused naming the
+  variable, with the logdir unchanged."""
+  logdir = tmp_path / "run"
+  lm = ["--model=lm.TransformerTiny", "--devices=cpu:2", f"--logdir={logdir}"]
+  assert run_trainer(*lm, "--max_steps=1").returncode == 0
+  half = run_trainer(*lm, "--max_steps=2", "--params_override=task.fprop_dtype='float16';"
+                     "task.pipeline.num_cells=1")
+  assert half.returncode == 0, half.stderr
+  assert "task.fprop_dtype: None -> 'float16' (allowed with a consequence: " in half.stdout
+  assert "task.pipeline.num_cells: 2 -> 1 (allowed: " in half.stdout
+  assert "without its loss scale: the loss scale starts at its initial value" in half.stdout
+  back = run_trainer(*lm, "--max_steps=3")
+  assert back.returncode == 0 and "drops it" in back.stdout, back.stderr
+  before = digest(logdir / "train")
+  narrower = run_trainer(*lm, "--max_steps=4", "--params_override="
+                         "task.stack.layers[1].hidden_dim=128")
+  assert narrower.returncode == 2 and narrower.stderr.count("\n") == 1, narrower.stderr
+  assert "(checked by the restore: " in narrower.stdout
+  assert "does not match model" in narrower.stderr and "shape" in narrower.stderr
+  assert digest(logdir / "train") == before
+
+
+def test_a_damaged_params_txt_is_refused_naming_its_line_and_can_be_set_aside(tmp_path):
+  logdir = tmp_path / "run"
+  args = [MODEL, f"--logdir={logdir}", f"--params_override={FAST}"]
+  assert run_trainer(*args, "--max_steps=20").returncode == 0
+  params_txt = logdir / "params.txt"
+  damaged = params_txt.read_text().replace("task.train.max_steps : 20",
+                                           "task.train.max_steps 20")
+  params_txt.write_text(damaged)
+  before = files(logdir)
+  refused = run_trainer(*args, "--max_steps=21")
+  assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
+  assert re.search(r"params.txt line \d+ is not 'key : value': 'task.train.max_steps 20'",
+                   refused.stderr) and "--reset_params" in refused.stderr
+  assert files(logdir) == before
+  reset = run_trainer(*args, "--max_steps=21", "--reset_params")
+  assert reset.returncode == 0, reset.stderr
+  aside = list(logdir.glob("params.txt.set_aside_*"))
+  assert len(aside) == 1 and aside[0].read_text() == damaged
+  assert "Resuming from checkpoint" in reset.stdout

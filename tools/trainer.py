@@ -74,6 +74,9 @@ flags.DEFINE_string("cost_cache", "~/.cache/lingvo_gpipe/layer_costs.json", "--m
                     "--plan: the file measured per-layer costs and machine figures are kept "
                     "in (a plan is redone quickly once they are there); empty: measure "
                     "every time.")
+flags.DEFINE_bool("reset_params", False, "Train modes: set <logdir>/params.txt aside "
+                  "(renamed, kept) before the run, e.g. a damaged one that cannot be read; "
+                  "the restore still checks the model against the checkpoint.")
 flags.DEFINE_string("data_dir", None, "Prepared TFDS data for the model's TFDS inputs "
                     "(sets train_input.data_dir and eval_input.data_dir).")
 
@@ -335,6 +338,10 @@ def _run(state: RunState) -> int:
     with _bad_params_are_usage_errors():
       _inspect_model(params)
     return 0
+  from lingvo_gpipe.preflight import preflight
+
+  with _bad_params_are_usage_errors():  # before anything is written or built
+    preflight(params, FLAGS.mode, devices)
   if FLAGS.mode == "plan":
     with _bad_params_are_usage_errors():
       return _plan(params, devices)
@@ -434,13 +441,23 @@ def _check_logdir_flags(params: Params) -> tuple[int, int] | None:
 
 def _note_changed_params(params: Params) -> None:
   """Refuses (logdirs.LogdirError) params the logdir's checkpoints cannot follow, and
-  notes those that differ from its params.txt but are fine for them."""
+  notes how the others differ from its params.txt, each with its row of the resume
+  rules (logdirs.RESUME_RULES). --reset_params first sets params.txt aside."""
   from lingvo_gpipe import logdirs
 
-  changed = logdirs.check_resumable(FLAGS.logdir, params)
-  if changed:
-    print(f"Note: params that differ from {os.path.join(FLAGS.logdir, 'params.txt')} "
-          f"(fine for its checkpoints): {logdirs.ParamsChange.describe(changed)}")
+  if FLAGS.reset_params:
+    aside = logdirs.set_params_aside(FLAGS.logdir)
+    if aside:
+      print(f"Set {os.path.join(FLAGS.logdir, 'params.txt')} aside as {aside} "
+            "(--reset_params); the restore still checks the model against the checkpoint")
+  change = logdirs.check_resumable(FLAGS.logdir, params)
+  if change is not None and change.changes:
+    path = os.path.join(FLAGS.logdir, "params.txt")
+    if not change.has_checkpoints:
+      print(f"Note: params that differ from {path} (no checkpoint yet to follow):"
+            + change.describe())
+    else:
+      print(f"Resuming with params that differ from {path}:" + change.describe())
 
 
 def _tensorboard_command() -> str:
@@ -477,9 +494,8 @@ def _train_or_eval(params: Params, profile_steps: tuple[int, int] | None,
     print(f"Logs and checkpoints are in {FLAGS.logdir}; look at them with: "
           f"{_tensorboard_command()} --logdir={FLAGS.logdir}")
   except trainer_lib.CheckpointMismatchError as e:
-    differing = (logdirs.compare_params(FLAGS.logdir, params)
-                 or logdirs.ParamsChange([], []))
-    keys = [key for key, _, _ in differing.fine + differing.incompatible]
+    differing = logdirs.compare_params(FLAGS.logdir, params) or logdirs.ParamsChange([])
+    keys = [key for key, _, _, _ in differing.changes]
     shown = f" (params that differ from params.txt: {', '.join(keys)})" if keys else ""
     raise UsageFailure(f"{e}{shown}") from None
   except (checkpoints.CheckpointError, tf.errors.OpError) as e:

@@ -102,10 +102,14 @@ def resolve_fprop_dtype(value: Any, path: str = "") -> tf.DType:
   Raises:
     ParamsError: naming the value and the valid ones.
   """
-  try:
-    dtype = tf.as_dtype(value)
-  except TypeError:
-    dtype = None
+  dtype = None
+  # Only names and DTypes: tf.as_dtype also takes TensorFlow's enum numbers (14 is
+  # bfloat16, 1 float32, True is 1), which a mistyped override would pass silently.
+  if isinstance(value, (str, tf.dtypes.DType)):
+    try:
+      dtype = tf.as_dtype(value)
+    except TypeError:
+      pass
   if dtype not in FPROP_DTYPES:
     where = f"{path}: " if path else ""
     raise hyperparams.ParamsError(

@@ -17,10 +17,12 @@ import ast
 import copy as copy_lib
 import difflib
 import importlib
+import numbers
 import re
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import tensorflow as tf
 
 _INDEXED_KEY = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)\[(\d+)\]$")
@@ -32,16 +34,43 @@ class ParamsError(ValueError):
 
 
 class _Param:
-  """One named value with its description."""
+  """One named value with its description, and the kind of value its default declares
+  (bool, int, float or str; None for anything else, which any value may replace)."""
 
-  def __init__(self, name: str, default: Any, description: str):
+  def __init__(self, name: str, default: Any, description: str, kind: type | None = None):
     self.name = name
     self.value = default
     self.description = description
+    self.kind = kind if kind is not None else _declared_kind(default)
 
   def __deepcopy__(self, memo):
     # Classes, dtypes and functions are shared; everything else is copied.
-    return _Param(self.name, copy_lib.deepcopy(self.value, memo), self.description)
+    return _Param(self.name, copy_lib.deepcopy(self.value, memo), self.description, self.kind)
+
+  def admits(self, value: Any) -> bool:
+    """Whether `value` is of the declared kind (None always is: "not set")."""
+    if self.kind is None or value is None:
+      return True
+    if self.kind is bool:
+      return isinstance(value, (bool, np.bool_))
+    if isinstance(value, (bool, np.bool_)):
+      return False
+    if self.kind is int:
+      return isinstance(value, numbers.Integral)
+    if self.kind is float:
+      return isinstance(value, numbers.Real)
+    return isinstance(value, self.kind)
+
+
+def _a(noun: str) -> str:
+  return f"an {noun}" if noun[0] in "aeiou" else f"a {noun}"
+
+
+def _declared_kind(default: Any) -> type | None:
+  for kind in (bool, int, float, str):  # bool first: it is an int too
+    if type(default) is kind:
+      return kind
+  return None
 
 
 def _is_class(value: Any) -> bool:
@@ -262,6 +291,20 @@ class Params:
       node, leaf = self._resolve(name)
       setattr(node, leaf, value)
     return self
+
+  def check_types(self, prefix: str = "") -> None:
+    """Raises ParamsError naming the first leaf whose value is not of the kind its
+    default declares (a number where a str is taken, a str or a bool where a number
+    is, a number where a bool is); None is taken everywhere."""
+    for name, param in self._params.items():
+      key = f"{prefix}{name}"
+      values = param.value if isinstance(param.value, (list, tuple)) else [param.value]
+      if all(isinstance(v, Params) for v in values) and values:
+        for i, child in enumerate(values):
+          child.check_types(f"{key}[{i}]." if param.value is not child else f"{key}.")
+      elif not param.admits(param.value):
+        raise ParamsError(f"{key}={param.value!r} is {_a(type(param.value).__name__)}; "
+                          f"this key takes {_a(param.kind.__name__)}")
 
   def description(self, name: str) -> str:
     node, leaf = self._resolve(name)

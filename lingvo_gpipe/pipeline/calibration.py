@@ -10,6 +10,7 @@ the second; the concurrency: on all of them at once). A few seconds in all.
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -21,15 +22,26 @@ from lingvo_gpipe.core import layers
 from lingvo_gpipe.pipeline import step_model
 
 
-def _median_call_s(fn: Callable[[], Any], runs: int = 7) -> float:
-  """Median wall seconds of fn(), its result fetched, after one warm-up call."""
+def _call_times_s(fn: Callable[[], Any], runs: int = 7) -> list[float]:
+  """Wall seconds of each of `runs` calls of fn(), its result fetched, after one warm-up
+  call."""
   np.asarray(fn())
   times = []
   for _ in range(runs):
     start = time.perf_counter()
     np.asarray(fn())
     times.append(time.perf_counter() - start)
-  return float(np.median(times))
+  return times
+
+
+def _median_call_s(fn: Callable[[], Any], runs: int = 7) -> float:
+  """Median wall seconds of fn(), its result fetched, after one warm-up call."""
+  return float(np.median(_call_times_s(fn, runs)))
+
+
+def _spread_s(times: Sequence[float]) -> float:
+  """The median absolute deviation of `times`: how far one call's time strays."""
+  return float(np.median(np.abs(np.asarray(times) - np.median(times))))
 
 
 def action_overhead_s(device: str, few: int = 2, many: int = 18) -> float:
@@ -211,12 +223,46 @@ def update_s_per_byte(device: str, optimizer_params: Any, num_variables: int = 8
   return max(seconds, 0.0) / nbytes
 
 
-def link(source: str, target: str, sizes: Sequence[int] = (2**16, 2**22)
-         ) -> tuple[float, float]:
+@dataclasses.dataclass(frozen=True)
+class LinkFit:
+  """A hand-off's latency and rate fitted to two sizes' times (`fit_link`); floored: the
+  hand-off was faster than the timing resolves, and the rate is the fastest it could
+  tell apart (a lower bound on the hand-off's)."""
+  latency_s: float
+  bytes_per_s: float
+  floored: bool
+
+
+def fit_link(sizes: Sequence[int], seconds: Sequence[float], resolution_s: float
+             ) -> LinkFit:
+  """The line through (size, seconds) at the two `sizes`: latency its value at 0 (never
+  below 0), rate 1 / its slope. A slope the timing cannot resolve (below resolution_s
+  over the sizes' difference: the larger hand-off took less extra time than a time
+  measurement strays, 0 or less included) is floored there, so the rate stays finite:
+  a lower bound on the hand-off's, which is faster."""
+  if not resolution_s > 0:
+    raise ValueError(f"resolution_s={resolution_s!r} is not a positive number of seconds")
+  slope = (seconds[1] - seconds[0]) / (sizes[1] - sizes[0])
+  least = resolution_s / (sizes[1] - sizes[0])
+  floored = not slope >= least
+  slope = least if floored else slope
+  return LinkFit(max(seconds[0] - slope * sizes[0], 0.0), 1.0 / slope, floored)
+
+
+def link(source: str, target: str, sizes: Sequence[int] = (2**16, 2**22),
+         log: Callable[[str], None] = print) -> tuple[float, float]:
   """(latency seconds, bytes per second) of a hand-off from `source` to `target`:
   a float32 tensor of each size in bytes read on `source` and summed on `target`,
-  less the same sum on `source`, and the line through the two."""
-  seconds = []
+  less the same sum on `source`, and the line through the two (`fit_link`).
+
+  The timing resolves no finer than the calls' times stray: at each size, the median
+  absolute deviations of its calls on `target` and on `source` added (what the
+  difference of their medians may be off by), the larger size's or the smaller's,
+  whichever is more, and at least the clock's resolution. A hand-off faster than
+  that, a same-device one say, gets the rate that resolution gives, and `log` says it
+  was floored: a finite rate for the cost cache (JSON has no infinity), one at which
+  the plan sees the hand-off about as free as it is."""
+  seconds, spreads = [], []
   for nbytes in sizes:
     with tf.device(source):
       held = tf.Variable(tf.ones([nbytes // 4]), name="calibration_link")
@@ -229,11 +275,17 @@ def link(source: str, target: str, sizes: Sequence[int] = (2**16, 2**22)
           return tf.reduce_sum(tf.identity(value))
       return fn
 
-    seconds.append(max(_median_call_s(summed_on(target)) -
-                       _median_call_s(summed_on(source)), 0.0))
-  slope = (seconds[1] - seconds[0]) / (sizes[1] - sizes[0])
-  latency = max(seconds[0] - slope * sizes[0], 0.0)
-  return latency, (1.0 / slope if slope > 0 else float("inf"))
+    on_target, on_source = _call_times_s(summed_on(target)), _call_times_s(summed_on(source))
+    seconds.append(max(float(np.median(on_target) - np.median(on_source)), 0.0))
+    spreads.append(_spread_s(on_target) + _spread_s(on_source))
+  resolution = max(max(spreads), time.get_clock_info("perf_counter").resolution)
+  fit = fit_link(sizes, seconds, resolution)
+  if fit.floored:
+    log(f"Note: the hand-off from {source} to {target} is too fast to time (a "
+        f"{sizes[1] - sizes[0]}-byte difference took {seconds[1] - seconds[0]:.3g} s, "
+        f"within the timing's {resolution:.3g} s); its rate is floored at "
+        f"{fit.bytes_per_s / 1e9:.3g} GB/s")
+  return fit.latency_s, fit.bytes_per_s
 
 
 def concurrency(devices: Sequence[str], work: Callable[[str], Callable[[], Any]] | None = None,
@@ -293,19 +345,27 @@ def _matmul_chain(device: str, size: int = 384, chain: int = 16) -> Callable[[],
 def measure_machine(devices: Sequence[str], memory_bytes: float, optimizer_params: Any,
                     slot_factor: float,
                     work: Callable[[str], Callable[[], Any]] | None = None,
-                    copies: Callable[[str], StepMemory] | None = None
-                    ) -> step_model.Machine:
+                    copies: Callable[[str], StepMemory] | None = None,
+                    log: Callable[[str], None] = print) -> step_model.Machine:
   """A Machine for `devices`, the figures measured on them as above (`work`: what
   `concurrency` runs; `copies(device)`: the model's `step_memory`, measured on the
-  first device's local twin; the formula's without)."""
+  first device's local twin; the formula's without; `log`: notes on what was
+  measured).
+
+  Every figure is finite (the cost cache keeps them as JSON, which has no infinity):
+  `cores` is at most len(devices), which the step model reads as concurrency's inf
+  (every device at full speed); a lone device's link, which nothing ever crosses (no
+  hand-off between devices, no all-reduce), the largest float in place of inf."""
   from lingvo_gpipe.pipeline import layer_profiler
 
-  latency, rate = link(devices[0], devices[1]) if len(devices) > 1 else (0.0, float("inf"))
+  latency, rate = (link(devices[0], devices[1], log=log) if len(devices) > 1
+                   else (0.0, sys.float_info.max))
   twin = layer_profiler.local_twin(devices[0])
   memory = copies(twin) if copies is not None and twin is not None else StepMemory()
   return step_model.Machine(
       num_devices=len(devices), memory_bytes=memory_bytes, slot_factor=slot_factor,
       action_overhead_s=action_overhead_s(devices[0]),
       update_s_per_byte=update_s_per_byte(devices[0], optimizer_params),
-      link_latency_s=latency, link_bytes_per_s=rate, cores=concurrency(devices, work),
+      link_latency_s=latency, link_bytes_per_s=rate,
+      cores=min(concurrency(devices, work), float(len(devices))),
       allreduce_bytes_per_s=rate, **dataclasses.asdict(memory))

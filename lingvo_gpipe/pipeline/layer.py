@@ -141,6 +141,22 @@ def check_pipeline_params(p: hyperparams.Params, path: str) -> None:
                           f"not have; its devices: {available_devices()}")
 
 
+def token_slice_lengths(p: hyperparams.Params, length: int, path: str) -> list[int]:
+  """The lengths of pipeline params `p`'s num_token_slices slices of a `length`-token
+  sequence: token_slice_lengths (which must sum to it) or near-equal ones (at most
+  one slice per token). Raises PipelineError naming the value."""
+  given = p.token_slice_lengths
+  if given is not None:
+    if sum(given) != length:
+      raise PipelineError(f"{path}: token_slice_lengths={list(given)} must sum to the "
+                          f"sequence length {length}, not {sum(given)}")
+    return list(given)
+  try:
+    return token_slices.slice_lengths(length, p.num_token_slices)
+  except ValueError as e:
+    raise PipelineError(f"{path}: {e}") from None
+
+
 class PipeliningLayer(BaseLayer):
   """GPipe over `layers`: K cells on K devices, M micro-batches, re-materialization.
 
@@ -408,17 +424,7 @@ class PipeliningLayer(BaseLayer):
       raise PipelineError(f"{self.path}: num_token_slices={num_slices} needs every input "
                           "and head input shaped [batch, tokens, ...] with one static "
                           f"number of tokens; their axis 1: {sorted(map(str, lengths))}")
-    length = lengths.pop()
-    given = self.params.token_slice_lengths
-    if given is not None:
-      if sum(given) != length:
-        raise PipelineError(f"{self.path}: token_slice_lengths={list(given)} must sum to the "
-                            f"sequence length {length}, not {sum(given)}")
-      return list(given)
-    try:
-      return token_slices.slice_lengths(length, num_slices)
-    except ValueError as e:
-      raise PipelineError(f"{self.path}: {e}") from None
+    return token_slice_lengths(self.params, lengths.pop(), self.path)
 
   def _in_fprop_dtype(self, inputs: Any) -> Any:
     """The pipeline's nested inputs [B, ...] with the floating ones cast to the compute

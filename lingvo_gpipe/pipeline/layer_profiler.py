@@ -13,6 +13,8 @@ is only ever a shortcut: a file that cannot be read as one is reported and measu
 around (never overwritten, since it may be the user's file given by mistake); a
 directory is refused, and so is a cache that would have to be written where it
 cannot be (checked before measuring; a read-only cache that holds the costs is read).
+It holds only finite numbers: JSON has no Infinity or NaN, and other readers refuse
+them.
 """
 
 from __future__ import annotations
@@ -623,7 +625,16 @@ def cached_record(path: str, key_parts: Sequence[Any], measure: Callable[[], Any
                   warn: Callable[[str], None], decode: Callable[[Any], Any],
                   encode: Callable[[Any], Any]) -> Any:
   """`cached_layer_costs` for any record: `decode(entry)` raises TypeError or
-  ValueError on an entry it cannot use; `encode(record)` gives its JSON value."""
+  ValueError on an entry it cannot use; `encode(record)` gives its JSON value.
+
+  Only finite numbers are written (strict JSON): other entries that hold Infinity or
+  NaN (written before that was checked) are left out, with a warning, and measured
+  again when asked for.
+
+  Raises:
+    ValueError: `encode(record)` holds a number that is not finite (the message names
+      the key and where in the record); nothing is written.
+  """
   check_cache_path(path)
   key = hashlib.sha256(json.dumps([str(k) for k in key_parts]).encode()).hexdigest()[:16]
   stored, why_not = _read_cache(path)
@@ -639,15 +650,41 @@ def cached_record(path: str, key_parts: Sequence[Any], measure: Callable[[], Any
            "measuring again")
   _check_writable(path)
   record = measure()
-  stored[key] = encode(record)
+  encoded = encode(record)
+  where = _not_finite_at(encoded)
+  if where is not None:
+    named = f" ({str(key_parts[0])[:60]})" if key_parts else ""
+    raise ValueError(f"cost cache {path}: the record for key {key}{named} holds {where}, "
+                     "not a finite number (JSON has none); the cache is not written")
+  stale = sorted(k for k, entry in stored.items()
+                 if k != key and _not_finite_at(entry) is not None)
+  if stale:
+    warn(f"warning: cost cache {path}: left out the entries {', '.join(stale)}, which hold "
+         "Infinity or NaN (not JSON); they are measured again when needed")
+  stored = {k: entry for k, entry in stored.items() if k not in stale}
+  stored[key] = encoded
   try:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path + ".tmp", "w") as f:
-      json.dump(stored, f)
+      json.dump(stored, f, allow_nan=False)
     os.replace(path + ".tmp", path)
   except OSError as e:  # e.g. a full disk: the record is measured all the same
     warn(f"warning: cost cache {path} not saved ({e})")
   return record
+
+
+def _not_finite_at(value: Any, where: str = "") -> str | None:
+  """Where the first number in `value` (JSON-like: dicts, lists, numbers) that is not
+  finite is, as "[0]['forward_s']=inf"; None if every number is finite."""
+  if isinstance(value, (float, np.floating)) and not np.isfinite(value):
+    return f"{where or 'the value'}={value!r}"
+  items = (value.items() if isinstance(value, dict)
+           else enumerate(value) if isinstance(value, (list, tuple)) else ())
+  for name, item in items:
+    found = _not_finite_at(item, f"{where}[{name!r}]")
+    if found is not None:
+      return found
+  return None
 
 
 def _read_cache(path: str) -> tuple[dict, str | None]:

@@ -1,0 +1,150 @@
+"""The run checked as a whole before anything is written: `preflight(params, mode, devices)`.
+
+The trainer binary calls it after reading the params and setting up the devices, and
+before it creates the logdir, takes its lock or builds a model. It raises the first
+ParamsError (exit 2: one line naming the key, the value and what is valid) of:
+
+  types       every leaf of the kind its default declares (Params.check_types: a
+              number where a number is taken, a bool where a bool, a str where a str)
+  dtypes      every `*dtype` param: None, a dtype's name or a tf.DType; never a number
+              or a bool (tf.as_dtype takes TensorFlow's enum numbers: 14 is bfloat16)
+  inputs      every input the mode reads, made (not read): train_input for training,
+              eval_input for evaluation (its own checks, e.g. a sequence length its
+              data cannot give, and missing prepared data)
+  pipeline    task.pipeline's values (check_pipeline_params), its micro-batches and
+              replicas against the training batch, its token slices against the
+              sequence length of the training batch (slices ≤ tokens, given lengths
+              summing to it), its cells against the devices
+  train       task.train's values (check_train_params)
+
+What needs the model itself (splits against its layers, a layer that cannot run on
+token slices) is still found when the model is built, before anything is written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import tensorflow as tf
+
+from lingvo_gpipe.core import base_layer
+from lingvo_gpipe.core.hyperparams import Params, ParamsError
+from lingvo_gpipe.pipeline import hybrid
+from lingvo_gpipe.pipeline.layer import (
+  PipelineError,
+  check_pipeline_params,
+  requested_cells,
+  token_slice_lengths,
+)
+from lingvo_gpipe.tasks.base_task import check_train_params
+
+TRAIN_MODES = ("train", "train_and_eval")
+EVAL_MODES = ("eval", "train_and_eval")
+
+
+def preflight(params: Params, mode: str, devices: Sequence[str] = ()) -> None:
+  """Raises ParamsError naming the first value of `params` the run in `mode` on
+  `devices` (the cells' devices, in order) would refuse later."""
+  params.check_types()
+  check_dtypes(params)
+  train_spec = None
+  if mode in TRAIN_MODES or mode == "plan":
+    train_spec = _made("train_input", params.train_input).batch_spec()
+  if mode in EVAL_MODES and params.eval_input is not None:
+    _made("eval_input", params.eval_input)
+  task = params.task
+  if "pipeline" in task:
+    check_pipeline_params(task.pipeline, "task.pipeline")
+    if train_spec is not None:
+      check_batch_splits(params)
+      _check_slices_against_tokens(task.pipeline, train_spec)
+    _check_cells_against_devices(task.pipeline, devices)
+  if "train" in task and mode in TRAIN_MODES:
+    check_train_params(task.train)
+
+
+def check_dtypes(params: Params) -> None:
+  """Every leaf whose key ends in 'dtype' holds None, a dtype's name or a tf.DType."""
+  for key, value in params.flatten():
+    if not key.rsplit(".", 1)[-1].endswith("dtype") or value is None:
+      continue
+    if isinstance(value, tf.dtypes.DType):
+      continue
+    if isinstance(value, str):
+      try:
+        tf.as_dtype(value)
+        continue
+      except TypeError:
+        pass
+    valid = [d.name for d in base_layer.FPROP_DTYPES]
+    raise ParamsError(f"{key}={value!r} is not a dtype; valid: a name such as {valid}, a "
+                      "tf.DType, or None (not a number or a bool)")
+
+
+def _made(key: str, input_params: Params) -> Any:
+  """The input generator `input_params` describes, made (its checks run), or a
+  ParamsError naming `key`."""
+  try:
+    return input_params.instantiate()
+  except ParamsError as e:
+    message = str(e)
+    raise ParamsError(message if message.startswith(key) else f"{key}: {message}") from None
+
+
+def check_batch_splits(params: Params) -> None:
+  """Refuses a training batch that cannot be split into the replicas and micro-batches
+  the params ask for, from the params alone, so that nothing is built first (the
+  schedule of M micro-batches is made when the pipeline is built: M = 10^9 would take
+  hours before the batch refused it).
+
+  Raises:
+    hybrid.HybridError, layer.PipelineError: ValueErrors naming the keys and what
+      would be valid.
+  """
+  batch = params.train_input.batch_size
+  pipeline = params.task.pipeline
+  num_replicas = pipeline.num_replicas
+  if not isinstance(num_replicas, int) or num_replicas < 1:
+    raise hybrid.HybridError(f"task.pipeline.num_replicas must be >= 1, got {num_replicas!r}")
+  if batch % num_replicas:
+    raise hybrid.HybridError(
+        f"train_input.batch_size={batch} is not divisible by task.pipeline.num_replicas="
+        f"{num_replicas}; use a multiple of {num_replicas}")
+  num_micro_batches = pipeline.num_micro_batches
+  per_replica = batch // num_replicas
+  if (requested_cells(pipeline) and isinstance(num_micro_batches, int)
+      and num_micro_batches > per_replica):  # (>= 1: check_pipeline_params)
+    shared = f" / {num_replicas} replicas" if num_replicas > 1 else ""
+    raise PipelineError(
+        f"task.pipeline.num_micro_batches={num_micro_batches} does not fit a batch of "
+        f"{per_replica} (train_input.batch_size={batch}{shared}); valid: 1..{per_replica}")
+
+
+def _check_slices_against_tokens(pipeline: Params, spec: Any) -> None:
+  """Token slices against the training batch's tokens (axis 1 of its [B, T, ...]
+  tensors, where they agree on one T)."""
+  if requested_cells(pipeline) and pipeline.num_token_slices > 1:
+    tokens = {t.shape[1] for t in tf.nest.flatten(spec) if t.shape.rank and t.shape.rank >= 2}
+    if len(tokens) == 1 and None not in tokens:
+      token_slice_lengths(pipeline, tokens.pop(), "task.pipeline")
+
+
+def _check_cells_against_devices(pipeline: Params, devices: Sequence[str]) -> None:
+  """K / V cells per replica need that many devices, R replicas R times as many,
+  unless round_robin_devices allows wrapping."""
+  cells = requested_cells(pipeline)
+  if not cells or not devices:
+    return
+  placed_on = list(pipeline.devices) or list(devices)
+  per_replica = max(cells // pipeline.virtual_stages, 1)
+  replicas = pipeline.num_replicas if "num_replicas" in pipeline else 1
+  needed = per_replica * replicas
+  if needed > len(placed_on) and (replicas > 1 or not pipeline.round_robin_devices):
+    what = (f"{replicas} replicas × {per_replica}" if replicas > 1 else f"{per_replica}")
+    raise PipelineError(
+        f"task.pipeline: {cells} cells" + (f" (virtual_stages={pipeline.virtual_stages})"
+                                           if pipeline.virtual_stages > 1 else "")
+        + f" need {what} device(s); there are {len(placed_on)}: {placed_on}. Give more "
+        "(--devices=cpu:N, gpu:N or a cluster)" + ("" if replicas > 1 else
+                                                  ", or set round_robin_devices=True"))
