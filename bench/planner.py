@@ -325,6 +325,7 @@ def summary(errors: list[float]) -> dict:
 
 
 def main() -> None:
+  global LOGICAL_DEVICES
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--only", default="", help="comma-separated plan names ('none': "
                       "only --versus_default and the planner's time)")
@@ -332,14 +333,13 @@ def main() -> None:
   parser.add_argument("--steps", type=int, default=8, help="training steps per run")
   parser.add_argument("--no_plan_time", action="store_true")
   parser.add_argument("--logs", default=None, help="keep the runs' logdirs here")
-  parser.add_argument("--logical_devices", default=LOGICAL_DEVICES,
+  parser.add_argument("--logical_devices", default="cpu:{n}",
                       help="the logical setting's --devices, {n} the count (e.g. "
                       "gpu:{n}:8192: one GPU split, an allocator per logical GPU)")
   parser.add_argument("--versus_default", default="Lm",
                       help="the family to run today's default against --plan=auto with "
                       "('' for none)")
   args = parser.parse_args()
-  global LOGICAL_DEVICES
   LOGICAL_DEVICES = args.logical_devices
   names = ([] if args.only == "none" else
            [n for n in (args.only.split(",") if args.only else PLANS)])

@@ -142,3 +142,32 @@ def test_the_audit_binary_finds_the_shipped_model_clean():
       timeout=600)
   assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
   assert '"clean": true' in result.stdout.splitlines()[-1]
+
+
+def test_a_host_device_inside_a_loop_body_is_ignored_but_a_call_keeps_it(cpu_devices):
+  """A While's body runs every op on the loop's device (seen on a GPU): a Timestamp
+  there that names the host is a GPU op; inside a function call it stays on the host."""
+  @tf.function(experimental_attributes=tf_internals.NOT_INLINED, autograph=False)
+  def clock():
+    with on_host(cpu_devices[1], "a call's body keeps its devices"):
+      return tf.timestamp()
+
+  def step(x, call: bool):
+    with tf.device(cpu_devices[1]):
+      def body(i, t):
+        if call:
+          return i + 1, clock()
+        with on_host(cpu_devices[1], "ignored in a loop's body"):
+          return i + 1, tf.timestamp()
+      return tf_internals.unlowered(lambda: tf.while_loop(
+          lambda i, _: i < 2, body, (tf.constant(0), tf.constant(0.0, tf.float64))))
+
+  def report(call):
+    graph = tf.function(lambda x: step(x, call)).get_concrete_function(
+        tf.TensorSpec([], tf.float32)).graph
+    return placement_audit.audit(graph, stand_in_gpu, lambda nd: nd.op != "Timestamp")
+
+  in_body = report(call=False)
+  assert [(e.op_type, e.device) for e in in_body.without_kernel] == [("Timestamp", "GPU:0")]
+  in_call = report(call=True)
+  assert in_call.clean and [e.op_type for e in in_call.on_host] == ["Timestamp"]

@@ -23,7 +23,8 @@ hand-off received):
 
 An uneven split has two micro-batch shapes; each has its own F and B branch (the
 cell's functions are traced once per shape); W has a branch per group size. Each
-action's start and end are timestamped on the device (the measured timeline).
+action's start (its inbox there) and end (its Case done) are timestamped on the
+device's host, around the Case in the loop's body (the measured timeline).
 
 Token slices (`plan.num_token_slices` S > 1): the table's rows are units (m, j), m's
 rows sliced along axis 1 as well; a shape class is a (rows, tokens) pair. A cell with
@@ -367,12 +368,6 @@ def _read_group(ring: Sequence[tf.TensorArray], size: int, first: tf.Tensor, n: 
   return [tf.concat(p, axis=0) if n > 1 else p[0] for p in parts], ring
 
 
-def _after(tensors: Sequence[Any], deps: Sequence[Any]) -> list[Any]:
-  """`tensors`, passed on once `deps` have run."""
-  with tf.control_dependencies([d for d in deps if d is not None]):
-    return [tf.identity(t) for t in tensors]
-
-
 @dataclasses.dataclass(frozen=True)
 class StepInputs:
   """What the actions read of the step besides the loop state.
@@ -419,7 +414,7 @@ class ActionArgs(NamedTuple):
 
 # An action: (the cell's state, its arguments) → (the state updated, its start and
 # end timestamps).
-ActionResult = tuple[CellState, tf.Tensor, tf.Tensor]
+ActionResult = CellState
 
 
 class Handler(NamedTuple):
@@ -537,25 +532,19 @@ class CellLoop:
     head = (_slice(self.step_inputs.head_inputs, row.offset, rows, row.token_offset, tokens)
             if self.cell.head else [])
     cache = self._cache_entries(state.cache, row, sig.cache, row.token_slice > 0)
-    start = _timestamp(self.cell.device, flat + head + cache)
-    flat, head = _after(flat, [start]), _after(head, [start])
     outputs, stats, saved, cache = self.cell.forward(sig, flat, head, self.step_inputs.step,
                                                      self._call_info(row), cache)
     kept = state.outputs
     if self.following is not None:
-      sent = self.following.forward.send(outputs)
+      self.following.forward.send(outputs)
     else:
-      sent = []
       kept = [ta.write(row.micro_batch, t) for ta, t in zip(state.outputs, outputs)]
     stash = list(state.stash)
     stash[c] = [ta.write(row.stash_slot, _stashed(t)) for ta, t in zip(stash[c], saved)]
-    state = state._replace(
+    return state._replace(
         outputs=kept, stash=stash,
         stats=[ta.write(row.micro_batch, t) for ta, t in zip(state.stats, stats)],
         cache=self._write_cache(state.cache, row, cache))
-    end = _timestamp(self.cell.device,
-                     list(outputs) + list(saved) + list(stats) + list(cache), sent)
-    return state, start, end
 
   def backward(self, c: int, state: CellState, args: ActionArgs) -> ActionResult:
     """B: the backward of the row's unit of shape class c on its stash slot; input
@@ -576,14 +565,13 @@ class CellLoop:
     cache = self._cache_entries(state.cache, row, sig.cache, True)
     cache_grads = self._cache_entries(state.cache_grads, row, sig.cache,
                                       row.token_slice < self.num_token_slices - 1)
-    start = _timestamp(cell.device, seeds + saved + cache + cache_grads)
-    seeds = _after(seeds, [start])
     input_grads, cache_grads, sums, product_inputs, product_grads = cell.backward(
         sig, saved, seeds, state.sums, self.step_inputs.step, self._call_info(row), cache,
         cache_grads)
-    sent = self.previous.backward.send(input_grads) if self.previous is not None else []
+    if self.previous is not None:
+      self.previous.backward.send(input_grads)
     later_slices = row.token_slice > 0  # whose backwards still need the cache
-    state = state._replace(
+    return state._replace(
         cache=self._write_cache(state.cache, row, cache, later_slices),
         cache_grads=self._write_cache(state.cache_grads, row, cache_grads, later_slices),
         stash=stash, sums=sums,
@@ -591,23 +579,18 @@ class CellLoop:
                         zip(state.product_inputs, product_inputs)],
         product_grads=[ta.write(row.product_slot, t) for ta, t in
                        zip(state.product_grads, product_grads)])
-    end = _timestamp(cell.device, list(input_grads) + list(sums) + list(product_inputs)
-                     + list(product_grads) + list(cache_grads), sent)
-    return state, start, end
 
   def weight_gradient(self, n: int, state: CellState, args: ActionArgs) -> ActionResult:
     """W of a group of n backwards: their product slots, from the row's first one,
     concatenated → one product per projection, added to the sums."""
-    start = _timestamp(self.cell.device, list(state.sums))
     sig, first = self.signatures[0], args.row.first_product_slot
     inputs, product_inputs = _read_group(
         state.product_inputs, self.product_slots, first, n, sig.product_inputs)
     grads, product_grads = _read_group(
         state.product_grads, self.product_slots, first, n, sig.product_grads)
-    sums = self.cell.weight_gradients(_after(state.sums, [start]), inputs, grads)
-    end = _timestamp(self.cell.device, list(sums))
-    return (state._replace(sums=sums, product_inputs=product_inputs,
-                           product_grads=product_grads), start, end)
+    sums = self.cell.weight_gradients(state.sums, inputs, grads)
+    return state._replace(sums=sums, product_inputs=product_inputs,
+                          product_grads=product_grads)
 
 
 @dataclasses.dataclass
@@ -657,9 +640,17 @@ class DeviceLoop:
                       if handler.receives is not None else None)
           args = ActionArgs(row, received)
           branches[handler.branch] = (lambda j=j, run=handler.run, args=args:
-                                      self._step(state, i, j, run, args))
-      cells, times = tf_internals.unlowered(
-          lambda: tf.switch_case(row.branch, [branches[b] for b in range(len(branches))]))
+                                      self._step(state, j, run, args))
+      # The action's timestamps are taken here, around its Case, not inside the branch:
+      # a host op in a branch can lose its device when Grappler inlines the branch into
+      # the loop's body on a GPU (seen on an H200: "No registered 'Timestamp' OpKernel
+      # for 'GPU'"); an op of the body itself keeps it.
+      start = _timestamp(self.device, tf.nest.flatten(state.inbox) + [i])
+      with tf.control_dependencies([start]):
+        cells = tf_internals.unlowered(
+            lambda: tf.switch_case(row.branch, [branches[b] for b in range(len(branches))]))
+      end = _timestamp(self.device, _flows(cells))
+      times = state.times.write(i, tf.stack([start, end]))
       inbox = self._prefetch(state.inbox, tf.gather(table, i + 1)[COLUMNS.receive])
       return i + 1, LoopState(cells, times, inbox)
 
@@ -680,25 +671,43 @@ class DeviceLoop:
     return dict(zip(order, final.cells)), final.times
 
   @staticmethod
-  def _step(state: LoopState, i: tf.Tensor, j: int,
+  def _step(state: LoopState, j: int,
             run: Callable[[CellState, ActionArgs], ActionResult], args: ActionArgs
-            ) -> tuple[list[CellState], tf.TensorArray]:
+            ) -> list[CellState]:
     """A Case branch: the action of the device's j-th cell → every cell's state (j's
-    updated) and the timestamps with the action's written at row i."""
-    cell_state, start, end = run(state.cells[j], args)
+    updated)."""
     cells = list(state.cells)
-    cells[j] = cell_state
-    return cells, state.times.write(i, tf.stack([start, end]))
+    cells[j] = run(state.cells[j], args)
+    return cells
 
 
-def _timestamp(device: str | None, wait_for: Sequence[Any], also: Sequence[Any] = ()
-               ) -> tf.Tensor:
-  """The time once `wait_for` (tensors) and `also` (ops) are done, read on `device`'s
-  host (on a GPU: once the host has dispatched them, timeline.py)."""
-  deps = [t for t in list(wait_for) + list(also) if t is not None]
-  with tf.control_dependencies(deps), on_host(
-      device, "Timestamp has CPU kernels only: the host's clock, 8 bytes per stamp"):
-    return tf.timestamp()
+def _flows(structure: Any) -> list[tf.Tensor]:
+  """Every tensor of `structure`, a TensorArray by its flow: what depends on all of it."""
+  return [x.flow if isinstance(x, tf.TensorArray) else x for x in tf.nest.flatten(structure)]
+
+
+def _timestamp(device: str | None, wait_for: Sequence[Any]) -> tf.Tensor:
+  """The time once `wait_for` (tensors) are done, read on `device`'s host (on a GPU:
+  once the host has dispatched them, timeline.py)."""
+  with tf.control_dependencies([t for t in wait_for if t is not None]):
+    return _host_clock(device)()
+
+
+@functools.cache
+def _host_clock(device: str | None) -> Callable[[], tf.Tensor]:
+  """A call that reads the clock of `device`'s host: float64 [] seconds.
+
+  A call of its own (never inlined), because a While's or Case's body runs every op on
+  the loop's device, whatever device an op names (seen on an H200: "No registered
+  'Timestamp' OpKernel for 'GPU'"); a function call partitions its body by device, so
+  the Timestamp in it runs on the host (placement_audit walks bodies the same way).
+  """
+  @tf.function(experimental_attributes=tf_internals.NOT_INLINED, autograph=False)
+  def clock() -> tf.Tensor:
+    with on_host(device, "Timestamp has CPU kernels only: the host's clock, 8 bytes per "
+                 "stamp, two per action"):
+      return tf.timestamp()
+  return clock
 
 
 def _shape_classes(sizes: Sequence[Any]) -> tuple[list[Any], list[int]]:

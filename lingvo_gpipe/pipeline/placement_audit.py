@@ -10,7 +10,9 @@ traced step alone, before any GPU is there:
     walk `graph` and every function it calls (the cells' calls, the devices' While
     loops, their Case branches, gradient functions), each function once per device it
     runs on; an op without a device of its own runs on the device of the op that calls
-    its function (a device of its own is merged over that one, field by field)
+    its function; a device of its own is merged over that one, field by field, in a
+    function call's body, and ignored in a While's, Case's or If's body (those run
+    every op on the loop's device: an op there cannot be put on the host)
     → every op whose device is a GPU (gpu_index(device) is its index) is checked
       against the kernel registry as it would be on that GPU (its type, its dtypes);
       host ops are sorted into deliberate ones (made within `on_host`, which states
@@ -120,8 +122,16 @@ def audit(graph: Any, gpu_index: Callable[[tf.DeviceSpec], int | None],
   with its device set to that GPU (tests pass their own).
   """
   walker = _Walker(tf_internals.called_functions(graph), gpu_index, has_kernel)
-  walker.walk(graph, tf.DeviceSpec(), explicit=False, reason="")
+  walker.walk(graph, tf.DeviceSpec(), explicit=False, reason="", single_device=False)
   return walker.report
+
+
+# Ops whose functions run as single-device functions on the op's own device: every op
+# of the body there, whatever device it names (a While on a GPU ran a Timestamp of its
+# body that named the host on the GPU, on an H200). A function call (PartitionedCall,
+# StatefulPartitionedCall) instead partitions its function by the devices its ops name.
+_SINGLE_DEVICE_BODIES = ("While", "StatelessWhile", "Case", "StatelessCase", "If",
+                         "StatelessIf")
 
 
 class _Walker:
@@ -130,16 +140,19 @@ class _Walker:
     self.gpu_index = gpu_index
     self.has_kernel = has_kernel
     self.report = AuditReport()
-    self._walked: set[tuple[str, str, bool, str]] = set()
+    self._walked: set[tuple[str, str, bool, str, bool]] = set()
     self._kernels: dict[tuple, bool] = {}
 
-  def walk(self, graph: Any, device: tf.DeviceSpec, explicit: bool, reason: str) -> None:
-    """graph's ops run on `device` unless they name their own; `explicit`: some op up
-    the call chain named a device (else the placer chooses); `reason`: why the op
-    calling this graph runs on the host ("" if it does not say)."""
+  def walk(self, graph: Any, device: tf.DeviceSpec, explicit: bool, reason: str,
+           single_device: bool) -> None:
+    """graph's ops run on `device` unless they name their own (and `single_device` is
+    false: the body of a While, Case or If runs all its ops on the caller's device);
+    `explicit`: some op up the call chain named a device (else the placer chooses);
+    `reason`: why the op calling this graph runs on the host ("" if it does not say)."""
     for op in graph.get_operations():
       node_def = op.node_def
-      own = tf.DeviceSpec.from_string(node_def.device) if node_def.device else None
+      own = (tf.DeviceSpec.from_string(node_def.device)
+             if node_def.device and not single_device else None)
       placed = device.make_merged_spec(own) if own is not None else device
       named = explicit or own is not None
       if HOST_REASON in node_def.attr:
@@ -147,8 +160,9 @@ class _Walker:
       else:
         op_reason = reason if own is None or own.device_type is None else ""
       self._check(op, node_def, placed, named, op_reason)
+      one_device = op.type in _SINGLE_DEVICE_BODIES
       for name in _called(node_def):
-        key = (name, placed.to_string(), named, op_reason)
+        key = (name, placed.to_string(), named, op_reason, one_device)
         if key in self._walked:
           continue
         self._walked.add(key)
@@ -156,7 +170,7 @@ class _Walker:
         if body is None:
           self.report.unreadable_functions.add(name)
         else:
-          self.walk(body, placed, named, op_reason)
+          self.walk(body, placed, named, op_reason, one_device)
 
   def _check(self, op: Any, node_def: Any, placed: tf.DeviceSpec, named: bool,
              reason: str) -> None:
