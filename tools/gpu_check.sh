@@ -40,11 +40,11 @@ trap 'rm -rf "$WORK"' EXIT
 if [[ -n "${REHEARSAL:-}" ]]; then
   KIND=cpu; GPU4="cpu:4"; GPU2="cpu:2"; SPLIT="cpu:{n}"; AMOEBA_DEVICES="cpu:{k}"
   AMOEBA_ARGS="--sizes 3x8,3x16 --image_size 32 --batch 8 --modes naive,pipeline-2"
-  STEPS=3; TRAIN_STEPS=2; SLICE_ARGS="--workers 2 --slices 1,2 --length 64 --steps 2"
+  STEPS=3; TRAIN_STEPS=2; SLICE_ARGS="--workers 2 --slices 1,2 --length 64 --steps 2 --weight_gradient_group S"
 else
   KIND=gpu; GPU4="gpu:4:${TEST_GPU_MB:-4096}"; GPU2="gpu:2:8192"; SPLIT="gpu:{n}:8192"
   AMOEBA_DEVICES="gpu:{k}:8192"; AMOEBA_ARGS="--modes naive,pipeline-1,pipeline-2,pipeline-4"
-  STEPS=30; TRAIN_STEPS=100; SLICE_ARGS="--workers 4 --slices 1,4"
+  STEPS=30; TRAIN_STEPS=100; SLICE_ARGS="--workers 4 --slices 1,4 --weight_gradient_group S"
 fi
 
 tf_sees_gpu() {
@@ -65,6 +65,12 @@ if [[ $KIND == gpu ]] && ! tf_sees_gpu "$PYTHON"; then
     "$PYTHON" -c "import tensorflow as tf; print(tf.config.list_physical_devices())" >&2
     exit 1
   fi
+fi
+
+# This project importable by PYTHON as installed (params/ and tools/ are packages there).
+if ! "$PYTHON" -c "import lingvo_gpipe, lingvo_gpipe_params, lingvo_gpipe.tools" 2>/dev/null; then
+  echo "== installing this project into $PYTHON (no dependencies)"
+  "$PYTHON" -m pip install -q --no-deps --no-build-isolation -e . || exit 1
 fi
 
 failed=()

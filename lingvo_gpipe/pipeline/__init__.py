@@ -18,6 +18,8 @@
   timeline.py       the measured schedule: spans, busy fractions, bubble
   schedule_chart.py the measured schedule drawn for TensorBoard
   tf_internals.py   the TensorFlow behaviours relied on beyond its documented API
+  placement_audit.py where a traced step's ops would run, and whether a GPU kernel
+                    admits each; `on_host`, ops on the host on purpose
   hybrid.py         R replicas of a pipeline, gradients averaged by all-reduce
 """
 
