@@ -309,3 +309,36 @@ def test_kernel_registry_matches_type_constraints():
   assert tf_internals.registered_kernel(node)
   node.attr["T"].type = tf.string.as_datatype_enum
   assert tf_internals.registered_kernel(node) == b""
+
+
+def test_a_loop_body_runs_on_the_loops_device_and_a_call_keeps_its_own(cpu_devices, tmp_path):
+  """tf_internals item 16, from what executed: an op of a While's body that names
+  another device runs on the loop's device; inside a function call it runs where it
+  names (placement_audit walks bodies so; device_loop's host clock relies on it)."""
+  from pipeline_placement_test import executed_ops
+
+  @tf.function(experimental_attributes=tf_internals.NOT_INLINED, autograph=False)
+  def elsewhere(x):
+    with tf.device(cpu_devices[2]):
+      return tf.math.cos(x, name="called_elsewhere")
+
+  def step(call: bool):
+    @tf.function
+    def fn(x):
+      with tf.device(cpu_devices[1]):
+        def body(i, x):
+          if call:
+            return i + 1, elsewhere(x)
+          with tf.device(cpu_devices[2]):
+            return i + 1, tf.math.sin(x, name="named_elsewhere")
+        return tf_internals.unlowered(lambda: tf.while_loop(
+            lambda i, _: i < 2, body, (tf.constant(0), x)))
+    return lambda: fn(tf.constant(1.0))
+
+  def ran_on(call: bool, op_type: str) -> set:
+    ran = executed_ops(step(call), str(tmp_path / f"dump_{call}"))
+    return {tf.DeviceSpec.from_string(d).device_index for _, _, t, d in ran if t == op_type}
+
+  loop, named = (tf.DeviceSpec.from_string(d).device_index for d in cpu_devices[1:3])
+  assert ran_on(call=False, op_type="Sin") == {loop}
+  assert ran_on(call=True, op_type="Cos") == {named}

@@ -641,10 +641,7 @@ class DeviceLoop:
           args = ActionArgs(row, received)
           branches[handler.branch] = (lambda j=j, run=handler.run, args=args:
                                       self._step(state, j, run, args))
-      # The action's timestamps are taken here, around its Case, not inside the branch:
-      # a host op in a branch can lose its device when Grappler inlines the branch into
-      # the loop's body on a GPU (seen on an H200: "No registered 'Timestamp' OpKernel
-      # for 'GPU'"); an op of the body itself keeps it.
+      # The action's timestamps, around its Case (each a call of the host clock).
       start = _timestamp(self.device, tf.nest.flatten(state.inbox) + [i])
       with tf.control_dependencies([start]):
         cells = tf_internals.unlowered(
@@ -698,9 +695,9 @@ def _host_clock(device: str | None) -> Callable[[], tf.Tensor]:
   """A call that reads the clock of `device`'s host: float64 [] seconds.
 
   A call of its own (never inlined), because a While's or Case's body runs every op on
-  the loop's device, whatever device an op names (seen on an H200: "No registered
-  'Timestamp' OpKernel for 'GPU'"); a function call partitions its body by device, so
-  the Timestamp in it runs on the host (placement_audit walks bodies the same way).
+  the loop's device, whatever device an op names (tf_internals item 16; on an H200:
+  "No registered 'Timestamp' OpKernel for 'GPU'"); a function call partitions its body
+  by device, so the Timestamp in it runs on the host.
   """
   @tf.function(experimental_attributes=tf_internals.NOT_INLINED, autograph=False)
   def clock() -> tf.Tensor:

@@ -127,9 +127,9 @@ def audit(graph: Any, gpu_index: Callable[[tf.DeviceSpec], int | None],
 
 
 # Ops whose functions run as single-device functions on the op's own device: every op
-# of the body there, whatever device it names (a While on a GPU ran a Timestamp of its
-# body that named the host on the GPU, on an H200). A function call (PartitionedCall,
-# StatefulPartitionedCall) instead partitions its function by the devices its ops name.
+# of the body there, whatever device it names (tf_internals item 16). A function call
+# (PartitionedCall, StatefulPartitionedCall) partitions its function by the devices
+# its ops name.
 _SINGLE_DEVICE_BODIES = ("While", "StatelessWhile", "Case", "StatelessCase", "If",
                          "StatelessIf")
 

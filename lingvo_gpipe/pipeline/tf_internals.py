@@ -122,6 +122,16 @@ test named beside it, then `TENSORFLOW_CHECKED` is updated.
     node in the function library): `placement_audit.on_host` records there why an op
     runs on the host. Pinned by `tests/placement_audit_test.py` (the reason is read
     back from the traced step's library, and the step's results are unchanged).
+16. A functional While's (or Case's, If's) body runs as a single-device function: every
+    op of it runs on the loop's device, whatever device the op names; a function call
+    (PartitionedCall) partitions its body by the devices its ops name. So an op that
+    must run elsewhere than the loop's device (the timeline's host clock,
+    `device_loop._host_clock`) goes through a never-inlined call, and
+    `placement_audit` ignores the named devices of ops in control-flow bodies. Seen
+    first on an H200 (a Timestamp named on the host ran on the GPU, which has no
+    kernel for it). Pinned by
+    `tests/tf_internals_test.py::test_a_loop_body_runs_on_the_loops_device_and_a_call_keeps_its_own`
+    (from what executed, on logical CPUs).
 """
 
 from __future__ import annotations
