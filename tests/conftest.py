@@ -19,9 +19,9 @@ REPO = Path(__file__).resolve().parent.parent
 NUM_TEST_DEVICES = 4
 TEST_DEVICES = os.environ.get("LINGVO_GPIPE_TEST_DEVICES", f"cpu:{NUM_TEST_DEVICES}")
 
-_devices = configure_devices(TEST_DEVICES)
-if len(_devices) != NUM_TEST_DEVICES:
-  raise RuntimeError(f"LINGVO_GPIPE_TEST_DEVICES={TEST_DEVICES!r} gives {len(_devices)} "
+TEST_DEVICE_NAMES = configure_devices(TEST_DEVICES)
+if len(TEST_DEVICE_NAMES) != NUM_TEST_DEVICES:
+  raise RuntimeError(f"LINGVO_GPIPE_TEST_DEVICES={TEST_DEVICES!r} gives {len(TEST_DEVICE_NAMES)} "
                      f"devices; the tests take {NUM_TEST_DEVICES}")
 tf.get_logger().setLevel("ERROR")
 
@@ -29,7 +29,7 @@ tf.get_logger().setLevel("ERROR")
 @pytest.fixture
 def cpu_devices() -> list[str]:
   """The four test devices: logical CPUs (or GPUs, LINGVO_GPIPE_TEST_DEVICES)."""
-  return list(_devices)
+  return list(TEST_DEVICE_NAMES)
 
 
 def run_trainer(*args: str, env: dict | None = None, timeout: int = 300):

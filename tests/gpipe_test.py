@@ -5,6 +5,7 @@ import itertools
 import numpy as np
 import pytest
 import tensorflow as tf
+from conftest import TEST_DEVICE_NAMES
 from numerics import assert_all_close, assert_close
 
 from lingvo_gpipe import train_step
@@ -353,7 +354,7 @@ def test_round_robin_cells_share_one_loop_per_device(reference, cpu_devices):
     (dict(splits=[0, 8]), r"bad splits \[0, 8\]"),
     (dict(splits=[4, 9]), r"bad splits \[4, 9\].*in 1..8"),
     (dict(splits=[3, 6]), r"bad splits \[3, 6\].*must end at .* 8"),
-    (dict(num_cells=4, devices=["/device:CPU:0", "/device:CPU:1"]),
+    (dict(num_cells=4, devices=TEST_DEVICE_NAMES[:2]),
      r"4 cells but only 2 device\(s\)"),
     (dict(recompute="sometimes"), "recompute must be one of"),
     (dict(schedule="zigzag"),
@@ -386,7 +387,7 @@ def test_more_micro_batches_than_examples_is_named(cpu_devices):
 def test_round_robin_places_several_cells_per_device(cpu_devices):
   model = model_params(gpipe.PipeliningLayer, num_cells=4, devices=cpu_devices[:2],
                        round_robin_devices=True).instantiate()
-  assert [_device(d) for d in model.cell_devices] == [("CPU", 0), ("CPU", 1)] * 2
+  assert [_device(d) for d in model.cell_devices] == [_device(d) for d in cpu_devices[:2]] * 2
 
 
 def test_micro_batch_sizes_are_near_equal():

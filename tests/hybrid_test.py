@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 import tensorflow as tf
+from conftest import TEST_DEVICE_NAMES
 from numerics import assert_close
 
 from lingvo_gpipe.core import base_layer, layers, optimizers
@@ -158,7 +159,7 @@ def test_the_trainer_with_two_replicas_equals_one_pipeline_and_resumes_them_equa
   hybrid_run = demo_trainer(tmp_path / "r2", "task.pipeline.num_micro_batches=2;"
                             "task.pipeline.num_replicas=2")
   assert [t.input_device for t in hybrid_run.replicas.replicas] == [
-      single.task.input_device, tf.config.list_logical_devices("CPU")[2].name]
+      single.task.input_device, TEST_DEVICE_NAMES[2]]
   losses_hybrid = []
   hybrid_run.train(3, on_step=lambda _, v: losses_hybrid.append(float(v["loss"])))
   assert_close(losses_hybrid, losses_single, dtype=np.float32)
