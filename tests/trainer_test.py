@@ -586,25 +586,27 @@ def test_ctrl_c_stops_after_the_step_in_flight_flushing_its_summaries(tmp_path):
 
 
 def test_resume_rules_say_which_row_each_change_falls_in(tmp_path):
-  """docs/trainer.md's resume table through the binary: float32 → float16 resumes with
-  the loss scale at its start, and back; a changed shape is refused naming the
-  variable, with the logdir unchanged."""
+  """docs/trainer.md's resume table through the binary: float32 → float16 (and K 1 → 2)
+  resumes with the loss scale at its start, and back; a changed shape is refused
+  naming the variable, with the logdir unchanged."""
   logdir = tmp_path / "run"
-  lm = ["--model=lm.TransformerTiny", "--devices=cpu:2", f"--logdir={logdir}"]
-  assert run_trainer(*lm, "--max_steps=1").returncode == 0
-  half = run_trainer(*lm, "--max_steps=2", "--params_override=task.fprop_dtype='float16';"
-                     "task.pipeline.num_cells=1")
+  args = [MODEL, "--devices=cpu:2", f"--logdir={logdir}"]
+  fast = FAST.replace("task.train.save_interval_steps=20", "task.train.save_interval_steps=1")
+  assert run_trainer(*args, "--max_steps=1", f"--params_override={fast}").returncode == 0
+  half = run_trainer(*args, "--max_steps=2", f"--params_override={fast};"
+                     "task.fprop_dtype='float16';task.pipeline.num_cells=2")
   assert half.returncode == 0, half.stderr
   assert "task.fprop_dtype: None -> 'float16' (allowed with a consequence: " in half.stdout
-  assert "task.pipeline.num_cells: 2 -> 1 (allowed: " in half.stdout
+  assert "task.pipeline.num_cells: 0 -> 2 (allowed: " in half.stdout
   assert "without its loss scale: the loss scale starts at its initial value" in half.stdout
-  back = run_trainer(*lm, "--max_steps=3")
+  back = run_trainer(*args, "--max_steps=3", f"--params_override={fast}")
   assert back.returncode == 0 and "drops it" in back.stdout, back.stderr
   before = digest(logdir / "train")
-  narrower = run_trainer(*lm, "--max_steps=4", "--params_override="
-                         "task.stack.layers[1].hidden_dim=128")
+  wider = (fast + ";task.body.layers[4].filter_shape=(3, 3, 16, 48);task.body.layers[5].dim=48"
+           ";task.softmax.input_dim=48")
+  narrower = run_trainer(*args, "--max_steps=4", f"--params_override={wider}")
   assert narrower.returncode == 2 and narrower.stderr.count("\n") == 1, narrower.stderr
-  assert "(checked by the restore: " in narrower.stdout
+  assert "task.softmax.input_dim: 32 -> 48 (checked by the restore: " in narrower.stdout
   assert "does not match model" in narrower.stderr and "shape" in narrower.stderr
   assert digest(logdir / "train") == before
 
