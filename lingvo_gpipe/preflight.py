@@ -33,6 +33,7 @@ from lingvo_gpipe.core.hyperparams import Params, ParamsError
 from lingvo_gpipe.pipeline import hybrid
 from lingvo_gpipe.pipeline.layer import (
   PipelineError,
+  assign_devices,
   check_pipeline_params,
   requested_cells,
   token_slice_lengths,
@@ -65,9 +66,15 @@ def preflight(params: Params, mode: str, devices: Sequence[str] = ()) -> None:
 
 
 def check_dtypes(params: Params) -> None:
-  """Every leaf whose key ends in 'dtype' holds None, a dtype's name or a tf.DType."""
+  """Every leaf whose key ends in 'dtype' holds None, a dtype's name or a tf.DType;
+  an `fprop_dtype` one of base_layer.FPROP_DTYPES (`resolve_fprop_dtype`, what the
+  layer checks when it is built)."""
   for key, value in params.flatten():
-    if not key.rsplit(".", 1)[-1].endswith("dtype") or value is None:
+    leaf = key.rsplit(".", 1)[-1]
+    if not leaf.endswith("dtype") or value is None:
+      continue
+    if leaf == "fprop_dtype":
+      base_layer.resolve_fprop_dtype(value, key.rsplit(".", 1)[0])
       continue
     if isinstance(value, tf.dtypes.DType):
       continue
@@ -77,9 +84,8 @@ def check_dtypes(params: Params) -> None:
         continue
       except TypeError:
         pass
-    valid = [d.name for d in base_layer.FPROP_DTYPES]
-    raise ParamsError(f"{key}={value!r} is not a dtype; valid: a name such as {valid}, a "
-                      "tf.DType, or None (not a number or a bool)")
+    raise ParamsError(f"{key}={value!r} is not a dtype; valid: a dtype's name such as "
+                      "'float32', a tf.DType, or None (not a number or a bool)")
 
 
 def _made(key: str, input_params: Params) -> Any:
@@ -131,20 +137,19 @@ def _check_slices_against_tokens(pipeline: Params, spec: Any) -> None:
 
 
 def _check_cells_against_devices(pipeline: Params, devices: Sequence[str]) -> None:
-  """K / V cells per replica need that many devices, R replicas R times as many,
-  unless round_robin_devices allows wrapping."""
+  """The cells placed as the build will place them (`hybrid.replica_devices`, then
+  `layer.assign_devices`): too few devices is refused here, not after the logdir."""
   cells = requested_cells(pipeline)
   if not cells or not devices:
     return
   placed_on = list(pipeline.devices) or list(devices)
-  per_replica = max(cells // pipeline.virtual_stages, 1)
   replicas = pipeline.num_replicas if "num_replicas" in pipeline else 1
-  needed = per_replica * replicas
-  if needed > len(placed_on) and (replicas > 1 or not pipeline.round_robin_devices):
-    what = (f"{replicas} replicas × {per_replica}" if replicas > 1 else f"{per_replica}")
-    raise PipelineError(
-        f"task.pipeline: {cells} cells" + (f" (virtual_stages={pipeline.virtual_stages})"
-                                           if pipeline.virtual_stages > 1 else "")
-        + f" need {what} device(s); there are {len(placed_on)}: {placed_on}. Give more "
-        "(--devices=cpu:N, gpu:N or a cluster)" + ("" if replicas > 1 else
-                                                  ", or set round_robin_devices=True"))
+  if replicas > 1:
+    try:
+      slices = hybrid.replica_devices(pipeline, replicas, placed_on)
+    except hybrid.HybridError as e:
+      raise hybrid.HybridError(f"task.pipeline.num_replicas: {e}") from None
+  else:
+    slices = [placed_on]
+  for replica in slices:
+    assign_devices(pipeline, cells, replica, "task.pipeline")

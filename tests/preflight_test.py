@@ -56,5 +56,6 @@ def test_a_number_is_not_taken_for_a_dtype(cpu_devices):
   model_registry.load_param_files()
   for value in (14, 1, True):
     params = model_registry.get_params("lm.TransformerTiny").set(**{"task.fprop_dtype": value})
-    with pytest.raises(ParamsError, match=r"task.fprop_dtype=.* is not a dtype"):
+    with pytest.raises(ParamsError,
+                       match=r"task: fprop_dtype .* is not a compute dtype; valid: \['float32'"):
       preflight(params.freeze(), "train", cpu_devices[:2])

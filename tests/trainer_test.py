@@ -264,11 +264,12 @@ def test_bad_input_exits_2_with_a_named_error(args, message):
      r"eval_input: synthetic_lm_eval: need 1 <= min_length <= max_length <= "
      r"sequence_length - 2"),
     (["--model=lm.TransformerTiny", "--devices=cpu:2", "--params_override=task.fprop_dtype=14"],
-     "", r"task.fprop_dtype=14 is not a dtype; valid: a name such as \['float32'"),
-    (["--params_override=task.fprop_dtype=True"], "", r"task.fprop_dtype=True is not a dtype"),
+     "", r"task: fprop_dtype 14 is not a compute dtype; valid: \['float32'"),
+    (["--params_override=task.fprop_dtype=True"], "",
+     r"task: fprop_dtype True is not a compute dtype"),
     (["--devices=cpu:2", "--params_override=task.pipeline.num_cells=3;"
       "task.pipeline.round_robin_devices=False"], "",
-     r"task.pipeline: 3 cells need 3 device\(s\); there are 2"),
+     r"task.pipeline: 3 cells but only 2 device\(s\) .* or set round_robin_devices=True"),
 ])
 def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, args, file_text, message):
   param_file = tmp_path / "broken.py"

@@ -217,6 +217,14 @@ def replica_device_slices(num_replicas: int, num_cells: int,
   return [devices[r * num_cells:(r + 1) * num_cells] for r in range(num_replicas)]
 
 
+def replica_devices(pipeline: Params, num_replicas: int, devices: Sequence[str]
+                    ) -> list[list[str]]:
+  """Each replica's devices for pipeline params `pipeline`: one per cell, or per V
+  cells (interleaved virtual stages); HybridError when there are too few."""
+  per_replica = max(1, (requested_cells(pipeline) or 1) // pipeline.virtual_stages)
+  return replica_device_slices(num_replicas, per_replica, devices)
+
+
 def replicate(params: Params, num_replicas: int, pipeline_key: str = "",
               devices: Sequence[str] | None = None) -> list[Any]:
   """R instances of `params`, replica r's K cells on devices[r·K:(r+1)·K] (on
@@ -228,10 +236,8 @@ def replicate(params: Params, num_replicas: int, pipeline_key: str = "",
   params, the replicas start with the same weights.
   """
   pipeline = getattr(params, pipeline_key) if pipeline_key else params
-  # Devices per replica: one per cell, or per V cells (interleaved virtual stages).
-  per_replica = max(1, (requested_cells(pipeline) or 1) // pipeline.virtual_stages)
-  slices = replica_device_slices(num_replicas, per_replica,
-                                 devices or pipeline.devices or default_devices())
+  slices = replica_devices(pipeline, num_replicas,
+                           devices or pipeline.devices or default_devices())
   key = f"{pipeline_key}.devices" if pipeline_key else "devices"
   return [params.copy().set(**{key: d}).freeze().instantiate() for d in slices]
 

@@ -29,6 +29,7 @@ without re-materialization or a schedule.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from typing import Any
 
 import tensorflow as tf
@@ -155,6 +156,30 @@ def token_slice_lengths(p: hyperparams.Params, length: int, path: str) -> list[i
     return token_slices.slice_lengths(length, p.num_token_slices)
   except ValueError as e:
     raise PipelineError(f"{path}: {e}") from None
+
+
+def assign_devices(p: hyperparams.Params, num_cells: int, devices: Sequence[str],
+                   path: str) -> list[str]:
+  """The device of each of `num_cells` cells of pipeline params `p` among `devices`:
+  cell k on device k mod (K/V) with virtual stages, else k (wrapping only with
+  round_robin_devices). Raises PipelineError, prefixed by `path`, when there are too
+  few devices."""
+  devices = list(devices)
+  if p.virtual_stages > 1:
+    if num_cells % p.virtual_stages:
+      raise PipelineError(f"{path}: virtual_stages={p.virtual_stages} must divide the "
+                          f"{num_cells} cells (each device holds V of them)")
+    num_devices = num_cells // p.virtual_stages
+    if num_devices > len(devices):
+      raise PipelineError(f"{path}: {num_cells} cells at virtual_stages="
+                          f"{p.virtual_stages} need {num_devices} devices; only "
+                          f"{len(devices)}: {devices}")
+    return [devices[k % num_devices] for k in range(num_cells)]
+  if num_cells > len(devices) and not p.round_robin_devices:
+    raise PipelineError(
+        f"{path}: {num_cells} cells but only {len(devices)} device(s) {devices}; "
+        "give more devices (e.g. --devices=cpu:N) or set round_robin_devices=True")
+  return [devices[k % len(devices)] for k in range(num_cells)]
 
 
 class PipeliningLayer(BaseLayer):
@@ -323,23 +348,8 @@ class PipeliningLayer(BaseLayer):
                              layer_names=names)
 
   def _assign_devices(self, num_cells: int) -> list[str]:
-    p = self.params
-    devices = list(p.devices) or default_devices()
-    if p.virtual_stages > 1:
-      if num_cells % p.virtual_stages:
-        raise PipelineError(f"{self.path}: virtual_stages={p.virtual_stages} must divide the "
-                            f"{num_cells} cells (each device holds V of them)")
-      num_devices = num_cells // p.virtual_stages
-      if num_devices > len(devices):
-        raise PipelineError(f"{self.path}: {num_cells} cells at virtual_stages="
-                            f"{p.virtual_stages} need {num_devices} devices; only "
-                            f"{len(devices)}: {devices}")
-      return [devices[k % num_devices] for k in range(num_cells)]
-    if num_cells > len(devices) and not p.round_robin_devices:
-      raise PipelineError(
-          f"{self.path}: {num_cells} cells but only {len(devices)} device(s) {devices}; "
-          "give more devices (e.g. --devices=cpu:N) or set round_robin_devices=True")
-    return [devices[k % len(devices)] for k in range(num_cells)]
+    return assign_devices(self.params, num_cells, list(self.params.devices) or default_devices(),
+                          self.path)
 
   @property
   def output_device(self) -> str:
