@@ -200,17 +200,15 @@ class Trainer:
       if status is not None:
         status.expect_partial()  # no warnings about it at exit: the error says it all
       differences = checkpoints.variable_mismatches(path, self.checkpoint)
-      if differences and all(d.startswith(LOSS_SCALE_KEY) for d in differences):
-        # float16 ↔ another dtype (docs/trainer.md, "Resuming"): everything else restored
-        self.log(f"Restored {path} without its loss scale: "
-                 + ("the loss scale starts at its initial value" if self.loss_scale is not None
-                    else "this run computes in no float16 and drops it"))
-        self.replicas.copy_from_first(self.optimizers)
-        return
-      detail = "; ".join(differences) if differences else str(e).split("\n")[0]
-      raise CheckpointMismatchError(
-          f"checkpoint {path} does not match model: {detail}. Use a new --logdir, or "
-          "restore the params the checkpoint was written with.") from None
+      if not differences or not all(d.startswith(LOSS_SCALE_KEY) for d in differences):
+        detail = "; ".join(differences) if differences else str(e).split("\n")[0]
+        raise CheckpointMismatchError(
+            f"checkpoint {path} does not match model: {detail}. Use a new --logdir, or "
+            "restore the params the checkpoint was written with.") from None
+      # float16 ↔ another dtype (docs/trainer.md, "Resuming"): everything else restored
+      self.log(f"Restored {path} without its loss scale: "
+               + ("the loss scale starts at its initial value" if self.loss_scale is not None
+                  else "this run computes in no float16 and drops it"))
     self.replicas.copy_from_first(self.optimizers)
 
   def save(self) -> str:
