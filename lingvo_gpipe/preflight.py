@@ -42,6 +42,7 @@ from lingvo_gpipe.tasks.base_task import check_train_params
 
 TRAIN_MODES = ("train", "train_and_eval")
 EVAL_MODES = ("eval", "train_and_eval")
+SERVING_MODES = ("export", "decode")  # read the eval input for shapes and vocabulary
 
 
 def preflight(params: Params, mode: str, devices: Sequence[str] = ()) -> None:
@@ -52,7 +53,7 @@ def preflight(params: Params, mode: str, devices: Sequence[str] = ()) -> None:
   train_spec = None
   if mode in TRAIN_MODES or mode == "plan":
     train_spec = _made("train_input", params.train_input).batch_spec()
-  if mode in EVAL_MODES and params.eval_input is not None:
+  if mode in EVAL_MODES + SERVING_MODES and params.eval_input is not None:
     _made("eval_input", params.eval_input)
   task = params.task
   if "pipeline" in task:

@@ -2,7 +2,12 @@
 
   python tools/trainer.py --model=demo.TinyConvNet --logdir=/tmp/run --max_steps=200
 
-Modes: train, eval, train_and_eval, inspect_params, inspect_model, list_models, plan.
+Modes: train, eval, train_and_eval, inspect_params, inspect_model, list_models, plan,
+export, decode. export writes the newest good checkpoint of --logdir (or --checkpoint)
+as a SavedModel with the task's serving signatures to <logdir>/export/<step>/ (one
+device, or --export_devices: the cells on those devices, a forward-only pipeline);
+decode runs the eval input through the same serving functions and writes
+<logdir>/decode_<step>.jsonl and the task's metrics to TensorBoard (docs/trainer.md).
 plan measures (or reads from --cost_cache) the per-layer costs and the machine's figures,
 prints the best plans for --devices and --device_memory and what the model's own
 configuration would take (and whether it fits), last a JSON line with the best plan's
@@ -11,10 +16,11 @@ with the params as given; both predict the step and per-device peak, and write t
 beside the measured ones when training ends (log, TensorBoard, train/plan_check.json).
 Exit codes: 0 success; 2 bad input (unknown model, a param file that does not load,
 bad override, unwritable logdir, bad device or cluster spec, missing TFDS data, a
-checkpoint of another model, params its checkpoints cannot follow), reported before
-anything is written; 1 a run that failed (a non-finite loss, a worker that died, froze
-or became unreachable, a checkpoint that could not be saved; the last good checkpoint
-is kept and a rerun with the same logdir resumes); 130 interrupted (Ctrl-C).
+checkpoint of another model, params its checkpoints cannot follow, an export that
+exists without --overwrite), reported before anything is written; 1 a run that failed
+(a non-finite loss, a worker that died, froze or became unreachable, a checkpoint that
+could not be saved; the last good checkpoint is kept and a rerun with the same logdir
+resumes); 130 interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ if TYPE_CHECKING:
   from lingvo_gpipe.trainer import Trainer
 
 MODES = ("train", "eval", "train_and_eval", "inspect_params", "inspect_model", "list_models",
-         "plan")
+         "plan", "export", "decode")
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", None, "Registered model key, e.g. demo.TinyConvNet.")
@@ -77,6 +83,18 @@ flags.DEFINE_string("cost_cache", "~/.cache/lingvo_gpipe/layer_costs.json", "--m
 flags.DEFINE_bool("reset_params", False, "Train modes: set <logdir>/params.txt aside "
                   "(renamed, kept) before the run, e.g. a damaged one that cannot be read; "
                   "the restore still checks the model against the checkpoint.")
+flags.DEFINE_string("checkpoint", None, "--mode=export and decode: the checkpoint prefix "
+                    "to use (e.g. <logdir>/train/ckpt-300) instead of the newest good one.")
+flags.DEFINE_string("export_devices", None, "--mode=export and decode: the devices the "
+                    "cells go to (cpu:N, gpu:N, as --devices): the task's cells stay on them "
+                    "and inference is a forward-only pipeline over its micro-batches. "
+                    "Default: the whole model on one device.")
+flags.DEFINE_enum("export_dtype", "float32", ["float32", "bfloat16"], "--mode=export and "
+                  "decode: the weights' dtype (cast once) and the compute dtype.")
+flags.DEFINE_integer("max_decode_length", 128, "--mode=export and decode, language models: "
+                     "the longest prefix + new tokens generate handles (its key/value cache "
+                     "holds this many positions).")
+flags.DEFINE_bool("overwrite", False, "--mode=export: replace an export of the same step.")
 flags.DEFINE_string("data_dir", None, "Prepared TFDS data for the model's TFDS inputs "
                     "(sets train_input.data_dir and eval_input.data_dir).")
 
@@ -333,6 +351,8 @@ def _run(state: RunState) -> int:
   if FLAGS.mode == "inspect_params":
     print(params.to_text(), end="")
     return 0
+  if FLAGS.mode in ("export", "decode"):
+    return _export_or_decode(params)
   devices, watchdog = _devices()
   if FLAGS.mode == "inspect_model":
     with _bad_params_are_usage_errors():
@@ -348,6 +368,43 @@ def _run(state: RunState) -> int:
   if FLAGS.plan and FLAGS.mode != "eval":
     params = _planned_params(params, devices, state)
   return _run_in_logdir(params, watchdog, state)
+
+
+def _export_or_decode(params: Params) -> int:
+  """--mode=export or decode: checks the flags, then writes the SavedModel (export) or
+  the decode records and metrics (decode) from the newest good checkpoint."""
+  from lingvo_gpipe import decoder, exporter
+  from lingvo_gpipe.preflight import preflight
+  from lingvo_gpipe.runtime.devices import DeviceSpecError, configure_devices
+  from lingvo_gpipe.tasks import serving
+
+  if not FLAGS.logdir:
+    raise UsageFailure(f"--logdir is required for --mode={FLAGS.mode}")
+  if not os.path.isdir(FLAGS.logdir):
+    raise UsageFailure(f"--logdir {FLAGS.logdir} does not exist: nothing to {FLAGS.mode}")
+  if FLAGS.max_decode_length < 2:
+    raise UsageFailure(f"--max_decode_length must be >= 2, got {FLAGS.max_decode_length}")
+  devices = None
+  if FLAGS.export_devices:
+    try:
+      devices = configure_devices(FLAGS.export_devices)
+    except DeviceSpecError as e:
+      raise UsageFailure(f"--export_devices: {e}") from None
+  options = serving.ServingOptions(dtype=FLAGS.export_dtype,
+                                   max_decode_length=FLAGS.max_decode_length)
+  try:
+    with _bad_params_are_usage_errors():
+      preflight(params, FLAGS.mode, devices or ())
+      if FLAGS.mode == "export":
+        exporter.export(params, FLAGS.logdir, model_name=FLAGS.model,
+                        checkpoint=FLAGS.checkpoint, devices=devices, options=options,
+                        overwrite=FLAGS.overwrite)
+      else:
+        decoder.decode(params, FLAGS.logdir, checkpoint=FLAGS.checkpoint, devices=devices,
+                       options=options)
+  except exporter.ExportError as e:
+    raise UsageFailure(str(e)) from None
+  return 0
 
 
 def _load_param_files() -> None:

@@ -65,8 +65,9 @@ class SliceCache:
     """The next len(specs) incoming entries, those after the ones extended so far
     (zeros of `specs` while specs are learnt)."""
     i = len(self.outgoing)
-    if self.incoming is None:
-      return [tf.zeros(spec.shape, spec.dtype) for spec in specs]
+    if self.incoming is None:  # (an unknown batch dimension reads as 1: it broadcasts)
+      return [tf.zeros([1 if d is None else d for d in spec.shape.as_list()], spec.dtype)
+              for spec in specs]
     if i + len(specs) > len(self.incoming):
       raise RuntimeError(f"a cell call extends more cache entries than the {len(self.incoming)} "
                          "it was given")
@@ -97,12 +98,16 @@ class TokenSlice:
   def extend(self, new: tf.Tensor, axis: int) -> tf.Tensor:
     """new [..., n, ...] (n along `axis`: this slice's entries) → the full-length entry
     [..., T, ...]: the incoming one at positions < offset, `new` at offset..offset+n−1,
-    zeros after. Recorded as an outgoing entry (and its spec)."""
+    zeros after. Recorded as an outgoing entry (and its spec).
+
+    n must be static; the batch dimension (axis 0) may be unknown (a serving function's
+    generate step takes any batch), the others must be known."""
     shape = new.shape.as_list()
     axis = axis % len(shape)
     n = shape[axis]
-    if n is None or any(d is None for d in shape):
-      raise ValueError(f"token slices need static shapes; cache entry {new.shape}")
+    if n is None or any(d is None for d in shape[1:]) or axis == 0:
+      raise ValueError(f"token slices need static shapes but the batch's; cache entry "
+                       f"{new.shape} along axis {axis}")
     full_shape = shape[:axis] + [self.full_length] + shape[axis + 1:]
     spec = tf.TensorSpec(full_shape, new.dtype)
     [previous] = self.cache.take([spec])

@@ -101,28 +101,40 @@ class TfdsImages(TfdsBase):
     """uint8 [H, W, 3] → float32 [S, S, 3]; `seed` [2] makes the augmentation stateless."""
     p = self.params
     size = p.image_size
+    if not p.training:
+      return self.eval_view(image[None])[0]
     image = tf.image.convert_image_dtype(image, tf.float32)
     seeds = tf.random.experimental.stateless_split(seed, num=2)
     if p.dataset.startswith("cifar"):
       image = tf.image.resize(image, [size, size]) if image.shape[0] != size else image
-      if p.training:
-        image = tf.image.pad_to_bounding_box(image, 4, 4, size + 8, size + 8)
-        image = tf.image.stateless_random_crop(image, [size, size, 3], seeds[0])
-    elif p.training:
+      image = tf.image.pad_to_bounding_box(image, 4, 4, size + 8, size + 8)
+      image = tf.image.stateless_random_crop(image, [size, size, 3], seeds[0])
+    else:
       begin, crop_size, _ = tf.image.stateless_sample_distorted_bounding_box(
           tf.shape(image), tf.zeros([1, 0, 4]), seed=seeds[0], min_object_covered=0.1,
           aspect_ratio_range=(0.75, 1.33), area_range=(0.08, 1.0), max_attempts=10,
           use_image_if_no_bounding_boxes=True)
       image = tf.slice(image, begin, crop_size)
       image = tf.image.resize(image, [size, size])
-    else:
-      image = tf.image.central_crop(image, 0.875)
-      image = tf.image.resize(image, [size, size])
-    if p.training:
-      image = tf.image.stateless_random_flip_left_right(image, seeds[1])
-    mean, std = _MEAN_STD[p.dataset]
-    image = (image - tf.constant(mean)) / tf.constant(std)
-    return tf.ensure_shape(image, [size, size, 3])
+    image = tf.image.stateless_random_flip_left_right(image, seeds[1])
+    return tf.ensure_shape(self._normalized(image), [size, size, 3])
+
+  def eval_view(self, images: tf.Tensor) -> tf.Tensor:
+    """uint8 [B, H, W, 3] → float32 [B, S, S, 3]: what eval feeds the model (and a
+    served model's classify_pixels): CIFAR resized to S where it is not; ImageNet's
+    central 87.5% resized to S; normalized by the set's channel statistics."""
+    p = self.params
+    size = p.image_size
+    images = tf.image.convert_image_dtype(images, tf.float32)
+    if not p.dataset.startswith("cifar"):
+      images = tf.image.central_crop(images, 0.875)
+    if not p.dataset.startswith("cifar") or images.shape[1] != size or images.shape[2] != size:
+      images = tf.image.resize(images, [size, size])
+    return tf.ensure_shape(self._normalized(images), [None, size, size, 3])
+
+  def _normalized(self, images: tf.Tensor) -> tf.Tensor:
+    mean, std = _MEAN_STD[self.params.dataset]
+    return (images - tf.constant(mean)) / tf.constant(std)
 
   def examples(self) -> tf.data.Dataset:
     p = self.params

@@ -13,6 +13,7 @@ import os
 from collections.abc import Iterable, Sequence
 
 import numpy as np
+import tensorflow as tf
 
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 NUM_RESERVED = 3
@@ -81,6 +82,37 @@ class WordVocabulary(Vocabulary):
 
   def _decode(self, ids: list[int]) -> str:
     return " ".join(self.words[i] for i in ids if i < len(self.words))
+
+  # In the graph, for serving functions (tasks/translation.py): the same maps as
+  # encode and decode, as TensorFlow ops.
+
+  def lookup_table(self) -> tf.lookup.StaticHashTable:
+    """word → its id (−1: not a word of the vocabulary)."""
+    return tf.lookup.StaticHashTable(tf.lookup.KeyValueTensorInitializer(
+        tf.constant(self.words), tf.range(len(self.words), dtype=tf.int32) + self.num_reserved),
+        default_value=-1)
+
+  def encode_in_graph(self, table: tf.lookup.StaticHashTable,
+                      texts: tf.Tensor) -> tf.RaggedTensor:
+    """texts [B] string → ids [B, None] int32 (encode's; an unknown word fails the call
+    with an InvalidArgumentError naming it)."""
+    words = tf.strings.split(texts)
+    ids = tf.ragged.map_flat_values(table.lookup, words)
+    unknown = tf.boolean_mask(words.flat_values, ids.flat_values < 0)
+    check = tf.debugging.Assert(tf.size(unknown) == 0, [
+        "words not in the vocabulary:", unknown], summarize=5)
+    with tf.control_dependencies([check]):
+      return ids.with_flat_values(tf.identity(ids.flat_values))
+
+  def decode_in_graph(self, ids: tf.Tensor) -> tf.Tensor:
+    """ids [B, T] → texts [B] string (decode's: up to the first EOS, reserved ids and
+    tags dropped, words joined by spaces)."""
+    ids = tf.cast(ids, tf.int32)
+    words = tf.gather(tf.constant([""] * self.num_reserved + self.words),
+                      tf.clip_by_value(ids, 0, self.size - 1))
+    keep = (tf.cumsum(tf.cast(tf.equal(ids, EOS_ID), tf.int32), axis=1) == 0) & \
+        (ids >= self.num_reserved) & (ids < self.size)
+    return tf.strings.reduce_join(tf.ragged.boolean_mask(words, keep), axis=1, separator=" ")
 
 
 class SubwordVocabulary(Vocabulary):

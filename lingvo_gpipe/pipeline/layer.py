@@ -505,6 +505,40 @@ class PipeliningLayer(BaseLayer):
     with tf.device(self.output_device):
       return tf.nest.map_structure(lambda *ts: tf.concat(ts, axis=0), *outputs)
 
+  def infer(self, *inputs: Any, num_micro_batches: int) -> Any:
+    """Forward-only pipeline (serving): inputs [B, ...] (B may be unknown) → outputs.
+
+    The batch is cut into `num_micro_batches` near-equal parts (the first B mod M one
+    example larger; empty parts when B < M); micro-batch m runs through cell k on
+    cell k's device, cell by cell. Nothing orders one micro-batch after another, so
+    TensorFlow's executor runs cell k on micro-batch m + 1 while cell k + 1 runs on
+    micro-batch m: GPipe's forward pipeline, without a schedule (there is no backward
+    to interleave). Variables are read as the layers' attributes hold them (a serving
+    model reads its own copies through `base_layer.variables_read_as`). On a token
+    slice (a generate step) the whole batch is one micro-batch: the slice cache holds
+    whole-batch entries.
+    """
+    structure = inputs[0] if len(inputs) == 1 else tuple(inputs)
+    if base_layer.current_context().token_slice is not None:
+      num_micro_batches = 1
+    flat = tf.nest.flatten(structure)
+    with tf.device(self.cell_devices[0]):
+      batch = tf.shape(flat[0], out_type=tf.int32)[0]
+      base, extra = batch // num_micro_batches, batch % num_micro_batches
+      sizes = base + tf.cast(tf.range(num_micro_batches) < extra, tf.int32)
+      parts = [tf.split(t, sizes, num=num_micro_batches, axis=0) for t in flat]
+    outputs = []
+    for m in range(num_micro_batches):
+      x = tf.nest.pack_sequence_as(structure, [part[m] for part in parts])
+      for k in range(len(self.cells)):
+        with tf.device(self.cell_devices[k]):
+          x = self._function_cache.call_layers(self.cell_layers(k), x)
+      outputs.append(x)
+    if len(outputs) == 1:
+      return outputs[0]
+    with tf.device(self.output_device):
+      return tf.nest.map_structure(lambda *ts: tf.concat(ts, axis=0), *outputs)
+
   def describe_cells(self) -> list[dict]:
     """Per cell: its layers, device, parameter count, and its share of the cost the
     partitioner balanced (`cost_by`: partition_cost, e.g. 'params' or 'flops')."""

@@ -212,3 +212,27 @@ class BaseTask(base_layer.BaseLayer):
     inputs = self.stack_inputs(batch)
     outputs = base_layer.call_with(self.main_stack, inputs)
     return self.head(outputs, self.head_inputs(batch))
+
+  # -- serving (serving.py builds a SavedModel's functions from these) ----------------
+
+  def serving_functions(self, model: Any, input_generator: Any,
+                        options: Any) -> dict[str, Any]:
+    """{signature name: tf.function with an input signature (`serving.traced`)}: what
+    a SavedModel of this task serves. `model` (the serving.ServingModel being built)
+    is where a function's lookup tables are tracked; `input_generator` (the eval
+    input) says the shapes and vocabulary; `options` are serving.ServingOptions."""
+    raise NotImplementedError(f"{type(self).__name__} defines no serving functions")
+
+  def serve_stack(self, inputs: Any) -> Any:
+    """The main stack's inference forward: inputs as `stack_inputs` gives them, with
+    any batch size B → outputs [B, ...]. Pipelined, a forward-only pipeline over
+    task.pipeline.num_micro_batches micro-batches (PipeliningLayer.infer); otherwise
+    the stack on its device. A token slice in the StepContext (a generate step) is
+    kept."""
+    with base_layer.step_context(training=False, step=tf.constant(0, tf.int64)):
+      pipeline = self.pipeline
+      if pipeline is not None:
+        structure = inputs if isinstance(inputs, tuple) else (inputs,)
+        return pipeline.infer(*structure,
+                              num_micro_batches=self.params.pipeline.num_micro_batches)
+      return base_layer.call_with(self.main_stack, inputs)

@@ -6,6 +6,7 @@ import tensorflow as tf
 
 from lingvo_gpipe.core import layers
 from lingvo_gpipe.core.hyperparams import ParamsError
+from lingvo_gpipe.tasks import serving
 from lingvo_gpipe.tasks.base_task import BaseTask, Metrics
 
 
@@ -64,6 +65,53 @@ class ImageClassificationTask(BaseTask):
     if self.params.softmax.num_classes > 5:
       metrics["top5_accuracy"] = (_top_k_accuracy(logits, labels, 5), weight)
     return metrics
+
+
+  def serving_functions(self, model, input_generator, options) -> dict:
+    """classify(images float32 [B, H, W, C], as the eval input makes them) →
+    probabilities [B, N], top_k_classes [B, k], top_k_probabilities [B, k] (k = min(5,
+    N)); and, where the input says how pixels become model inputs (TFDS images),
+    classify_pixels(images uint8 [B, height, width, 3]) → the same."""
+    del model, options  # no tables; the dtype is in the weights
+    spec = input_generator.batch_spec()["image"]
+    k = min(5, self.params.softmax.num_classes)
+
+    def classify(images):
+      features = self.serve_stack(images)
+      if isinstance(features, tuple):  # (features, aux_logits): the aux head is training's
+        features = features[0]
+      with tf.device(self.output_device):
+        probabilities = tf.nn.softmax(tf.cast(self.softmax(features), tf.float32))
+        top_probabilities, top_classes = tf.math.top_k(probabilities, k)
+      return {"probabilities": probabilities, "top_k_classes": top_classes,
+              "top_k_probabilities": top_probabilities}
+
+    functions = {"classify": serving.traced(
+        {"images": tf.TensorSpec([None, *spec.shape[1:]], tf.float32)})(classify)}
+    eval_view = getattr(input_generator, "eval_view", None)
+    if eval_view is not None:
+      def classify_pixels(images):
+        return classify(eval_view(images))
+
+      functions["classify_pixels"] = serving.traced(
+          {"images": tf.TensorSpec([None, None, None, 3], tf.uint8)})(classify_pixels)
+    return functions
+
+  def serving_examples(self, model, batch: dict, input_generator) -> list[dict]:
+    """decode mode: one eval batch through `classify` → one record per example {label,
+    top_k_classes, top_k_probabilities}."""
+    del input_generator
+    out = model("classify", images=batch["image"])
+    top, probabilities = out["top_k_classes"].numpy(), out["top_k_probabilities"].numpy()
+    return [{"label": int(label), "top_k_classes": top[i].tolist(),
+             "top_k_probabilities": [round(float(p), 6) for p in probabilities[i]]}
+            for i, label in enumerate(batch["label"].numpy())]
+
+  def serving_metrics(self, records, input_generator) -> dict[str, float]:
+    """accuracy: the share of records whose first class is the label."""
+    del input_generator
+    return {"accuracy": sum(r["top_k_classes"][0] == r["label"] for r in records)
+            / max(len(records), 1)}
 
 
 def _top_k_accuracy(logits: tf.Tensor, labels: tf.Tensor, k: int) -> tf.Tensor:

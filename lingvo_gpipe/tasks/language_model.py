@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import numpy as np
 import tensorflow as tf
 
-from lingvo_gpipe.core import layers
+from lingvo_gpipe.core import base_layer, layers, token_slices
 from lingvo_gpipe.core.hyperparams import ParamsError
+from lingvo_gpipe.inputs import vocabulary
+from lingvo_gpipe.tasks import serving
 from lingvo_gpipe.tasks.base_task import BaseTask, Metrics
 
 
@@ -64,3 +67,130 @@ class LanguageModelTask(BaseTask):
       return token_metrics(logits, head_inputs["labels"],
                            tf.cast(head_inputs["paddings"], tf.float32),
                            self.params.label_smoothing)
+
+  # -- serving --------------------------------------------------------------------------
+
+  def serving_functions(self, model, input_generator, options) -> dict:
+    """score(ids [B, T] int32, paddings [B, T] float32) → token_log_probs [B, T] (log
+    p(ids[t] | ids[<t]); 0 at t = 0 and where padded), log_prob [B] (their sum);
+    generate(prefix_ids [B, P] int32, max_new_tokens, temperature, seed) → ids [B, N]
+    (the new tokens), lengths [B] (new tokens before the first EOS); see
+    `generate_tokens`."""
+    del model, input_generator  # no tables
+    max_length = options.max_decode_length
+
+    def score(ids, paddings):
+      return self.score_tokens(ids, paddings)
+
+    def generate(prefix_ids, max_new_tokens, temperature, seed):
+      new = self.generate_tokens(prefix_ids, max_new_tokens, temperature, seed, max_length)
+      before_eos = tf.cumsum(tf.cast(tf.equal(new, vocabulary.EOS_ID), tf.int32), axis=1) == 0
+      return {"ids": new, "lengths": tf.reduce_sum(tf.cast(before_eos, tf.int32), axis=1)}
+
+    ids = tf.TensorSpec([None, None], tf.int32)
+    return {
+        "score": serving.traced({"ids": ids, "paddings": tf.TensorSpec([None, None],
+                                                                       tf.float32)})(score),
+        "generate": serving.traced({
+            "prefix_ids": ids, "max_new_tokens": tf.TensorSpec([], tf.int32),
+            "temperature": tf.TensorSpec([], tf.float32),
+            "seed": tf.TensorSpec([], tf.int64)})(generate),
+    }
+
+  def score_tokens(self, ids: tf.Tensor, paddings: tf.Tensor) -> dict[str, tf.Tensor]:
+    """ids [B, T], paddings [B, T] → token_log_probs [B, T], log_prob [B] (see
+    serving_functions)."""
+    logits = self.serve_stack((ids, paddings))  # [B, T, V]
+    with tf.device(self.output_device):
+      log_probs = tf.nn.log_softmax(tf.cast(logits, tf.float32))
+      # The logits at t − 1 predict the token at t.
+      picked = tf.gather(log_probs[:, :-1], ids[:, 1:], batch_dims=2)  # [B, T − 1]
+      picked *= 1.0 - tf.cast(paddings[:, 1:], tf.float32)
+      token_log_probs = tf.pad(picked, [[0, 0], [1, 0]])
+      return {"token_log_probs": token_log_probs,
+              "log_prob": tf.reduce_sum(token_log_probs, axis=1)}
+
+  def generate_tokens(self, prefix_ids: tf.Tensor, max_new_tokens: tf.Tensor,
+                      temperature: tf.Tensor, seed: tf.Tensor, max_length: int,
+                      use_cache: bool = True) -> tf.Tensor:
+    """prefix_ids [B, P] (P >= 1, no padding) → the N = max_new_tokens tokens that
+    follow, [B, N] int32; P + N <= max_length.
+
+    Each new token is the argmax of the last position's logits (temperature 0) or
+    drawn from softmax(logits / temperature) by a stateless draw keyed by (seed, its
+    position). With `use_cache`, one step per position, prefix included: the stack
+    runs on that one token as a token slice (core/token_slices.py) whose cache of
+    keys and values, max_length positions per layer, is the loop's state. Without, each
+    step runs the whole max_length buffer (causal attention keeps the later
+    positions out) and reads its position's logits: the same tokens, O(max_length)
+    work per step instead of O(1) + the attention's O(position).
+    """
+    batch, prefix_length = tf.shape(prefix_ids)[0], tf.shape(prefix_ids)[1]
+    total = prefix_length + max_new_tokens
+    checks = [
+        tf.debugging.assert_greater_equal(prefix_length, 1, message="generate: the prefix "
+                                          "needs at least one token (e.g. BOS)"),
+        tf.debugging.assert_non_negative(max_new_tokens, message="generate: max_new_tokens "
+                                         "must be >= 0"),
+        tf.debugging.assert_less_equal(total, max_length, message=(
+            f"generate: prefix length + max_new_tokens must be <= {max_length}, the "
+            "exported cache length (--max_decode_length)")),
+    ]
+    with tf.control_dependencies(checks):
+      buffer = tf.pad(prefix_ids, [[0, 0], [0, max_length - prefix_length]])
+    positions = tf.range(max_length)
+
+    def next_buffer(buffer, logits, t):
+      """buffer with the token chosen from logits [B, V] written at t + 1 (past the
+      prefix, before the end)."""
+      logits = tf.cast(logits, tf.float32)
+      greedy = tf.argmax(logits, axis=-1, output_type=tf.int32)
+      sampled = tf.random.stateless_categorical(
+          logits / tf.maximum(temperature, 1e-6), 1,
+          seed=tf.stack([tf.cast(seed, tf.int64), tf.cast(t, tf.int64)]),
+          dtype=tf.int32)[:, 0]
+      token = tf.where(temperature > 0.0, sampled, greedy)
+      at = (positions == t + 1) & (t + 1 >= prefix_length) & (t + 1 < total)
+      return tf.where(at[None, :], token[:, None], buffer)
+
+    if use_cache:
+      def step(t, buffer, cache):
+        token_slice = token_slices.TokenSlice(tf.cast(t, tf.int64), max_length,
+                                              token_slices.SliceCache(cache))
+        with base_layer.step_context(token_slice=token_slice):
+          logits = self.serve_stack((tf.slice(buffer, [0, t], [-1, 1]),
+                                     tf.zeros([batch, 1], tf.float32)))
+        return t + 1, next_buffer(buffer, logits[:, 0], t), token_slice.cache.outgoing
+
+      # The first step reads no cache (zeros); its entries start the loop's.
+      t, buffer, cache = step(tf.constant(0), buffer, None)
+      _, buffer, _ = tf.while_loop(lambda t, *_: t < total - 1, step, [t, buffer, cache])
+    else:
+      def step(t, buffer):
+        paddings = tf.cast(tf.broadcast_to(positions > t, [batch, max_length]), tf.float32)
+        logits = self.serve_stack((buffer, paddings))  # [B, max_length, V]
+        return t + 1, next_buffer(buffer, tf.gather(logits, t, axis=1), t)
+
+      _, buffer = tf.while_loop(lambda t, *_: t < total - 1, step, [tf.constant(0), buffer])
+    return buffer[:, prefix_length:total]
+
+  def serving_examples(self, model, batch: dict, input_generator) -> list[dict]:
+    """decode mode: one eval batch through `score`, each sequence BOS + its labels (so
+    that its last token, EOS, is scored) → one record per example {text, log_prob,
+    tokens (scored)}."""
+    ids, labels = batch["ids"].numpy(), batch["labels"].numpy()
+    paddings = batch["paddings"].numpy().astype(np.float32)
+    sequences = np.concatenate([ids[:, :1], labels], axis=1)
+    sequence_paddings = np.concatenate([np.zeros_like(paddings[:, :1]), paddings], axis=1)
+    log_probs = model("score", ids=sequences, paddings=sequence_paddings)["log_prob"].numpy()
+    tokens = (1.0 - paddings).sum(axis=1)
+    vocab = getattr(input_generator, "vocab", None)
+    return [{"text": vocab.decode(labels[i]) if vocab is not None else labels[i].tolist(),
+             "log_prob": round(float(log_probs[i]), 6), "tokens": int(tokens[i])}
+            for i in range(len(ids))]
+
+  def serving_metrics(self, records, input_generator) -> dict[str, float]:
+    """log_pplx: −Σ log p / Σ tokens over the records."""
+    del input_generator
+    tokens = sum(r["tokens"] for r in records)
+    return {"log_pplx": -sum(r["log_prob"] for r in records) / max(tokens, 1)}

@@ -16,6 +16,7 @@ import tensorflow as tf
 
 from lingvo_gpipe.core.hyperparams import ParamsError
 from lingvo_gpipe.inputs import vocabulary
+from lingvo_gpipe.tasks import serving
 from lingvo_gpipe.tasks.base_task import BaseTask, Metrics
 from lingvo_gpipe.tasks.language_model import token_metrics
 
@@ -68,20 +69,31 @@ class TranslationTask(BaseTask):
                            self.params.label_smoothing)
 
   def decode(self, batch: dict[str, tf.Tensor]) -> dict[str, tf.Tensor]:
-    """Greedy decoding: hyp_ids [B, T], each position the argmax given the ones before.
-
-    Runs the stack T times on a growing target prefix (causal attention makes the
-    unfilled positions irrelevant); no cache, which is fine for eval-sized models.
-    """
+    """Greedy decoding of an eval batch: hyp_ids [B, T] (`greedy_ids`) beside the
+    references, sources and languages."""
     tgt = batch["tgt_labels"]
-    batch_size, length = tgt.shape[0], tgt.shape[1]
+    hyp = self.greedy_ids(batch["src_ids"], tf.cast(batch["src_paddings"], tf.float32),
+                          tgt.shape[1], self.stack)
+    return {"hyp_ids": hyp, "ref_ids": tgt, "src_ids": batch["src_ids"],
+            "language": batch["language"]}
+
+  def greedy_ids(self, src_ids: tf.Tensor, src_paddings: tf.Tensor, length: int,
+                 run_stack) -> tf.Tensor:
+    """Greedy decoding: hyp_ids [B, length] (B may be unknown), each position the
+    argmax given the ones before; `run_stack(src_ids, src_paddings, tgt_ids,
+    tgt_paddings)` → logits [B, length, V].
+
+    Runs the stack `length` times on a growing target prefix (causal attention makes
+    the unfilled positions irrelevant); no cache (cross-attention layers do not run on
+    token slices), which is fine for eval-sized models.
+    """
+    batch_size = tf.shape(src_ids)[0]
     no_paddings = tf.zeros([batch_size, length], tf.float32)
-    prefix = tf.concat([tf.fill([batch_size, 1], vocabulary.BOS_ID),
-                        tf.zeros([batch_size, length - 1], tf.int32)], axis=1)
+    prefix = tf.pad(tf.fill([batch_size, 1], vocabulary.BOS_ID), [[0, 0], [0, length - 1]])
     hyp = tf.zeros([batch_size, length], tf.int32)
 
     def step(t, prefix, hyp):
-      logits = self._logits(batch, prefix, no_paddings)
+      logits = run_stack(src_ids, src_paddings, prefix, no_paddings)
       best = tf.argmax(logits[:, t], axis=-1, output_type=tf.int32)  # [B]
       at_t = tf.one_hot(t, length, dtype=tf.int32)[None, :]
       hyp = hyp * (1 - at_t) + best[:, None] * at_t
@@ -90,8 +102,71 @@ class TranslationTask(BaseTask):
       return t + 1, prefix, hyp
 
     _, _, hyp = tf.while_loop(lambda t, *_: t < length, step, [tf.constant(0), prefix, hyp])
-    return {"hyp_ids": hyp, "ref_ids": tgt, "src_ids": batch["src_ids"],
-            "language": batch["language"]}
+    return hyp
+
+  # -- serving --------------------------------------------------------------------------
+
+  def serving_functions(self, model, input_generator, options) -> dict:
+    """translate_ids(src_ids [B, S] int32, src_paddings [B, S] float32) → ids [B, T]
+    (greedy; sources as the input makes them: the target tag, the tokens, EOS); and,
+    where the vocabulary maps text in the graph (`WordVocabulary`), translate(sources
+    [B] string, source text) → translations [B] string, ids [B, T]. S and T are the
+    eval input's lengths."""
+    del options
+    spec = input_generator.batch_spec()
+    source_length, target_length = spec["src_ids"].shape[1], spec["tgt_ids"].shape[1]
+    vocab = input_generator.vocab
+
+    def run_stack(*inputs):
+      return self.serve_stack(inputs)
+
+    def translate_ids(src_ids, src_paddings):
+      return {"ids": self.greedy_ids(src_ids, src_paddings, target_length, run_stack)}
+
+    functions = {"translate_ids": serving.traced({
+        "src_ids": tf.TensorSpec([None, source_length], tf.int32),
+        "src_paddings": tf.TensorSpec([None, source_length], tf.float32)})(translate_ids)}
+    if isinstance(vocab, vocabulary.WordVocabulary):
+      model.vocabulary_table = vocab.lookup_table()
+      tag = vocab.tag_id("en")
+
+      def translate(sources):
+        ids = vocab.encode_in_graph(model.vocabulary_table, sources)  # ragged [B, None]
+        ids = tf.concat([tf.fill([ids.nrows(), 1], tag), ids[:, :source_length - 2],
+                         tf.fill([ids.nrows(), 1], vocabulary.EOS_ID)], axis=1)
+        src_ids = ids.to_tensor(vocabulary.PAD_ID, shape=[None, source_length])
+        src_paddings = 1.0 - tf.sequence_mask(ids.row_lengths(), source_length, tf.float32)
+        hyp = self.greedy_ids(src_ids, src_paddings, target_length, run_stack)
+        return {"translations": vocab.decode_in_graph(hyp), "ids": hyp}
+
+      functions["translate"] = serving.traced(
+          {"sources": tf.TensorSpec([None], tf.string)})(translate)
+    return functions
+
+  def serving_examples(self, model, batch: dict, input_generator) -> list[dict]:
+    """decode mode: one eval batch through `translate_ids` → one record per example
+    {language, source, hypothesis, reference (texts), hypothesis_ids, reference_ids,
+    source_ids}."""
+    out = model("translate_ids", src_ids=batch["src_ids"],
+                src_paddings=tf.cast(batch["src_paddings"], tf.float32))
+    hyp, ref, src = (out["ids"].numpy(), batch["tgt_labels"].numpy(),
+                     batch["src_ids"].numpy())
+    language, vocab = batch["language"].numpy(), input_generator.vocab
+    names = getattr(input_generator, "language_names", None)
+    return [{"language": names[language[i]] if names else int(language[i]),
+             "source": vocab.decode(src[i]), "hypothesis": vocab.decode(hyp[i]),
+             "reference": vocab.decode(ref[i]), "source_ids": src[i].tolist(),
+             "hypothesis_ids": hyp[i].tolist(), "reference_ids": ref[i].tolist()}
+            for i in range(len(hyp))]
+
+  def serving_metrics(self, records: Sequence[dict], input_generator) -> dict[str, float]:
+    """BLEU overall and per source language, with the copy baselines (decode_metrics)."""
+    names = list(getattr(input_generator, "language_names", None) or [])
+    return self.decode_metrics([{
+        "hyp_ids": [r["hypothesis_ids"]], "ref_ids": [r["reference_ids"]],
+        "src_ids": [r["source_ids"]],
+        "language": [names.index(r["language"]) if names else r["language"]]}
+        for r in records], input_generator)
 
   def decode_metrics(self, decoded: Sequence[dict[str, np.ndarray]],
                      input_generator) -> dict[str, float]:

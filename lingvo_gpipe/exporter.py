@@ -1,0 +1,197 @@
+"""A logdir's checkpoint → a SavedModel of the task's serving functions.
+
+  <logdir>/export/<step>/           tf.saved_model.save's layout, one signature per
+                                    serving function (tasks/serving.py)
+  <logdir>/export/<step>/assets/    params.txt (the run's params), version.json (the
+                                    library and TensorFlow versions, model, checkpoint,
+                                    step, dtype, devices, signatures)
+
+The task is built for inference (`inference_params`): by default unpipelined, its
+whole stack on one device; with `devices`, cut into the cells of its params on those
+devices, its serving functions a forward-only pipeline over micro-batches. Its
+weights come from the newest checkpoint of <logdir>/train that can be read (a damaged
+newer one is passed over with a warning, as training does), or from `checkpoint`.
+
+Nothing is written before the checkpoint is restored and the functions are traced;
+the SavedModel is written to a hidden folder beside its place and renamed into it, so
+<logdir>/export/<step> is whole or absent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+import tensorflow as tf
+
+from lingvo_gpipe import checkpoints
+from lingvo_gpipe.core.hyperparams import Params
+from lingvo_gpipe.tasks import serving
+
+EXPORT_DIR = "export"
+
+
+class ExportError(Exception):
+  """Bad input to export or decode (no checkpoint, another model's, an export that
+  exists): the user's to fix; nothing was written."""
+
+
+class _Mismatch(Exception):
+  """A checkpoint of another model (not a damaged one: no older one is tried)."""
+
+
+def version() -> str:
+  """This library's installed version ('unknown' when it runs from a source tree)."""
+  from importlib import metadata
+
+  try:
+    return metadata.version("lingvo_gpipe")
+  except metadata.PackageNotFoundError:
+    return "unknown"
+
+
+def inference_params(task_params: Params, pipelined: bool, dtype: str) -> Params:
+  """The task's params for serving: unpipelined (num_cells 0) unless `pipelined`, one
+  replica, one token slice; computing in `dtype` where it is not float32."""
+  p = task_params.copy()
+  if not pipelined:
+    p.pipeline.set(num_cells=0, splits=[])
+  p.pipeline.set(num_replicas=1, num_token_slices=1, token_slice_lengths=None)
+  if dtype != "float32":
+    p.fprop_dtype = serving.serving_dtype(dtype)
+  return p
+
+
+def restore_for_inference(params: Params, logdir: str, checkpoint: str | None,
+                          pipelined: bool, dtype: str,
+                          log: Callable[[str], None] = print) -> tuple[Any, int, str]:
+  """(task built by `inference_params`, the step restored, the checkpoint's path).
+
+  Raises ExportError for a logdir without a readable checkpoint, a checkpoint of
+  another model, or a `checkpoint` that cannot be read.
+  """
+  from lingvo_gpipe.tasks import base_task
+
+  task_params = inference_params(params.task, pipelined, dtype)
+  if pipelined:
+    task_params = base_task.with_partition_costs(task_params, params.train_input, log)
+  task = task_params.instantiate()
+  step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step")
+  restorable = tf.train.Checkpoint(task=task, global_step=step)
+
+  def restore(prefix: str) -> None:
+    # Read from the checkpoint's variable list first: another model's is refused by name.
+    differences = [line for line in checkpoints.variable_mismatches(prefix, restorable)
+                   if line.startswith(("task/", "global_step"))]
+    if differences:
+      raise _Mismatch(f"checkpoint {prefix} does not match model: {'; '.join(differences[:3])}"
+                      + (f" (and {len(differences) - 3} more)" if len(differences) > 3 else ""))
+    restorable.restore(prefix).expect_partial().assert_existing_objects_matched()
+
+  train_dir = os.path.join(logdir, "train")
+  try:
+    if checkpoint:
+      try:
+        restore(checkpoint)
+      except _Mismatch:
+        raise
+      except Exception as e:  # noqa: BLE001 - every other failure means "cannot be read"
+        raise ExportError(f"--checkpoint {checkpoint} cannot be read: "
+                          f"{checkpoints.first_line(e)}") from None
+      return task, int(step.numpy()), checkpoint
+    store = checkpoints.CheckpointStore(restorable, train_dir, 1, restore, _Mismatch, log)
+    found = store.restore_newest()
+  except _Mismatch as e:
+    raise ExportError(f"{e}. Pass the --model (and --params_override) this logdir was "
+                      "trained with") from None
+  except checkpoints.NoReadableCheckpointError as e:
+    raise ExportError(str(e)) from None
+  if found.path is None:
+    raise ExportError(f"no checkpoint in {train_dir}: train first, or pass --checkpoint")
+  return task, int(step.numpy()), found.path
+
+
+def export(params: Params, logdir: str, *, model_name: str = "", checkpoint: str | None = None,
+           devices: list[str] | None = None, options: serving.ServingOptions | None = None,
+           overwrite: bool = False, log: Callable[[str], None] = print) -> str:
+  """Writes <logdir>/export/<step>/ (see the module's docstring) and returns its path.
+
+  Args:
+    params: the model's frozen params (the eval input says the serving shapes).
+    logdir: the run's logdir; its train/ has the checkpoints.
+    model_name: the registered model key, recorded in version.json.
+    checkpoint: a checkpoint prefix to export instead of the newest good one.
+    devices: None: the whole task on one device; else the devices its cells go to.
+    options: dtype and generate's cache length.
+    overwrite: replace an export of the same step (else ExportError).
+    log: hears what is done.
+  """
+  options = options or serving.ServingOptions()
+  try:
+    serving.serving_dtype(options.dtype)
+  except ValueError as e:
+    raise ExportError(f"--export_dtype: {e}") from None
+  if params.eval_input is None:
+    raise ExportError("the model has no eval_input: its serving shapes and vocabulary come "
+                      "from it")
+  task, step, path = restore_for_inference(params, logdir, checkpoint, devices is not None,
+                                           options.dtype, log)
+  target = os.path.join(logdir, EXPORT_DIR, str(step))
+  if os.path.exists(target) and not overwrite:
+    raise ExportError(f"{target} exists (an export of step {step}); pass --overwrite to "
+                      "replace it")
+  log(f"Restored {path}; tracing the serving functions ...")
+  model = serving.ServingModel(task, params.eval_input.instantiate(), options)
+  facts = {"lingvo_gpipe": version(), "tensorflow": tf.__version__, "model": model_name,
+           "checkpoint": path, "step": step, "dtype": options.dtype,
+           "devices": list(devices) if devices else None,
+           "max_decode_length": options.max_decode_length,
+           "signatures": sorted(model.functions)}
+  os.makedirs(os.path.dirname(target), exist_ok=True)
+  staging = tempfile.mkdtemp(prefix=f".{step}.partial-", dir=os.path.dirname(target))
+  umask = os.umask(0)
+  os.umask(umask)
+  os.chmod(staging, 0o777 & ~umask)  # as a plain makedirs would (mkdtemp's is 0700)
+  try:
+    _save(model, staging, params.to_text(), facts, devices is not None)
+    _move_into_place(staging, target)
+  except BaseException:
+    shutil.rmtree(staging, ignore_errors=True)
+    raise
+  log(f"Exported step {step} to {target}: signatures {', '.join(sorted(model.functions))}")
+  return target
+
+
+def _save(model: serving.ServingModel, directory: str, params_text: str, facts: dict,
+          keep_devices: bool) -> None:
+  """tf.saved_model.save of `model` into `directory`, its assets params.txt and
+  version.json; a pipelined model keeps its variables' devices."""
+  with tempfile.TemporaryDirectory() as scratch:
+    assets = {}
+    for name, text in (("params.txt", params_text),
+                       ("version.json", json.dumps(facts, indent=1) + "\n")):
+      with open(os.path.join(scratch, name), "w") as f:
+        f.write(text)
+      assets[name.replace(".", "_")] = tf.saved_model.Asset(os.path.join(scratch, name))
+    model.assets = assets
+    policy = (tf.saved_model.experimental.VariablePolicy.SAVE_VARIABLE_DEVICES if keep_devices
+              else None)
+    tf.saved_model.save(model, directory, signatures=dict(model.functions),
+                        options=tf.saved_model.SaveOptions(experimental_variable_policy=policy))
+
+
+def _move_into_place(staging: str, target: str) -> None:
+  """Renames `staging` to `target`; an existing `target` (overwrite) is renamed aside
+  first and removed after, so that one of the two is always whole."""
+  if not os.path.exists(target):
+    os.rename(staging, target)
+    return
+  old = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.old-", dir=os.path.dirname(target))
+  os.rmdir(old)
+  os.rename(target, old)
+  os.rename(staging, target)
+  shutil.rmtree(old, ignore_errors=True)
