@@ -36,8 +36,8 @@ def decode(params: Params, logdir: str, *, checkpoint: str | None = None,
   options = options or serving.ServingOptions()
   if params.eval_input is None:
     raise exporter.ExportError("the model has no eval_input to decode")
-  task, step, path = exporter.restore_for_inference(params, logdir, checkpoint,
-                                                    devices is not None, options.dtype, log)
+  task, step, path = exporter.restore_for_inference(params, logdir, checkpoint, devices,
+                                                    options.dtype, log)
   eval_input = params.eval_input.instantiate()
   model = serving.ServingModel(task, eval_input, options)
   log(f"Decoding the eval input with {path} through {', '.join(sorted(model.functions))} ...")

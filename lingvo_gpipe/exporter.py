@@ -54,12 +54,15 @@ def version() -> str:
     return "unknown"
 
 
-def inference_params(task_params: Params, pipelined: bool, dtype: str) -> Params:
-  """The task's params for serving: unpipelined (num_cells 0) unless `pipelined`, one
-  replica, one token slice; computing in `dtype` where it is not float32."""
+def inference_params(task_params: Params, devices: list[str] | None, dtype: str) -> Params:
+  """The task's params for serving: unpipelined (num_cells 0) without `devices`, else
+  its cells on `devices`; one replica, one token slice; computing in `dtype` where it is
+  not float32."""
   p = task_params.copy()
-  if not pipelined:
+  if devices is None:
     p.pipeline.set(num_cells=0, splits=[])
+  else:
+    p.pipeline.devices = list(devices)
   p.pipeline.set(num_replicas=1, num_token_slices=1, token_slice_lengths=None)
   if dtype != "float32":
     p.fprop_dtype = serving.serving_dtype(dtype)
@@ -67,7 +70,7 @@ def inference_params(task_params: Params, pipelined: bool, dtype: str) -> Params
 
 
 def restore_for_inference(params: Params, logdir: str, checkpoint: str | None,
-                          pipelined: bool, dtype: str,
+                          devices: list[str] | None, dtype: str,
                           log: Callable[[str], None] = print) -> tuple[Any, int, str]:
   """(task built by `inference_params`, the step restored, the checkpoint's path).
 
@@ -76,8 +79,8 @@ def restore_for_inference(params: Params, logdir: str, checkpoint: str | None,
   """
   from lingvo_gpipe.tasks import base_task
 
-  task_params = inference_params(params.task, pipelined, dtype)
-  if pipelined:
+  task_params = inference_params(params.task, devices, dtype)
+  if devices is not None:
     task_params = base_task.with_partition_costs(task_params, params.train_input, log)
   task = task_params.instantiate()
   step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step")
@@ -138,8 +141,8 @@ def export(params: Params, logdir: str, *, model_name: str = "", checkpoint: str
   if params.eval_input is None:
     raise ExportError("the model has no eval_input: its serving shapes and vocabulary come "
                       "from it")
-  task, step, path = restore_for_inference(params, logdir, checkpoint, devices is not None,
-                                           options.dtype, log)
+  task, step, path = restore_for_inference(params, logdir, checkpoint, devices, options.dtype,
+                                           log)
   target = os.path.join(logdir, EXPORT_DIR, str(step))
   if os.path.exists(target) and not overwrite:
     raise ExportError(f"{target} exists (an export of step {step}); pass --overwrite to "
