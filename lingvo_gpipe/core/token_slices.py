@@ -89,11 +89,16 @@ class TokenSlice:
   """The slice a forward pass computes: tokens offset .. offset+n−1 of sequences of
   `full_length` tokens (n: the inputs' length along their sequence axis).
 
-  offset: int64 scalar tensor; full_length: T, static; cache: the call's SliceCache.
+  offset: int64 scalar tensor; full_length: T, static; cache: the call's SliceCache;
+  whole_reads: `prefix` returns the whole entry, T positions, instead of the first
+  offset + n (the causal mask hides the later ones, which `extend` zeroes): every
+  shape static, what an XLA-compiled generate loop needs (one token per slice, where
+  reading T instead of offset + 1 positions costs little).
   """
   offset: tf.Tensor
   full_length: int
   cache: SliceCache
+  whole_reads: bool = False
 
   def extend(self, new: tf.Tensor, axis: int) -> tf.Tensor:
     """new [..., n, ...] (n along `axis`: this slice's entries) → the full-length entry
@@ -111,23 +116,25 @@ class TokenSlice:
     full_shape = shape[:axis] + [self.full_length] + shape[axis + 1:]
     spec = tf.TensorSpec(full_shape, new.dtype)
     [previous] = self.cache.take([spec])
-    offset = tf.cast(self.offset, tf.int32)
-    pads = tf.tensor_scatter_nd_update(
-        tf.zeros([len(shape), 2], tf.int32), [[axis, 0], [axis, 1]],
-        tf.stack([offset, self.full_length - n - offset]))
-    placed = tf.pad(new, pads)  # `new` at its positions, zeros before and after
-    placed.set_shape(full_shape)
-    before = tf.reshape(tf.range(self.full_length, dtype=tf.int32) < offset,
-                        [self.full_length] + [1] * (len(shape) - axis - 1))
-    # One select: previous entries before the slice, then this slice's, then zeros.
-    entry = tf.where(before, previous, placed)
+    # Each position's place in the slice (negative before it, n or more after): every
+    # shape below is static, so that XLA can compile a generate loop over them.
+    place = tf.range(self.full_length, dtype=tf.int32) - tf.cast(self.offset, tf.int32)
+    along_axis = [self.full_length] + [1] * (len(shape) - axis - 1)
+    # `new` at its positions (position p reads row p − offset), zeros before and after
+    placed = tf.where(tf.reshape((place >= 0) & (place < n), along_axis),
+                      tf.gather(new, tf.clip_by_value(place, 0, n - 1), axis=axis),
+                      tf.zeros([], new.dtype))
+    # previous entries before the slice, then this slice's, then zeros
+    entry = tf.where(tf.reshape(place < 0, along_axis), previous, placed)
     self.cache.give([entry], [spec])
     return entry
 
   def prefix(self, full: tf.Tensor, axis: int, length: int) -> tf.Tensor:
     """full [..., T, ...] → its positions 0 .. offset+length−1 along `axis`: the
     sequence up to the end of this slice of `length` tokens (a dynamic length: what a
-    causal query of the slice may attend to)."""
+    causal query of the slice may attend to); with `whole_reads`, `full` itself."""
+    if self.whole_reads:
+      return full
     rank = full.shape.rank
     axis = axis % rank
     end = tf.cast(self.offset, tf.int32) + length

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import tensorflow as tf
 
@@ -10,6 +12,11 @@ from lingvo_gpipe.core.hyperparams import ParamsError
 from lingvo_gpipe.inputs import vocabulary
 from lingvo_gpipe.tasks import serving
 from lingvo_gpipe.tasks.base_task import BaseTask, Metrics
+
+
+def any_batch(t: tf.Tensor) -> tf.TensorShape:
+  """t's shape with the batch dimension (axis 0) unknown: a loop's shape invariant."""
+  return tf.TensorShape([None]).concatenate(t.shape[1:])
 
 
 def token_metrics(logits: tf.Tensor, labels: tf.Tensor, paddings: tf.Tensor,
@@ -82,8 +89,11 @@ class LanguageModelTask(BaseTask):
     def score(ids, paddings):
       return self.score_tokens(ids, paddings)
 
+    compiled = options.compile_generate and self.pipeline is None
+
     def generate(prefix_ids, max_new_tokens, temperature, seed):
-      new = self.generate_tokens(prefix_ids, max_new_tokens, temperature, seed, max_length)
+      new = self.generate_tokens(prefix_ids, max_new_tokens, temperature, seed, max_length,
+                                 compiled=compiled)
       before_eos = tf.cumsum(tf.cast(tf.equal(new, vocabulary.EOS_ID), tf.int32), axis=1) == 0
       return {"ids": new, "lengths": tf.reduce_sum(tf.cast(before_eos, tf.int32), axis=1)}
 
@@ -112,9 +122,9 @@ class LanguageModelTask(BaseTask):
 
   def generate_tokens(self, prefix_ids: tf.Tensor, max_new_tokens: tf.Tensor,
                       temperature: tf.Tensor, seed: tf.Tensor, max_length: int,
-                      use_cache: bool = True) -> tf.Tensor:
+                      use_cache: bool = True, compiled: bool = False) -> tf.Tensor:
     """prefix_ids [B, P] (P >= 1, no padding) → the N = max_new_tokens tokens that
-    follow, [B, N] int32; P + N <= max_length.
+    follow, [B, N] int32; P + N <= max_length (else an InvalidArgumentError).
 
     Each new token is the argmax of the last position's logits (temperature 0) or
     drawn from softmax(logits / temperature) by a stateless draw keyed by (seed, its
@@ -123,21 +133,38 @@ class LanguageModelTask(BaseTask):
     keys and values, max_length positions per layer, is the loop's state. Without, each
     step runs the whole max_length buffer (causal attention keeps the later
     positions out) and reads its position's logits: the same tokens, O(max_length)
-    work per step instead of O(1) + the attention's O(position).
+    work per step instead of O(1) + the attention's O(max_length) reads.
+
+    `compiled`: the loop is one XLA cluster (`jit_compile`; its shapes are all static
+    for a given B and P: the slices read their whole cache, `TokenSlice.whole_reads`),
+    compiled at the first call of each (B, P). A step of a small model is then a few
+    fused kernels instead of ~750 graph nodes run one by one (docs/benchmarks.md,
+    "Serving"). Only for a stack on one device.
     """
-    batch, prefix_length = tf.shape(prefix_ids)[0], tf.shape(prefix_ids)[1]
-    total = prefix_length + max_new_tokens
     checks = [
-        tf.debugging.assert_greater_equal(prefix_length, 1, message="generate: the prefix "
-                                          "needs at least one token (e.g. BOS)"),
-        tf.debugging.assert_non_negative(max_new_tokens, message="generate: max_new_tokens "
-                                         "must be >= 0"),
-        tf.debugging.assert_less_equal(total, max_length, message=(
+        tf.debugging.assert_greater_equal(tf.shape(prefix_ids)[1], 1, message=(
+            "generate: the prefix needs at least one token (e.g. BOS)")),
+        tf.debugging.assert_non_negative(max_new_tokens, message=(
+            "generate: max_new_tokens must be >= 0")),
+        tf.debugging.assert_less_equal(tf.shape(prefix_ids)[1] + max_new_tokens, max_length,
+                                       message=(
             f"generate: prefix length + max_new_tokens must be <= {max_length}, the "
             "exported cache length (--max_decode_length)")),
     ]
-    with tf.control_dependencies(checks):
-      buffer = tf.pad(prefix_ids, [[0, 0], [0, max_length - prefix_length]])
+    with tf.control_dependencies(checks):  # (outside XLA, which has no Assert)
+      prefix_ids = tf.identity(prefix_ids)
+    loop = functools.partial(self._generate_loop, max_length=max_length, use_cache=use_cache)
+    if compiled:
+      loop = tf.function(loop, jit_compile=True, autograph=False)
+    return loop(prefix_ids, max_new_tokens, temperature, seed)
+
+  def _generate_loop(self, prefix_ids: tf.Tensor, max_new_tokens: tf.Tensor,
+                     temperature: tf.Tensor, seed: tf.Tensor, max_length: int,
+                     use_cache: bool) -> tf.Tensor:
+    """generate_tokens' loop (its inputs checked)."""
+    batch, prefix_length = tf.shape(prefix_ids)[0], tf.shape(prefix_ids)[1]
+    total = prefix_length + max_new_tokens
+    buffer = tf.pad(prefix_ids, [[0, 0], [0, max_length - prefix_length]])
     positions = tf.range(max_length)
 
     def next_buffer(buffer, logits, t):
@@ -147,7 +174,7 @@ class LanguageModelTask(BaseTask):
       greedy = tf.argmax(logits, axis=-1, output_type=tf.int32)
       sampled = tf.random.stateless_categorical(
           logits / tf.maximum(temperature, 1e-6), 1,
-          seed=tf.stack([tf.cast(seed, tf.int64), tf.cast(t, tf.int64)]),
+          seed=tf.stack([tf.cast(seed, tf.int32), tf.cast(t, tf.int32)]),
           dtype=tf.int32)[:, 0]
       token = tf.where(temperature > 0.0, sampled, greedy)
       at = (positions == t + 1) & (t + 1 >= prefix_length) & (t + 1 < total)
@@ -156,7 +183,8 @@ class LanguageModelTask(BaseTask):
     if use_cache:
       def step(t, buffer, cache):
         token_slice = token_slices.TokenSlice(tf.cast(t, tf.int64), max_length,
-                                              token_slices.SliceCache(cache))
+                                              token_slices.SliceCache(cache),
+                                              whole_reads=True)
         with base_layer.step_context(token_slice=token_slice):
           logits = self.serve_stack((tf.slice(buffer, [0, t], [-1, 1]),
                                      tf.zeros([batch, 1], tf.float32)))
@@ -164,14 +192,17 @@ class LanguageModelTask(BaseTask):
 
       # The first step reads no cache (zeros); its entries start the loop's.
       t, buffer, cache = step(tf.constant(0), buffer, None)
-      _, buffer, _ = tf.while_loop(lambda t, *_: t < total - 1, step, [t, buffer, cache])
+      _, buffer, _ = tf.while_loop(
+          lambda t, *_: t < total - 1, step, [t, buffer, cache],
+          shape_invariants=[t.shape, any_batch(buffer), [any_batch(c) for c in cache]])
     else:
       def step(t, buffer):
         paddings = tf.cast(tf.broadcast_to(positions > t, [batch, max_length]), tf.float32)
         logits = self.serve_stack((buffer, paddings))  # [B, max_length, V]
         return t + 1, next_buffer(buffer, tf.gather(logits, t, axis=1), t)
 
-      _, buffer = tf.while_loop(lambda t, *_: t < total - 1, step, [tf.constant(0), buffer])
+      _, buffer = tf.while_loop(lambda t, *_: t < total - 1, step, [tf.constant(0), buffer],
+                                shape_invariants=[tf.TensorShape([]), any_batch(buffer)])
     return buffer[:, prefix_length:total]
 
   def serving_examples(self, model, batch: dict, input_generator) -> list[dict]:

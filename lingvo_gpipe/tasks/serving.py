@@ -37,9 +37,12 @@ class ServingOptions:
     are float32 either way).
   max_decode_length: the longest sequence (prefix + new tokens) `generate` handles: its
     key/value cache holds this many positions.
+  compile_generate: `generate`'s loop is XLA-compiled (LanguageModelTask.generate_tokens)
+    where the stack is on one device.
   """
   dtype: str = "float32"
   max_decode_length: int = 128
+  compile_generate: bool = True
 
 
 def serving_dtype(name: str) -> tf.DType:
