@@ -163,8 +163,13 @@ def bench_pipelined(args) -> dict:
     runs = {"single": score_function(1, 1)}
     for m in args.micro_batches:
       runs[f"k2_m{m}"] = score_function(2, m)
-    calls = {name: (lambda f=f: f(ids=ids, paddings=paddings)["log_prob"].numpy())
-             for name, f in runs.items()}
+    def call(function):
+      # On worker 0: the unpipelined function's ops carry no device and would otherwise
+      # run on this client, which is not limited to one thread.
+      with tf.device(devices[0]):
+        return function(ids=ids, paddings=paddings)["log_prob"].numpy()
+
+    calls = {name: (lambda f=f: call(f)) for name, f in runs.items()}
     reference = calls["single"]()
     agree = {name: float(np.max(np.abs(call() - reference))) for name, call in calls.items()}
     medians = _median_seconds(calls, args.repeats)

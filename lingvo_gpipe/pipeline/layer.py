@@ -510,10 +510,11 @@ class PipeliningLayer(BaseLayer):
 
     The batch is cut into `num_micro_batches` near-equal parts (the first B mod M one
     example larger; empty parts when B < M); micro-batch m runs through cell k on
-    cell k's device, cell by cell. Nothing orders one micro-batch after another, so
-    TensorFlow's executor runs cell k on micro-batch m + 1 while cell k + 1 runs on
-    micro-batch m: GPipe's forward pipeline, without a schedule (there is no backward
-    to interleave). Variables are read as the layers' attributes hold them (a serving
+    cell k's device, cell by cell. Nothing but the data orders the calls: TensorFlow's
+    executor runs cell k on micro-batch m + 1 while cell k + 1 runs on micro-batch m,
+    GPipe's forward pipeline without a schedule (there is no backward to interleave;
+    control dependencies that made each device take the micro-batches in order
+    removed the overlap altogether, docs/benchmarks.md, "Serving"). Variables are read as the layers' attributes hold them (a serving
     model reads its own copies through `base_layer.variables_read_as`). On a token
     slice (a generate step) the whole batch is one micro-batch: the slice cache holds
     whole-batch entries.
