@@ -56,16 +56,15 @@ def version() -> str:
 
 def inference_params(task_params: Params, devices: list[str] | None, dtype: str) -> Params:
   """The task's params for serving: unpipelined (num_cells 0) without `devices`, else
-  its cells on `devices`; one replica, one token slice; computing in `dtype` where it is
-  not float32."""
+  its cells on `devices`; one replica, one token slice; computing in `dtype`."""
   p = task_params.copy()
   if devices is None:
     p.pipeline.set(num_cells=0, splits=[])
   else:
     p.pipeline.devices = list(devices)
   p.pipeline.set(num_replicas=1, num_token_slices=1, token_slice_lengths=None)
-  if dtype != "float32":
-    p.fprop_dtype = serving.serving_dtype(dtype)
+  # What the flag says, whatever the run trained in (a layer's own fprop_dtype stays).
+  p.fprop_dtype = serving.serving_dtype(dtype)
   return p
 
 

@@ -169,12 +169,14 @@ def wait_for_servers(addresses: list[str], timeout_s: float = 60.0,
   announced = False
   for address in addresses:
     while (why := worker_status(address, timeout_s=1.0)) is not None:
-      if time.monotonic() > deadline:
-        raise DeviceSpecError(f"no TensorFlow server answers at {address} after "
-                              f"{timeout_s:.0f} s (it {why}); is tools/worker.py running "
-                              "there?")
+      # Announced at the first failed call, even one that took the whole timeout: what
+      # is said does not depend on how loaded the machine is.
       if log is not None and not announced:
         log(f"Waiting up to {timeout_s:.0f} s for the workers at {', '.join(addresses)} "
             f"({address} {why}) ...")
         announced = True
+      if time.monotonic() > deadline:
+        raise DeviceSpecError(f"no TensorFlow server answers at {address} after "
+                              f"{timeout_s:.0f} s (it {why}); is tools/worker.py running "
+                              "there?")
       time.sleep(0.2)

@@ -127,8 +127,8 @@ class LanguageModelTask(BaseTask):
     follow, [B, N] int32; P + N <= max_length (else an InvalidArgumentError).
 
     Each new token is the argmax of the last position's logits (temperature 0) or
-    drawn from softmax(logits / temperature) by a stateless draw keyed by (seed, its
-    position). With `use_cache`, one step per position, prefix included: the stack
+    drawn from softmax(logits / temperature) by a stateless draw keyed by (seed's low 32
+    bits, its position). With `use_cache`, one step per position, prefix included: the stack
     runs on that one token as a token slice (core/token_slices.py) whose cache of
     keys and values, max_length positions per layer, is the loop's state. Without, each
     step runs the whole max_length buffer (causal attention keeps the later
