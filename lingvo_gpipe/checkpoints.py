@@ -41,8 +41,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from lingvo_gpipe.core import stacked_variables
-from lingvo_gpipe.pipeline import tf_internals
+from lingvo_gpipe.core import stacked_variables, tf_internals
 
 CHECKPOINT_NAME = "ckpt"
 UNREADABLE_DIR = "unreadable"

@@ -25,8 +25,9 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from lingvo_gpipe import calibration
 from lingvo_gpipe.core.hyperparams import Params, ParamsError
-from lingvo_gpipe.pipeline import calibration, layer_profiler, planner, step_model
+from lingvo_gpipe.pipeline import layer_profiler, planner, step_model
 from lingvo_gpipe.pipeline.layer import PipeliningLayer, requested_cells
 from lingvo_gpipe.tasks import base_task
 

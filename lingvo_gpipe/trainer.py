@@ -41,9 +41,9 @@ import numpy as np
 import tensorflow as tf
 
 from lingvo_gpipe import checkpoints, logdirs, train_step
-from lingvo_gpipe.core import base_layer, loss_scale
+from lingvo_gpipe.core import base_layer, loss_scale, tf_internals
 from lingvo_gpipe.core.hyperparams import Params
-from lingvo_gpipe.pipeline import hybrid, schedule_chart, tf_internals, timeline
+from lingvo_gpipe.pipeline import hybrid, schedule_chart, timeline
 from lingvo_gpipe.pipeline.layer import requested_cells
 from lingvo_gpipe.preflight import check_batch_splits
 from lingvo_gpipe.tasks import base_task

@@ -10,7 +10,8 @@ import time
 import numpy as np
 import pytest
 
-from lingvo_gpipe.pipeline import calibration, layer_profiler, planner
+from lingvo_gpipe import calibration
+from lingvo_gpipe.pipeline import layer_profiler, planner
 from lingvo_gpipe.pipeline.layer_profiler import LayerCost
 
 SIZES = (2**16, 2**22)

@@ -108,12 +108,12 @@ def test_layers_that_differ_in_a_param_trace_apart(cpu_devices):
 # cell's flat running sums (a call per chunk of variables of one shape).
 LOOP_STATE_OPS = {"Identity", "Const", "TensorListSetItem", "other call"}
 CALL_OPS = {"PartitionedCall", "StatefulPartitionedCall"}
-CHUNK_FUNCTIONS = ("_add_rows", "_unstack_rows")  # variable_chunks.StackedLayout
+CHUNK_FUNCTIONS = ("_add_rows", "_unstack_rows")  # gradient_sums.StackedLayout
 
 
 def library_ops(num_layers: int, share: bool = True) -> tuple[int, collections.Counter]:
   """(functions, op type → nodes) of the traced step's function library, but for the
-  functions of variable_chunks (their number is bounded by the chunk sizes, at most
+  chunk functions of gradient_sums (their number is bounded by the chunk sizes, at most
   log2(MAX_CHUNK) + 1 per kind of variable)."""
   model, wrapped = build([0.8] * num_layers, share)
   graph_def = step_function(model, wrapped).get_concrete_function().graph.as_graph_def()

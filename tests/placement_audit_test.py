@@ -15,7 +15,8 @@ import pytest
 import tensorflow as tf
 from conftest import REPO
 
-from lingvo_gpipe.pipeline import placement_audit, tf_internals
+from lingvo_gpipe.core import tf_internals
+from lingvo_gpipe.pipeline import placement_audit
 from lingvo_gpipe.pipeline.placement_audit import on_host
 
 gpu_kernels = pytest.mark.skipif(

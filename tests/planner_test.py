@@ -466,8 +466,8 @@ def test_the_comparison_sets_prediction_beside_measurement():
 def test_machine_figures_are_measured_on_the_devices():
   import tensorflow as tf
 
+  from lingvo_gpipe import calibration
   from lingvo_gpipe.core import layers, optimizers
-  from lingvo_gpipe.pipeline import calibration
 
   assert calibration.concurrency(["/device:CPU:0"]) == float("inf")
   # The model's own work: each layer's input spec found by tracing, the layer run.
@@ -594,8 +594,9 @@ def test_a_whole_cells_step_stays_within_the_bound_the_planner_states(
 
   import tensorflow as tf
 
+  from lingvo_gpipe import calibration
   from lingvo_gpipe.core import layers, optimizers
-  from lingvo_gpipe.pipeline import calibration, step_model
+  from lingvo_gpipe.pipeline import step_model
 
   device = cpu_devices[0]
   params = [layers.Linear.Params().set(name=f"fc{i}", input_dim=512, output_dim=512,

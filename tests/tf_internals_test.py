@@ -1,5 +1,5 @@
 """An upgrade tripwire: the TensorFlow behaviours the engine relies on beyond the
-documented API (lingvo_gpipe/pipeline/tf_internals.py) were checked on this minor
+documented API (lingvo_gpipe/core/tf_internals.py) were checked on this minor
 version, and a test here pins each (items 1, 3 to 10; item 2 is a timing)."""
 
 import numpy as np
@@ -7,8 +7,8 @@ import tensorflow as tf
 from numerics import assert_close
 from tensorflow.python.eager import context
 
-from lingvo_gpipe.core import layers
-from lingvo_gpipe.pipeline import channels, tf_internals
+from lingvo_gpipe.core import layers, tf_internals
+from lingvo_gpipe.pipeline import channels
 
 
 def test_the_tensorflow_internals_were_checked_on_this_version():

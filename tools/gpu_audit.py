@@ -104,7 +104,7 @@ def trace_step(config: Config):
 
   from lingvo_gpipe import model_registry
   from lingvo_gpipe import trainer as trainer_lib
-  from lingvo_gpipe.pipeline import tf_internals
+  from lingvo_gpipe.core import tf_internals
 
   params = model_registry.get_params(config.model)
   for key, value in config.overrides().items():

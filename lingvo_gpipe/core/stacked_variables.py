@@ -27,7 +27,7 @@ into its rows (dim-0 slices share the stack's buffer where rows keep the
 allocator's alignment: tf_internals item 11); each RowVariable
 then reads as its row's tensor, which is what a cell differentiates against, so
 each row's gradient is added into its row of the cell's running sums
-(`variable_chunks.StackedLayout`), and the sums of a stack are the stack's gradient.
+(`gradient_sums.StackedLayout`), and the sums of a stack are the stack's gradient.
 
   with deferred(): build layers       → trainable floating variables as unbound rows
   stack(rows, name)                   → [VariableStack], one per (shape, dtype)

@@ -14,7 +14,7 @@ head) in `tf.function`s:
         G > 1, or the zb_h1 schedule; the backward then leaves them out)
 
 `sums` are the cell's running gradient sums as a few stacked tensors, one per shape
-and dtype (`variable_chunks.StackedLayout` of the variables the cell reads), added to
+and dtype (`gradient_sums.StackedLayout` of the variables the cell reads), added to
 in place: its device's loop carries them instead of one loop variable per variable.
 
 Each is traced once per distinct micro-batch shape (an uneven split has two) by
@@ -63,10 +63,15 @@ from typing import Any
 
 import tensorflow as tf
 
-from lingvo_gpipe.core import base_layer, stacked_variables, token_slices, variable_chunks
+from lingvo_gpipe.core import (
+  base_layer,
+  stacked_variables,
+  tf_internals,
+  token_slices,
+)
 from lingvo_gpipe.core.base_layer import BaseLayer
-from lingvo_gpipe.pipeline import tf_internals
-from lingvo_gpipe.pipeline.tf_internals import NOT_INLINED
+from lingvo_gpipe.core.tf_internals import NOT_INLINED
+from lingvo_gpipe.pipeline import gradient_sums
 
 # Head(outputs of the last cell, head inputs of the micro-batch) → metrics
 # {name: (value, weight)}; metrics["loss"][0] is the mean loss over the weight.
@@ -97,7 +102,7 @@ def _dense(g: Any) -> Any:
   return tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
 
 
-def _accumulate(layout: variable_chunks.StackedLayout, sums: Sequence[tf.Tensor],
+def _accumulate(layout: gradient_sums.StackedLayout, sums: Sequence[tf.Tensor],
                 grads: Sequence[Any], stack_grads: dict[int, Any] | None = None
                 ) -> list[tf.Tensor]:
   """sums (the stacked tensors of `layout`) + grads (one per variable; None adds
@@ -157,7 +162,7 @@ class CallSignature:
   output_structure: Any
   stats_structure: tuple[tuple[BaseLayer, Any], ...]
   variables: tuple[tf.Variable, ...]
-  layout: variable_chunks.StackedLayout
+  layout: gradient_sums.StackedLayout
   pair: tf_internals.ForwardBackwardPair | None = None
   # Deferred weight products (cells with W actions): per product, its inputs
   # [n, I] and output gradient [n, O].
@@ -211,7 +216,7 @@ class _Traced:
   # The slices of the cell's stacked variables the current trace read, by id(row).
   rows: dict[int, tf.Tensor] = dataclasses.field(default_factory=dict)
   # The running gradient sums of `variables` as stacked tensors, one per shape and dtype.
-  layout: variable_chunks.StackedLayout | None = None
+  layout: gradient_sums.StackedLayout | None = None
   # Per deferred weight product (in the order the layers make them): the position of
   # its variable in `variables`.
   product_variables: list[int] | None = None
@@ -430,7 +435,7 @@ class CellFunctions:
                  + [v for v in watched if v.ref() not in own])
     if traced.variables is None:
       traced.variables = variables
-      traced.layout = variable_chunks.StackedLayout(variables)
+      traced.layout = gradient_sums.StackedLayout(variables)
     elif [v.ref() for v in variables] != [v.ref() for v in traced.variables]:
       raise RuntimeError(
           f"cell {self.index}: a second trace read other variables "

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import tensorflow as tf
 
-from lingvo_gpipe.pipeline import tf_internals
+from lingvo_gpipe.core import tf_internals
 from lingvo_gpipe.runtime.devices import DeviceSpecError, device_incarnation
 
 _PIPELINE_IDS = itertools.count()

@@ -62,8 +62,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import tensorflow as tf
 
-from lingvo_gpipe.core import base_layer, stacked_variables
-from lingvo_gpipe.pipeline import channels, tf_internals, timeline
+from lingvo_gpipe.core import base_layer, stacked_variables, tf_internals
+from lingvo_gpipe.pipeline import channels, timeline
 from lingvo_gpipe.pipeline.cell_function import CallSignature, CellFunctions
 from lingvo_gpipe.pipeline.placement_audit import on_host
 from lingvo_gpipe.pipeline.schedule import (

@@ -39,6 +39,7 @@ from lingvo_gpipe.core import (
   hyperparams,
   model_stats,
   stacked_variables,
+  tf_internals,
   token_slices,
 )
 from lingvo_gpipe.core.base_layer import BaseLayer
@@ -49,7 +50,6 @@ from lingvo_gpipe.pipeline import (
   layer_profiler,
   partition,
   schedule,
-  tf_internals,
 )
 from lingvo_gpipe.pipeline.cell_function import CellFunctions, Head, call_layers
 from lingvo_gpipe.pipeline.layer_function import LayerFunctions

@@ -49,7 +49,7 @@ import tensorflow as tf
 
 from lingvo_gpipe.core import base_layer, stacked_variables, token_slices
 from lingvo_gpipe.core.base_layer import BaseLayer
-from lingvo_gpipe.pipeline.tf_internals import NOT_INLINED
+from lingvo_gpipe.core.tf_internals import NOT_INLINED
 
 _SEEDS = tf.TensorSpec([None], tf.int64)
 

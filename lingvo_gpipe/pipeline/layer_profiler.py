@@ -327,7 +327,7 @@ class _Timer:
 def _chained(fn: Callable, num_args: int, calls: int) -> Callable:
   """A tf.function making `calls` calls of `fn` (not inlined) one after another,
   call i on arguments [i·num_args, (i+1)·num_args)."""
-  from lingvo_gpipe.pipeline.tf_internals import NOT_INLINED
+  from lingvo_gpipe.core.tf_internals import NOT_INLINED
 
   inner = tf.function(lambda *a: fn(*a), autograph=False, experimental_attributes=NOT_INLINED)
 
@@ -367,7 +367,7 @@ def _forward_backward_pair(call: Callable, flat: Sequence[tf.Tensor]
                            ) -> tuple[Any, KeptBytes]:
   """(TensorFlow's forward/backward pair of `call`, the KeptBytes of what its backward
   takes from its forward)."""
-  from lingvo_gpipe.pipeline import tf_internals
+  from lingvo_gpipe.core import tf_internals
 
   concrete = tf.function(call, autograph=False).get_concrete_function(
       *[tf.TensorSpec(t.shape, t.dtype) for t in flat])
@@ -411,7 +411,7 @@ def local_twin(device: str | None) -> str | None:
     return device or ""
   if kind != "CPU":
     return None
-  from lingvo_gpipe.pipeline import tf_internals
+  from lingvo_gpipe.core import tf_internals
 
   return f"{tf_internals.host_address_space()}/device:CPU:0"
 

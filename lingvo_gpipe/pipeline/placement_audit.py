@@ -40,7 +40,7 @@ from typing import Any
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
 
-from lingvo_gpipe.pipeline import tf_internals
+from lingvo_gpipe.core import tf_internals
 from lingvo_gpipe.runtime.devices import host_of
 
 # Frames in these folders are TensorFlow's or Python's own: an op's frame is the first

@@ -18,8 +18,10 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from lingvo_gpipe.core import layers
-from lingvo_gpipe.pipeline import step_model
+from lingvo_gpipe import train_step
+from lingvo_gpipe.core import layers, optimizers, variable_chunks
+from lingvo_gpipe.pipeline import layer_profiler, step_model
+from lingvo_gpipe.pipeline.layer import PipeliningLayer
 
 
 def _call_times_s(fn: Callable[[], Any], runs: int = 7) -> list[float]:
@@ -48,7 +50,6 @@ def action_overhead_s(device: str, few: int = 2, many: int = 18) -> float:
   """The device loop's seconds per action beyond its cell's call: a training step of
   one cell holding one 4-wide layer on `device` at `many` and at `few` micro-batches,
   the difference over the 2·(many − few) actions it adds."""
-  from lingvo_gpipe.core import optimizers
 
   sgd = optimizers.SGD.Params()
   _, at_many = _calibration_step(device, many, many, 4, 1, sgd)
@@ -65,8 +66,6 @@ def training_step(device: str, layer_params: Sequence[Any], inputs: Any,
   the nested `inputs` [B, ...], the loss the mean square of every floating output,
   the optimizer of `optimizer_params` with learning rate 0 (the step changes
   nothing)."""
-  from lingvo_gpipe import train_step
-  from lingvo_gpipe.pipeline.layer import PipeliningLayer
 
   stack = PipeliningLayer.Params().set(
       name="calibration", num_cells=1, num_micro_batches=num_micro_batches,
@@ -132,7 +131,6 @@ def step_memory(device: str | None, layer_params: Sequence[Any], input_specs: An
   import os
   import tempfile
 
-  from lingvo_gpipe.pipeline import layer_profiler
 
   allocator = layer_profiler.allocator_name(device)
   try:
@@ -196,7 +194,6 @@ def update_s_per_byte(device: str, optimizer_params: Any, num_variables: int = 8
   """Seconds per weight byte of what a training step does after the backward on
   `device` (the gradients' global norm, the optimizer's update, the check that every
   variable stayed finite), over `num_variables` float32 variables of `shape`."""
-  from lingvo_gpipe.core import variable_chunks
 
   with tf.device(device):
     variables = [tf.Variable(tf.zeros(shape), name=f"calibration_{i}")
@@ -356,7 +353,6 @@ def measure_machine(devices: Sequence[str], memory_bytes: float, optimizer_param
   `cores` is at most len(devices), which the step model reads as concurrency's inf
   (every device at full speed); a lone device's link, which nothing ever crosses (no
   hand-off between devices, no all-reduce), the largest float in place of inf."""
-  from lingvo_gpipe.pipeline import layer_profiler
 
   latency, rate = (link(devices[0], devices[1], log=log) if len(devices) > 1
                    else (0.0, sys.float_info.max))

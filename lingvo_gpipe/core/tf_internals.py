@@ -84,7 +84,7 @@ test named beside it, then `TENSORFLOW_CHECKED` is updated.
 10. `tf.raw_ops.InplaceAdd(x, i, v)` (a raw op; the public `inplace_add` wrappers
     copy first) writes v into rows i of x's own buffer and returns that buffer, whoever
     else holds x; `tf.raw_ops.DeepCopy` makes a buffer nothing else holds. A cell's
-    gradient sums (`variable_chunks.StackedLayout`) copy once per backward, then add
+    gradient sums (`gradient_sums.StackedLayout`) copy once per backward, then add
     each gradient into its row of the copy in place, so a backward never holds all its
     gradients packed beside the sums (a weight-sized buffer or two less at its end;
     docs/benchmarks.md). If InplaceAdd copied, every add would copy a whole stack;
