@@ -70,8 +70,10 @@ flags.DEFINE_enum("plan", "", ["", "auto", "check"], "Train modes: 'auto' trains
                   "best plan for the devices and --device_memory (replacing task.pipeline's "
                   "num_cells, splits, num_micro_batches, recompute, schedule, "
                   "virtual_stages, weight_gradient_group, num_token_slices, "
-                  "token_slice_lengths (near-equal), num_replicas); 'check' with the params "
-                  "as given (their split written into them). Both log the predicted step "
+                  "token_slice_lengths (near-equal), num_replicas; and, under "
+                  "partition_cost='measured', layer_costs: the planner's); 'check' with "
+                  "the params as given (their split written into them). Both log the "
+                  "predicted step "
                   "and per-device peak and, when training ends, the measured ones beside "
                   "them.")
 flags.DEFINE_string("device_memory", "16GB", "--mode=plan and --plan: each device's memory "

@@ -1,10 +1,9 @@
 """A pipeline cell's weights stored as a few stacked variables, checkpointed per layer.
 
-A deep pipeline made one `tf.Variable` per weight and optimizer slot: 16 weights and,
-with Adam, 32 slots per Transformer layer, about 80,000 for `lm.TransformerL1663`
-(five weight shapes per cell: about 2,000 stacked). Each cost eager creation,
-a captured handle in the training step, an argument Grappler and the executor set
-up, and host memory (docs/benchmarks.md, "Time to the first step"). Here the
+A deep pipeline made one `tf.Variable` per weight and optimizer slot (with Adam, three
+per weight). Each cost eager creation, a captured handle in the training step, an
+argument Grappler and the executor set up, and host memory (what that came to:
+docs/benchmarks.md, "Time to the first step"). Here the
 trainable weights of one cell that share a shape and dtype are rows of one variable
 [n, *shape] (`VariableStack`), and each optimizer slot kind is one variable of the
 same shape: the step's variables grow with the cells and the kinds of weight, not

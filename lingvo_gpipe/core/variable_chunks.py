@@ -4,8 +4,8 @@ per variable.
 A step touches every variable outside the layers too: the gradient's global norm,
 the optimizer's update, the check that the updated weights and slots are finite.
 Written op by op, that is a dozen graph ops per variable, and a deep model has
-thousands of variables: for `lm.Transformer48`'s shape (773 variables) these ops were
-about 7.5 of the 22 s spent tracing the step. Here the variables are cut into chunks
+thousands of variables (what that cost in tracing: docs/benchmarks.md, "Time to the
+first step"). Here the variables are cut into chunks
 of one device, shape and dtype (at most `MAX_CHUNK`, in power-of-two sizes), and each
 chunk is one call of a `tf.function` traced once per chunk size, shape and dtype:
 tracing grows with the kinds of variable, the graph by one call per chunk.

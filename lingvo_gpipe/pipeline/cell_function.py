@@ -9,9 +9,10 @@ head) in `tf.function`s:
       → input gradients, the cache's gradients, sums + variable gradients
         (re-materialized: recomputes the forward inside)
   weight_gradients(sums, inputs [n, I] and output gradients [n, O] of each projection)
-      → sums + the projections' weight gradients, one product each (only with
-        a re-materialized cell with deferred weight gradients: weight_gradient_group
-        G > 1, or the zb_h1 schedule; the backward then leaves them out)
+      → sums + the projections' weight gradients, one product each (a cell that
+        defers them: with weight_gradient_group G > 1 each re-materialized cell, under
+        the zb_h1 schedule every cell, re-materialized or not; the backward then
+        leaves them out)
 
 `sums` are the cell's running gradient sums as a few stacked tensors, one per shape
 and dtype (`gradient_sums.StackedLayout` of the variables the cell reads), added to
@@ -462,10 +463,7 @@ class CellFunctions:
     flat_inputs, flat_head = list(key[0]), list(key[1])
     scalar, info = tf.TensorSpec([], tf.int64), CALL_INFO
     cache: list[tf.TensorSpec] = []
-    if full_length:
-      if self.defers_weight_gradients and not self.recompute:
-        raise ValueError(f"cell {self.index}: token slices with weight gradients deferred "
-                         "by a cell that is not re-materialized (zb_h1) are not supported")
+    if full_length:  # (never with zb_h1, the one schedule that defers without recompute)
       cache = _specs(tf.function(self._cache_specs_body, autograph=False)
                      .get_concrete_function(flat_inputs, flat_head, scalar, info, full_length)
                      .structured_outputs)

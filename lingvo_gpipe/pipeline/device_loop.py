@@ -35,8 +35,9 @@ the entries F(m, j) wrote from the cache-gradient slot B(m, j+1) filled (zeros f
 the last slice) and fills it with the gradient of those F(m, j) read, for B(m, j−1).
 
 The loop carries a `LoopState`: per cell a `CellState` (the sums, one stash slot per
-micro-batch the cell holds in flight (`PipelineSchedule.max_in_flight`: M for gpipe,
-at most K−k for 1f1b), one product slot per backward awaiting its W
+unit the cell holds in flight (`PipelineSchedule.max_in_flight`, units of a micro-batch
+or, with S token slices, of a slice of one: M·S for gpipe, K−k+S−1 for 1f1b on cell
+k), one product slot per backward awaiting its W
 (`max_awaiting_weights`), the head's per-micro-batch metrics and the statistics);
 the device's timestamps; and the inbox of hand-offs received one action ahead. The
 step graph holds one loop per device whatever M is (`tests/pipeline_graph_test.py`).
