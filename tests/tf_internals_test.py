@@ -228,6 +228,57 @@ def _call_configs(graph_def) -> list:
           if n.op in ("PartitionedCall", "StatefulPartitionedCall")]
 
 
+# Run in a process of its own: the function optimizer is a process-wide setting, and
+# this test process has it off (item 2) once any pipeline has been built.
+SPECIALIZATION_PROBE = r"""
+import json, sys
+import tensorflow as tf
+from tensorflow.python.eager import context
+from lingvo_gpipe.core import tf_internals
+if sys.argv[1] == "off":
+  tf_internals.disable_function_specialization()
+
+@tf.function(experimental_attributes=tf_internals.NOT_INLINED, autograph=False)
+def cell(x, k):
+  return x * k
+
+@tf.function(autograph=False)
+def step(x):  # two call sites, each with a constant input
+  return cell(x, tf.constant(2.0)) + cell(x, tf.constant(3.0))
+
+ctx = context.context()
+ctx.enable_graph_collection()
+step(tf.ones([3]))
+metadata = ctx.export_run_metadata()
+print(json.dumps(sorted({n.attr["f"].func.name for f in metadata.function_graphs
+                         for g in f.partition_graphs for n in g.node if "f" in n.attr})))
+"""
+
+
+def test_function_specialization_copies_a_body_per_call_site_unless_disabled(tmp_path):
+  """Item 2: with Grappler's function optimizer on (TensorFlow's default), each call
+  site of a function with a constant input runs a specialized copy of the body (a
+  cell called per micro-batch: layers × micro-batches copies to instantiate);
+  after `disable_function_specialization()` every call runs the one body."""
+  import json
+  import subprocess
+  import sys
+
+  script = tmp_path / "probe.py"
+  script.write_text(SPECIALIZATION_PROBE)
+
+  def called(setting: str) -> list[str]:
+    done = subprocess.run([sys.executable, str(script), setting], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+  on = called("on")
+  assert len(on) == 2 and all("_specialized_for_" in name for name in on), on
+  off = called("off")
+  assert len(off) == 1 and "_specialized_for_" not in off[0], off
+
+
 def test_step_options_reach_nested_calls():
   """Item 8: calls traced under step_options carry its Grappler settings (TensorFlow
   optimizes each function it instantiates with its call's settings); calls traced

@@ -19,7 +19,9 @@ test named beside it, then `TENSORFLOW_CHECKED` is updated.
    process-wide (`tf.config.optimizer.set_experimental_options`; there is no
    per-function switch). It specializes a body copy per call site with a constant
    input, so the first step's cost grew with layers × micro-batches. Pinned by
-   `bench/startup_time.py` only (a timing, not a test).
+   `tests/tf_internals_test.py::test_function_specialization_copies_a_body_per_call_site_unless_disabled`
+   (two call sites run two specialized copies; disabled, one body), and its cost by
+   `bench/startup_time.py`.
 3. `unlowered(build)`: the attribute `_lower_using_switch_merge` = False on the While
    and Case ops `build` creates, set while the step is traced (setting it on a traced
    graph afterwards has no effect). Lowered to Switch/Merge, each device's loop is a
