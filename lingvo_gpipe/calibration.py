@@ -26,14 +26,8 @@ from lingvo_gpipe.pipeline.layer import PipeliningLayer
 
 def _call_times_s(fn: Callable[[], Any], runs: int = 7) -> list[float]:
   """Wall seconds of each of `runs` calls of fn(), its result fetched, after one warm-up
-  call."""
-  np.asarray(fn())
-  times = []
-  for _ in range(runs):
-    start = time.perf_counter()
-    np.asarray(fn())
-    times.append(time.perf_counter() - start)
-  return times
+  call (layer_profiler.call_seconds)."""
+  return layer_profiler.call_seconds(fn, runs, warm_up=True)
 
 
 def _median_call_s(fn: Callable[[], Any], runs: int = 7) -> float:

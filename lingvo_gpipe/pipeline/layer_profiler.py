@@ -153,7 +153,8 @@ def _measure_layer_costs(layer_params, input_specs, steps, full, small_batch):
   inputs = tf.nest.map_structure(random_like, input_specs)
   batch = tf.nest.flatten(input_specs)[0].shape[0]
   small = (small_batch or max(1, batch // 4)) if full and batch > 1 else None
-  call_s = _median_seconds(tf.function(lambda x: [x + 1]), [tf.zeros([])], 2 * steps)
+  empty, zero = tf.function(lambda x: [x + 1]), tf.zeros([])
+  call_s = median_seconds(lambda: empty(zero), 2 * steps)
   costs = []
   for p in layer_params:
     layer = p.copy().instantiate()
@@ -314,12 +315,12 @@ class _Timer:
   def __call__(self, fn: Callable, args: Sequence[Any]) -> float:
     if self.chain == 1:
       fn(*args)  # trace, warm up
-      return max(_median_seconds(fn, args, self.steps) - self.call_s, 0.0)
+      return max(median_seconds(lambda: fn(*args), self.steps) - self.call_s, 0.0)
     one, more = _chained(fn, len(args), 1), _chained(fn, len(args), self.chain)
     copies = list(args) + [_copy(t) for _ in range(self.chain - 1) for t in args]
     one(*args)  # trace, warm up
     more(*copies)
-    runs = [(_median_seconds(more, copies, 1) - _median_seconds(one, args, 1))
+    runs = [(median_seconds(lambda: more(*copies), 1) - median_seconds(lambda: one(*args), 1))
             for _ in range(self.steps)]
     return max(float(np.median(runs)) / (self.chain - 1), 0.0)
 
@@ -557,16 +558,28 @@ def _flat_call(layer: Any, given: Any, structure: dict) -> Callable:
   return call
 
 
-def _median_seconds(fn: Callable, args: Sequence[Any], steps: int) -> float:
-  """Median wall seconds of fn(*args), its results fetched, over `steps` runs."""
-  runs = []
-  for _ in range(steps):
-    start = time.perf_counter()
-    for t in fn(*args):
+def call_seconds(fn: Callable[[], Any], runs: int, warm_up: bool = False) -> list[float]:
+  """Wall seconds of each of `runs` calls of fn(), every tensor of its (nested) result
+  fetched (after one call more, not timed, with `warm_up`). The one timing loop of
+  the profiler and the machine's calibration."""
+  def fetch(result: Any) -> None:
+    for t in tf.nest.flatten(result, expand_composites=False):
       if t is not None:
         tf.convert_to_tensor(t).numpy()  # embeddings' gradients are IndexedSlices
-    runs.append(time.perf_counter() - start)
-  return float(np.median(runs))
+
+  if warm_up:
+    fetch(fn())
+  times = []
+  for _ in range(runs):
+    start = time.perf_counter()
+    fetch(fn())
+    times.append(time.perf_counter() - start)
+  return times
+
+
+def median_seconds(fn: Callable[[], Any], runs: int, warm_up: bool = False) -> float:
+  """The median of `call_seconds`."""
+  return float(np.median(call_seconds(fn, runs, warm_up)))
 
 
 # -- the cache -------------------------------------------------------------------------
