@@ -290,7 +290,9 @@ def test_a_cache_in_folders_yet_to_be_made_is_saved_and_checked_for_its_layer_co
 def test_the_planner_searches_every_schedule_and_no_duplicate_plans():
   plans = planner.plan(table(2), Machine(2, np.inf), 8, top=10000)
   shapes = [p.shape for p in plans]
-  assert {s.schedule for s in shapes} == set(schedule.SCHEDULES)
+  # Written out, not read from schedule.SCHEDULES: a schedule added there must be
+  # searched (and this list updated) on purpose.
+  assert {s.schedule for s in shapes} == {"gpipe", "1f1b", "zb_h1", "interleaved_1f1b"}
   for s, p in zip(shapes, plans):
     assert s.num_devices * s.num_replicas <= 2 and len(p.peak_bytes) == s.num_devices
     assert (s.virtual_stages > 1) == (s.schedule == "interleaved_1f1b")

@@ -5,7 +5,7 @@ The cost model is `step_model`'s (per-layer times fitted at two micro-batch size
 the machine's measured action overhead, update rate and link, every schedule's real
 in-flight counts). `plan` searches R (dividing the devices and the batch), K cells
 (at most the devices / R, or twice that interleaved), the contiguous split, M
-(dividing the per-replica batch), every recompute policy, every schedule (SCHEDULES;
+(dividing the per-replica batch), every recompute policy, every schedule (schedule.SCHEDULES;
 interleaved_1f1b at each V that divides K and leaves M a multiple of K/V), the weight
 gradient group G (`_weight_gradient_groups`) and the token slices asked for, and
 ranks what fits by predicted step time.
@@ -35,7 +35,6 @@ from lingvo_gpipe.pipeline.layer_profiler import LayerCost
 from lingvo_gpipe.pipeline.step_model import Machine, PlanShape  # noqa: F401 (API)
 
 RECOMPUTE = RECOMPUTE_POLICIES
-SCHEDULES = schedule.SCHEDULES
 
 
 class PlanError(ParamsError):
@@ -238,7 +237,7 @@ def _schedule_variants(name: str, num_cells: int, num_micro_batches: int,
 def plan(costs: Sequence[LayerCost], machine: Machine, batch_size: int,
          micro_batch_counts: Sequence[int] | None = None, top: int = 5,
          max_virtual_cells: int | None = None,
-         schedules: Sequence[str] = SCHEDULES,
+         schedules: Sequence[str] = schedule.SCHEDULES,
          token_slices: Sequence[int] = (1,)) -> list[Plan]:
   """The `top` plans that fit, fastest first. Up to `max_virtual_cells` cells per
   replica (default twice its devices; more cells than devices only interleaved), of
