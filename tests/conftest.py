@@ -32,14 +32,21 @@ def cpu_devices() -> list[str]:
   return list(TEST_DEVICE_NAMES)
 
 
-def run_trainer(*args: str, env: dict | None = None, timeout: int = 300):
-  """Runs tools/trainer.py in a subprocess; returns the CompletedProcess."""
+def run_trainer(*args: str, env: dict | None = None, timeout: int = 300,
+                file_size_limit: int | None = None):
+  """Runs tools/trainer.py in a subprocess; returns the CompletedProcess.
+  `file_size_limit`: no file may grow past this many bytes (RLIMIT_FSIZE): a write past
+  it fails with EFBIG, as a write to a full disk fails with ENOSPC."""
+  import resource
   import subprocess
+
+  def limit():
+    resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, file_size_limit))
 
   full_env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", **(env or {}))
   return subprocess.run([sys.executable, str(REPO / "tools" / "trainer.py"), *args],
                         capture_output=True, text=True, timeout=timeout, env=full_env,
-                        cwd=REPO)
+                        cwd=REPO, preexec_fn=limit if file_size_limit else None)
 
 
 @pytest.fixture

@@ -337,11 +337,25 @@ def test_bad_exports_exit_2_with_one_line_and_write_nothing(trained, tmp_path):
   exporter.export(params, str(copy), overwrite=True, log=lambda _: None)
   assert sorted(p.name for p in (copy / "export").iterdir()) == ["2"]
   assert tf.saved_model.load(str(copy / "export" / "2")).signatures["score"] is not None
+  # An overwrite on a full disk (no file may pass 200 KiB): exit 1, one line, and the
+  # export it was to replace whole, with nothing of the new one beside it.
+  before = files_of(copy / "export")
+  full = run_trainer("--model=lm.TransformerTiny", f"--logdir={copy}", "--mode=export",
+                     "--overwrite", f"--params_override={overrides(params)}",
+                     file_size_limit=200 * 1024)
+  assert full.returncode == 1 and "File too large" in full.stderr, full.stderr
+  assert full.stderr.strip().count("\n") == 0, full.stderr
+  assert files_of(copy / "export") == before
   decoded = run_trainer("--model=lm.TransformerTiny", f"--logdir={copy}", "--mode=decode",
                         f"--params_override={overrides(params)}")
   assert decoded.returncode == 0, decoded.stderr
   assert "decode at step 2: log_pplx" in decoded.stdout
   assert len((copy / "decode_2.jsonl").read_text().splitlines()) == 16
+
+
+def files_of(folder: Path) -> dict[str, bytes]:
+  """Every file below `folder` by its relative path, with its bytes."""
+  return {str(f.relative_to(folder)): f.read_bytes() for f in folder.rglob("*") if f.is_file()}
 
 
 def overrides(params) -> str:

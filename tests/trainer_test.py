@@ -4,7 +4,6 @@ import hashlib
 import json
 import os
 import re
-import resource
 import signal
 import subprocess
 import sys
@@ -114,16 +113,6 @@ def test_a_damaged_logdir_resumes_from_the_newest_readable_checkpoint_losing_not
     assert_close(a.get_tensor(name), b.get_tensor(name), err_msg=name)
 
 
-def run_with_file_size_limit(limit_bytes: int, *args: str):
-  """run_trainer where no file may grow past `limit_bytes` (RLIMIT_FSIZE): a write past
-  it fails with EFBIG, as a write to a full disk fails with ENOSPC."""
-  def limit():
-    resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, limit_bytes))
-  return subprocess.run([sys.executable, str(REPO / "tools" / "trainer.py"), *args],
-                        capture_output=True, text=True, timeout=300, cwd=REPO,
-                        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"), preexec_fn=limit)
-
-
 def test_a_resumed_run_is_checked_before_it_writes_and_a_failed_save_loses_nothing(tmp_path):
   logdir = tmp_path / "run"
   assert run_trainer(MODEL, f"--logdir={logdir}", "--max_steps=10",
@@ -138,8 +127,9 @@ def test_a_resumed_run_is_checked_before_it_writes_and_a_failed_save_loses_nothi
   assert files(logdir) == before
 
   # A fine change goes on (noted); the save at step 20 fails: one line, exit 1.
-  full = run_with_file_size_limit(64 * 1024, MODEL, f"--logdir={logdir}", "--max_steps=20",
-                                  f"--params_override={EVERY_10};task.train.log_interval_steps=5")
+  full = run_trainer(MODEL, f"--logdir={logdir}", "--max_steps=20",
+                     f"--params_override={EVERY_10};task.train.log_interval_steps=5",
+                     file_size_limit=64 * 1024)
   assert full.returncode == 1, full.stderr
   assert "Resuming with params that differ" in full.stdout
   assert "log_interval_steps: 10 -> 5 (allowed: " in full.stdout
@@ -176,9 +166,9 @@ def test_a_full_disk_at_a_summary_write_is_one_line_naming_the_last_checkpoint(t
   logdir = tmp_path / "run"
   assert run_trainer(MODEL, f"--logdir={logdir}", "--max_steps=5").returncode == 0
   # The resumed run's events file reaches the limit long before its next save.
-  result = run_with_file_size_limit(
-      48 * 1024, MODEL, f"--logdir={logdir}", "--max_steps=5000", "--params_override="
-      "task.train.save_interval_steps=100000;task.train.summary_interval_steps=1")
+  result = run_trainer(MODEL, f"--logdir={logdir}", "--max_steps=5000", "--params_override="
+                       "task.train.save_interval_steps=100000;"
+                       "task.train.summary_interval_steps=1", file_size_limit=48 * 1024)
   assert result.returncode == 1, result.stderr
   assert result.stderr.count("\n") == 1, result.stderr
   assert re.search(rf"could not write summaries to {logdir / 'train'}: .*File too large; the "

@@ -375,7 +375,10 @@ def _run(state: RunState) -> int:
 def _export_or_decode(params: Params) -> int:
   """--mode=export or decode: checks the flags, then writes the SavedModel (export) or
   the decode records and metrics (decode) from the newest good checkpoint."""
-  from lingvo_gpipe import decoder, exporter
+  import tensorflow as tf
+
+  from lingvo_gpipe import checkpoints, decoder, exporter
+  from lingvo_gpipe import trainer as trainer_lib
   from lingvo_gpipe.preflight import preflight
   from lingvo_gpipe.runtime.devices import DeviceSpecError, configure_devices
   from lingvo_gpipe.tasks import serving
@@ -406,6 +409,9 @@ def _export_or_decode(params: Params) -> int:
                        options=options)
   except exporter.ExportError as e:
     raise UsageFailure(str(e)) from None
+  except (OSError, tf.errors.OpError) as e:  # e.g. a full disk: nothing half-written stays
+    raise trainer_lib.TrainerError(f"--mode={FLAGS.mode} could not write into "
+                                   f"{FLAGS.logdir}: {checkpoints.first_line(e)}") from None
   return 0
 
 
