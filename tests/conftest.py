@@ -26,6 +26,28 @@ if len(TEST_DEVICE_NAMES) != NUM_TEST_DEVICES:
 tf.get_logger().setLevel("ERROR")
 
 
+def engine_loss_and_grads(model, wrapped, batch: dict, step: int, loss_scale=None):
+  """One training step's loss and gradients as the trainer computes them (the
+  pipeline's schedule, or TensorFlow's gradient of the whole batch):
+  train_step.loss_and_gradients of `wrapped` (a train_step.StackWithLoss of `model`) on
+  `batch`, traced in a tf.function at global step `step` (it seeds dropout), with the
+  loss scale `loss_scale` → (loss, one gradient per stacked_variables.trainable_weights
+  of `model`), numpy."""
+  from lingvo_gpipe import train_step
+  from lingvo_gpipe.core import base_layer, stacked_variables
+
+  @tf.function
+  def run():
+    with base_layer.step_context(training=True, step=tf.constant(step, tf.int64),
+                                 loss_scale=loss_scale):
+      metrics, grads = train_step.loss_and_gradients(
+          wrapped, batch, stacked_variables.trainable_weights(model))
+    return metrics["loss"][0], grads
+
+  loss, grads = run()
+  return loss.numpy(), [g.numpy() for g in grads]
+
+
 @pytest.fixture
 def cpu_devices() -> list[str]:
   """The four test devices: logical CPUs (or GPUs, LINGVO_GPIPE_TEST_DEVICES)."""

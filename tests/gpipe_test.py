@@ -5,7 +5,7 @@ import itertools
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import TEST_DEVICE_NAMES
+from conftest import TEST_DEVICE_NAMES, engine_loss_and_grads
 from numerics import assert_all_close, assert_close
 
 from lingvo_gpipe import train_step
@@ -81,18 +81,8 @@ def with_loss(model):
 def pipelined_loss_and_grads(model, wrapped=None):
   """The engine: scheduled cell calls, the loss per micro-batch, summed gradients."""
   x, skip, target = inputs()
-  wrapped = wrapped or with_loss(model)
-
-  @tf.function
-  def step():
-    with base_layer.step_context(training=True, step=tf.constant(STEP, tf.int64)):
-      metrics, grads = train_step.loss_and_gradients(
-          wrapped, {"inputs": (x, skip), "target": target},
-          stacked_variables.trainable_weights(model))
-    return metrics["loss"][0], grads
-
-  loss, grads = step()
-  return loss.numpy(), [g.numpy() for g in grads]
+  return engine_loss_and_grads(model, wrapped or with_loss(model),
+                               {"inputs": (x, skip), "target": target}, STEP)
 
 
 def fprop_loss_and_grads(model):

@@ -4,6 +4,7 @@ trainer, and dynamic loss scaling, each against a reference computed another way
 import numpy as np
 import pytest
 import tensorflow as tf
+from conftest import engine_loss_and_grads
 from gpipe_test import STEP, inputs, pair_layers
 from numerics import HALF_REORDERED, assert_all_close, assert_close
 
@@ -35,19 +36,8 @@ def step_loss_and_grads(model, scale=None, head=loss_head):
   """One training step's loss and gradients through TrainStep's path (the pipeline's
   schedule, or tf.gradients of the whole batch), with loss scale `scale`."""
   x, skip, target = inputs()
-  wrapped = train_step.StackWithLoss(model, head)
-
-  @tf.function
-  def step():
-    with base_layer.step_context(training=True, step=tf.constant(STEP, tf.int64),
-                                 loss_scale=scale):
-      metrics, grads = train_step.loss_and_gradients(
-          wrapped, {"inputs": (x, skip), "target": target},
-          stacked_variables.trainable_weights(model))
-    return metrics["loss"][0], grads
-
-  loss, grads = step()
-  return loss.numpy(), [g.numpy() for g in grads]
+  return engine_loss_and_grads(model, train_step.StackWithLoss(model, head),
+                               {"inputs": (x, skip), "target": target}, STEP, scale)
 
 
 # -- layers ----------------------------------------------------------------------------

@@ -7,6 +7,7 @@ import os
 import numpy as np
 import pytest
 import tensorflow as tf
+from conftest import engine_loss_and_grads
 from numerics import TRAINED, assert_all_close, assert_close, tolerance
 
 from lingvo_gpipe import train_step
@@ -72,19 +73,10 @@ def assert_per_variable_close(got, want, names):
 def sliced(data: dict, devices, **pipeline):
   """The pipeline's scheduled step: (loss, gradients)."""
   model = lm_params(gpipe.PipeliningLayer, devices=devices, **pipeline).instantiate()
-  wrapped = train_step.StackWithLoss(model, head)
-
-  @tf.function
-  def step():
-    with base_layer.step_context(training=True, step=tf.constant(STEP, tf.int64)):
-      metrics, grads = train_step.loss_and_gradients(
-          wrapped, {"inputs": (data["ids"], data["paddings"]), "labels": data["labels"],
-                    "paddings": data["paddings"]},
-          stacked_variables.trainable_weights(model))
-    return metrics["loss"][0], grads
-
-  loss, grads = step()
-  return loss.numpy(), [g.numpy() for g in grads]
+  return engine_loss_and_grads(
+      model, train_step.StackWithLoss(model, head),
+      {"inputs": (data["ids"], data["paddings"]), "labels": data["labels"],
+       "paddings": data["paddings"]}, STEP)
 
 
 # schedule × K ∈ {1, 2, 4} × M ∈ {1, 2} × S ∈ {2, 4, 8} × recompute: every pair of
