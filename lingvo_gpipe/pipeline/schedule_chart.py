@@ -9,7 +9,7 @@ bubble). With the plan, a thin row of outlined bars under each cell shows the pl
 simulated timeline with the step's own measured call times (`MeasuredTimeline.planned`):
 where a measured bar starts later than its planned one, the cell waited on something
 the plan does not model (hand-offs, the host). The title gives the measured bubble
-beside GPipe's theoretical (D−1)/(M+D−1) and, with the plan, the planned bubble.
+beside GPipe's theoretical (D−1)/(U+D−1) over U = M·S units and, with the plan, the planned bubble.
 
 Sized for TensorBoard's image card, which shows images about 330-400 px wide: the chart
 is 400 px wide with text of 10-12 px, so it is read without "show actual image size".

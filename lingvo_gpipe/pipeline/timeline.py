@@ -9,7 +9,8 @@ the schedule the devices actually ran, without a profiler.
 `fetches(cell_times)` gives one tensor per device (one transfer each);
 `MeasuredTimeline.from_fetched` turns the fetched numbers back into spans, and from them come
 each cell's and each device's busy fraction, the measured bubble beside GPipe's
-(D−1)/(M+D−1), and the plan simulated with the step's own call times (`planned`);
+(D−1)/(U+D−1) over U = M·S units, and the plan simulated with the step's own call
+times (`planned`);
 `schedule_chart` draws them for TensorBoard.
 
 Timestamps are wall-clock seconds of the host running the device: cells on one host
@@ -160,8 +161,8 @@ class MeasuredTimeline:
     return 1.0 - float(np.mean(self.device_busy_fractions()))
 
   def theoretical_bubble(self) -> float:
-    """GPipe's fill-drain bubble (D−1)/(M+D−1) over these D devices, for equal cells
-    and free transfers."""
+    """GPipe's fill-drain bubble (D−1)/(U+D−1) over these D devices and U units (M·S:
+    micro-batches × token slices), for equal cells and free transfers."""
     d, m = self.num_devices, self.num_micro_batches
     return (d - 1) / (m + d - 1)
 
