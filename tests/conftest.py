@@ -26,6 +26,16 @@ if len(TEST_DEVICE_NAMES) != NUM_TEST_DEVICES:
 tf.get_logger().setLevel("ERROR")
 
 
+def sigint_as_default() -> None:
+  """A subprocess's preexec_fn: SIGINT back to its default, so that the Python it runs
+  installs its KeyboardInterrupt handler. A suite started as a background job (`make
+  test &`, no terminal) inherits SIGINT ignored, and so would every trainer a Ctrl-C
+  test starts: the SIGINT it sends would never arrive."""
+  import signal
+
+  signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def engine_loss_and_grads(model, wrapped, batch: dict, step: int, loss_scale=None):
   """One training step's loss and gradients as the trainer computes them (the
   pipeline's schedule, or TensorFlow's gradient of the whole batch):

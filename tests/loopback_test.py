@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import REPO, run_trainer
+from conftest import REPO, run_trainer, sigint_as_default
 from numerics import HALF_REORDERED, REORDERED, assert_close
 
 from lingvo_gpipe.runtime import cluster
@@ -172,7 +172,8 @@ def _start_trainer(logdir: Path, spec: str, model: list[str]) -> subprocess.Pope
   return subprocess.Popen(
       [sys.executable, str(REPO / "tools" / "trainer.py"), *model, f"--logdir={logdir}",
        f"--cluster_spec={spec}", "--max_steps=1000000"], stdout=subprocess.PIPE,
-      stderr=subprocess.PIPE, text=True, cwd=REPO, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+      stderr=subprocess.PIPE, text=True, cwd=REPO, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
+      preexec_fn=sigint_as_default)  # (a Ctrl-C test signals it)
 
 
 def _wait_for_checkpoint_after(logdir: Path, step: int, trainer: subprocess.Popen) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import REPO, run_trainer
+from conftest import REPO, run_trainer, sigint_as_default
 from numerics import assert_close
 
 from lingvo_gpipe import model_registry
@@ -557,7 +557,8 @@ def test_ctrl_c_stops_after_the_step_in_flight_flushing_its_summaries(tmp_path):
       [sys.executable, str(REPO / "tools" / "trainer.py"), MODEL, f"--logdir={logdir}",
        "--max_steps=1000000", f"--params_override={override}"],
       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
-      env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1"))
+      env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1"),
+      preexec_fn=sigint_as_default)
   try:
     for line in trainer.stdout:  # ends early only if the trainer exits
       if line.startswith("step 20/"):
