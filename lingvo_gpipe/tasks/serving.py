@@ -76,16 +76,16 @@ class ServingModel(tf.Module):
     dtype = serving_dtype(options.dtype)
     layers = list(task.walk())
     originals = [v for layer in layers for v in layer.own_variables()]
+    keys = [_weight_key(v) for v in originals]
+    if len(set(keys)) != len(keys):
+      raise ValueError("two of the task's variables have one name; cannot key the weights")
     copies = []
-    for variable in originals:
+    for key, variable in zip(keys, originals):
       value = tf.convert_to_tensor(variable)
       if value.dtype.is_floating:
         value = tf.cast(value, dtype)
       with tf.device(variable.device or None):
-        copies.append(tf.Variable(value, trainable=False, name=_weight_key(variable)))
-    keys = [_weight_key(v) for v in originals]
-    if len(set(keys)) != len(keys):
-      raise ValueError("two of the task's variables have one name; cannot key the weights")
+        copies.append(tf.Variable(value, trainable=False, name=key))
     self.weights = dict(zip(keys, copies))
     with base_layer.variables_read_as(layers, copies):
       self.functions = {name: fn.get_concrete_function()

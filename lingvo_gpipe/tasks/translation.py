@@ -50,11 +50,6 @@ class TranslationTask(BaseTask):
       raise ParamsError(f"{self.path}: params.stack is not set")
     self.create_stack("stack", self.params.stack)
 
-  def _logits(self, batch: dict[str, tf.Tensor], tgt_ids: tf.Tensor,
-              tgt_paddings: tf.Tensor) -> tf.Tensor:
-    return self.stack(batch["src_ids"], tf.cast(batch["src_paddings"], tf.float32), tgt_ids,
-                      tgt_paddings)
-
   def stack_inputs(self, batch: dict[str, tf.Tensor]) -> tuple:
     return (batch["src_ids"], tf.cast(batch["src_paddings"], tf.float32), batch["tgt_ids"],
             tf.cast(batch["tgt_paddings"], tf.float32))
