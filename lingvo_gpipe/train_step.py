@@ -103,7 +103,7 @@ class TrainStep:
     scale = self.scale.scale.read_value() if self.scale is not None else None
     replicas = self.replicas
     per_replica, grads = [], []
-    with base_layer.step_context(training=True, step=step, micro_batch=0, layer_stats=[],
+    with base_layer.step_context(training=True, step=step, layer_stats=[],
                                  spans=[], loss_scale=scale) as ctx:
       for r, shard in enumerate(replicas.shard(batch)):
         with replicas.replica_context(r, shard), base_layer.step_context(

@@ -14,7 +14,7 @@ SIZES = list(itertools.product([1, 2, 3, 4, 8], [1, 2, 3, 4, 16]))
 def depends_on(k: int, action, other_cell: int, other) -> bool:
   """The rule written out: a forward needs the previous cell's forward of its
   micro-batch; a backward needs its own forward and the next cell's backward."""
-  m = action.micro_batch
+  m = action.unit
   if action.phase == FORWARD:
     return other_cell == k - 1 and other == schedule.forward(m)
   return ((other_cell == k and other == schedule.forward(m))
@@ -79,9 +79,9 @@ def test_a_deadlocked_order_is_refused_naming_the_waiting_cells():
 @pytest.mark.parametrize("lists, message", [
     ([["F0", "F1", "B1", "B0"], ["F1", "F0", "B1", "B0"]],
      r"(?s)cell 1 receives on the forward link between cells 0 and 1 in another order than "
-     r"cell 0 sends: micro-batches 1 0 against 0 1.*\n  cell 1: >F1< F0 B1 B0"),
+     r"cell 0 sends: units 1 0 against 0 1.*\n  cell 1: >F1< F0 B1 B0"),
     ([["F0", "F1", "B1", "B0"], ["F0", "F1", "B0", "B1"]],
-     r"(?s)cell 0 receives on the backward link between cells 0 and 1 .* micro-batches 1 0 "
+     r"(?s)cell 0 receives on the backward link between cells 0 and 1 .* units 1 0 "
      r"against 0 1.*\n  cell 0: F0 F1 >B1< B0"),
 ])
 def test_a_link_whose_ends_disagree_on_the_order_is_refused_naming_it(lists, message):
@@ -106,7 +106,7 @@ def test_weight_gradient_actions_end_every_group_of_backwards(name, num_cells, n
       continue
     assert len(weights) == -(-num_micro // group), text  # ceil(M / G)
     for i in weights:  # each W follows the backward it names, the group's last
-      assert actions[i - 1] == schedule.backward(actions[i].micro_batch), text
+      assert actions[i - 1] == schedule.backward(actions[i].unit), text
     assert actions[-1].phase == WEIGHT_GRADIENT and len(backwards) == num_micro
   assert plan.max_in_flight(0) == schedule.make(name, num_cells, num_micro).max_in_flight(0)
 
@@ -351,7 +351,7 @@ def test_grouped_weight_gradients_are_written_one_per_micro_batch():
 
 
 @pytest.mark.parametrize("text, message", [
-    ("0F0,0B0\n1F0,XX,1B0\n", r"line 2: bad action 'XX'; write <cell><F\|I\|B\|W><micro-batch>"),
+    ("0F0,0B0\n1F0,XX,1B0\n", r"line 2: bad action 'XX'; write <cell><F\|I\|B\|W><unit>"),
     ("0F0,1F0,0B0,1B0\n1F0\n", r"line 2: '1F0': cell 1 is on line 1 already"),
     ("0F0,0B0\n2F0,2B0\n", r"the cells are \[0, 2\]; number them 0..1"),
     ("0F0,0I0\n", r"cell 0 runs FI: a cell either runs whole backwards \(B\) or splits"),

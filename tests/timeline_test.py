@@ -37,7 +37,7 @@ def schedule_of(rows, offset: float = 1000.0) -> timeline.MeasuredTimeline:
 @pytest.mark.parametrize("num_cells, num_micro", [(1, 4), (2, 4), (4, 8), (3, 1)])
 def test_an_ideal_fill_drain_schedule_measures_the_theoretical_bubble(num_cells, num_micro):
   measured = schedule_of(fill_drain(num_cells, num_micro))
-  assert measured.num_cells == num_cells and measured.num_micro_batches == num_micro
+  assert measured.num_cells == num_cells and measured.num_units == num_micro
   assert measured.duration == pytest.approx(3.0 * (num_micro + num_cells - 1))
   busy = num_micro / (num_micro + num_cells - 1)
   assert measured.busy_fractions() == pytest.approx([busy] * num_cells)
@@ -140,13 +140,13 @@ def test_a_step_stamps_every_action_in_the_loop_of_its_device(cpu_devices, sched
 
   _, fetched = step()
   measured = timeline.MeasuredTimeline.from_fetched([t.numpy() for t in fetched])
-  assert sorted((k.cell, k.micro_batch, k.phase) for k in measured.keys) == sorted(
+  assert sorted((k.cell, k.unit, k.phase) for k in measured.keys) == sorted(
       (k, m, phase) for k in range(num_cells) for m in range(num_micro)
       for phase in (FORWARD, BACKWARD))
   # The stamps follow the hand-offs: cell 1 ends F_m only after cell 0 ended it (its input
   # comes from there), and cell 0 ends B_m only after cell 1 ended B_m (its output
   # gradient). (A span starts when the action starts, wait for the hand-off included.)
-  span = {(k.cell, k.micro_batch, k.phase): t for t, k in zip(measured.times, measured.keys)}
+  span = {(k.cell, k.unit, k.phase): t for t, k in zip(measured.times, measured.keys)}
   for m in range(num_micro):
     assert span[1, m, FORWARD][1] >= span[0, m, FORWARD][1]
     assert span[0, m, BACKWARD][1] >= span[1, m, BACKWARD][1]
@@ -185,8 +185,8 @@ def test_each_device_runs_its_cells_in_one_loop_one_call_at_a_time(cpu_devices, 
   plan = model.plan()
   assert measured.num_devices == num_devices
   assert measured.followed(plan) == [True] * num_cells
-  want = sorted((k, a.micro_batch, a.phase) for k in range(num_cells) for a in plan.actions[k])
-  assert sorted((k.cell, k.micro_batch, k.phase) for k in measured.keys) == want
+  want = sorted((k, a.unit, a.phase) for k in range(num_cells) for a in plan.actions[k])
+  assert sorted((k.cell, k.unit, k.phase) for k in measured.keys) == want
   for d in range(num_devices):
     spans = sorted(tuple(t) for t, device in zip(measured.times, measured.devices) if device == d)
     assert all(later[0] >= earlier[1] for earlier, later in zip(spans, spans[1:]))

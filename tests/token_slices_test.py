@@ -250,7 +250,7 @@ def test_schedules_over_slices_and_their_bubble():
   micro-batches, (K−1)/(M·S+K−1)."""
   for name in schedule.SLICED_SCHEDULES:
     plan = schedule.make(name, 4, 4, num_token_slices=4)
-    assert plan.num_micro_batches == 16
+    assert (plan.num_units, plan.micro_batches, plan.slices) == (16, 4, 4)
     assert plan.bubble(1.0, 1.0, 0.0) == pytest.approx(3 / 19)
   one_f_one_b = schedule.make("1f1b", 3, 2, num_token_slices=2)
   assert str(one_f_one_b).splitlines()[2] == \
@@ -264,7 +264,7 @@ def test_schedules_over_slices_and_their_bubble():
 def test_a_schedule_running_slices_out_of_order_is_refused(actions, message):
   parsed = tuple(schedule.from_lists("bad", [actions]).actions)
   with pytest.raises(schedule.ScheduleError, match=message):
-    schedule.PipelineSchedule("bad", 1, 2, parsed, num_token_slices=2)
+    schedule.PipelineSchedule("bad", 1, 2, parsed, slices=2)
 
 
 @pytest.mark.parametrize("actions, message", [
@@ -344,7 +344,7 @@ def test_the_chart_draws_one_bar_per_slice():
   numbered m.j, the title counting micro-batches and slices."""
   plan = schedule.make("gpipe", 2, 2, num_token_slices=2)
   times = plan.simulate(1.0, 2.0, 0.0)
-  keys = [timeline.SpanKey(k, a.micro_batch, a.phase) for (k, a) in times]
+  keys = [timeline.SpanKey(k, a.unit, a.phase) for (k, a) in times]
   measured = timeline.MeasuredTimeline.from_spans(np.array(list(times.values())), keys)
   axes = schedule_chart.figure(measured, None, plan).axes[0]
   assert sorted(t.get_text() for t in axes.texts) == sorted(

@@ -147,7 +147,8 @@ class StepContext:
   Attributes:
     training: True in a training step (dropout on, batch norm uses batch statistics).
     step: the global step as an int64 scalar tensor (or int); seeds dropout.
-    micro_batch: index of the micro-batch being computed (0 when not pipelined).
+    unit: the schedule unit being computed (a micro-batch, or with token slices a
+      slice of one: pipeline/schedule.py; 0 when not pipelined).
     example_offset: position in the mini-batch of the first example of the batch this
       forward pass sees. Dropout draws the mask of each example from its position, so
       micro-batches draw different masks, and any split of the mini-batch into
@@ -170,7 +171,7 @@ class StepContext:
   """
   training: bool = False
   step: Any = 0
-  micro_batch: Any = 0
+  unit: Any = 0
   example_offset: Any = 0
   layer_stats: list | None = None
   spans: list | None = None

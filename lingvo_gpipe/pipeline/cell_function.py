@@ -296,11 +296,11 @@ class CellFunctions:
     """The layers (and head) on one call's inputs → (outputs, the cache entries
     extended: [] unless full_length T > 0, the tokens of a slice of sequences of T
     tokens; cache None: specs only, the entries read as zeros)."""
-    micro_batch, example_offset, token_offset = tf.unstack(call_info)
+    unit, example_offset, token_offset = tf.unstack(call_info)
     token_slice = (token_slices.TokenSlice(token_offset, full_length,
                                            token_slices.SliceCache(cache))
                    if full_length else None)
-    with base_layer.step_context(training=True, step=step, micro_batch=micro_batch,
+    with base_layer.step_context(training=True, step=step, unit=unit,
                                  example_offset=example_offset, layer_stats=stats,
                                  spans=None, weight_products=products,
                                  token_slice=token_slice), \

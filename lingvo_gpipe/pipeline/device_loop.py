@@ -3,47 +3,47 @@
 For device d, one functional While (`tf_internals.unlowered`) walks a constant int32
 table (`ActionTable`) with one row per entry of `plan.device_orders[d]` (usually one
 cell's list; several cells' with interleaved virtual stages). A row is a `TableRow`:
-its Case branch, micro-batch, example offset, stash slot, product slot (B),
-first product slot (W) and what it receives; `COLUMNS` names each field's column.
-The row's Case branch runs the action, given an `ActionArgs` (the row and the
-hand-off received):
+its Case branch, unit, example offset, stash slot, product slot (B), first product
+slot (W) and what it receives; `COLUMNS` names each field's column. The row's Case
+branch runs the action, given an `ActionArgs` (the row and the hand-off received).
+A unit u is a micro-batch, or with token slices a slice (m, j) of one (schedule.py):
 
-  F m   inputs: micro-batch m sliced from the batch (k = 0) or received from cell k−1
+  F u   inputs: unit u sliced from the batch (k = 0) or received from cell k−1
         → CellFunctions.forward → outputs sent to cell k+1 (last cell: the head's
-        metrics kept per micro-batch); what the backward needs is stashed in a slot,
-        the batch statistics kept per micro-batch
-  B m   output gradient: received from cell k+1 (last cell: micro-batch m's loss
-        weight) → CellFunctions.backward on the stashed slot → input gradients sent to
-        cell k−1; variable gradients added to the running sums (loop variables); in a
+        metrics kept per unit); what the backward needs is stashed in a slot, the
+        batch statistics kept per unit
+  B u   output gradient: received from cell k+1 (last cell: unit u's loss weight)
+        → CellFunctions.backward on the stashed slot → input gradients sent to cell
+        k−1; variable gradients added to the running sums (loop variables); in a
         cell that defers weight gradients, the projections' inputs and output
         gradients kept in a product slot
-  W m   (cells that defer weight gradients) the product slots of the backwards since
-        the cell's previous W, up to m's, concatenated → one product per projection,
+  W u   (cells that defer weight gradients) the product slots of the backwards since
+        the cell's previous W, up to u's, concatenated → one product per projection,
         added to the sums
 
-An uneven split has two micro-batch shapes; each has its own F and B branch (the
-cell's functions are traced once per shape); W has a branch per group size. Each
-action's start (its inbox there) and end (its Case done) are timestamped on the
-device's host, around the Case in the loop's body (the measured timeline).
+An uneven split has two unit shapes; each has its own F and B branch (the cell's
+functions are traced once per shape); W has a branch per group size. Each action's
+start (its inbox there) and end (its Case done) are timestamped on the device's
+host, around the Case in the loop's body (the measured timeline).
 
-Token slices (`plan.num_token_slices` S > 1): the table's rows are units (m, j), m's
-rows sliced along axis 1 as well; a shape class is a (rows, tokens) pair. A cell with
-causal layers keeps, per micro-batch in flight, its cache entries in a cache slot
+Token slices (`plan.slices` S > 1): a shape class is a (rows, tokens) pair. A cell
+with causal layers keeps, per micro-batch in flight, its cache entries in a cache slot
 (taken at F(m, 0), released at B(m, 0)): F(m, j) reads them (j > 0) and writes them
 back extended; B(m, j) reads them as the last slice left them, takes the gradient of
 the entries F(m, j) wrote from the cache-gradient slot B(m, j+1) filled (zeros for
 the last slice) and fills it with the gradient of those F(m, j) read, for B(m, j−1).
 
 The loop carries a `LoopState`: per cell a `CellState` (the sums, one stash slot per
-unit the cell holds in flight (`PipelineSchedule.max_in_flight`, units of a micro-batch
-or, with S token slices, of a slice of one: M·S for gpipe, K−k+S−1 for 1f1b on cell
-k), one product slot per backward awaiting its W
-(`max_awaiting_weights`), the head's per-micro-batch metrics and the statistics);
-the device's timestamps; and the inbox of hand-offs received one action ahead. The
-step graph holds one loop per device whatever M is (`tests/pipeline_graph_test.py`).
+unit the cell holds in flight (`PipelineSchedule.max_in_flight`: U = M·S for gpipe,
+K−k+S−1 for 1f1b on cell k), one product slot per backward awaiting its W
+(`max_awaiting_weights`), the head's per-unit metrics and the statistics); the
+device's timestamps; and the inbox of hand-offs received one action ahead. Each kind
+of slot has its allocator (`_LowestFree`, `_ProductRing`), composed in
+`action_table`. The step graph holds one loop per device whatever M is
+(`tests/pipeline_graph_test.py`).
 
 `run`, one training step, reads as its steps: `_check_schedule`, `_trace` (each cell
-per micro-batch shape: `CellFunctions.signature`), the links, `action_table` and
+per unit shape: `CellFunctions.signature`), the links, `action_table` and
 `_device_loop` per device (`_record_times` keeps its timestamps), then
 `_report_stats`, `_metrics` and `_mean_gradients`.
 
@@ -70,6 +70,7 @@ from lingvo_gpipe.pipeline.placement_audit import on_host
 from lingvo_gpipe.pipeline.schedule import (
   BACKWARD,
   FORWARD,
+  WEIGHT_GRADIENT,
   PipelineSchedule,
 )
 
@@ -123,7 +124,8 @@ class TableRow(NamedTuple):
   int32 scalars in the loop, where `ActionArgs` hands them to the action).
 
   branch: its Case branch (`Branches`: which cell, which action, which shape class or
-  W group size); micro_batch: m; offset: m's first example's position in the batch;
+  W group size); unit: u, the schedule's unit (a micro-batch, or slice (m, j) of one,
+  u = m·S + j); offset: u's first example's position in the batch;
   stash_slot: F: the stash slot it fills, B: the one it takes (W: 0);
   product_slot: B: the product ring slot it writes (F, W: 0);
   first_product_slot: W: the ring slot of its group's first backward, the first of
@@ -134,12 +136,12 @@ class TableRow(NamedTuple):
   without token slices).
   """
   branch: Any
-  micro_batch: Any
+  unit: Any
   offset: Any
-  stash_slot: Any
-  product_slot: Any
-  first_product_slot: Any
-  receive: Any
+  stash_slot: Any = 0
+  product_slot: Any = 0
+  first_product_slot: Any = 0
+  receive: Any = -1  # NO_RECEIVE
   token_offset: Any = 0
   token_slice: Any = 0
   cache_slot: Any = 0
@@ -151,7 +153,7 @@ NO_RECEIVE = -1  # `receive` of an action whose inputs come from no other cell
 
 class ReceiveKind(NamedTuple):
   """What an action receives from a neighbouring cell: FORWARD, its inputs from cell
-  k−1; BACKWARD, its output gradients from cell k+1; of one micro-batch shape class."""
+  k−1; BACKWARD, its output gradients from cell k+1; of one unit shape class."""
   cell: int
   phase: str
   shape_class: int
@@ -160,8 +162,8 @@ class ReceiveKind(NamedTuple):
 @dataclasses.dataclass(frozen=True)
 class Branches:
   """The Case branches of one cell in its device's loop, from `first` on: F and B of
-  each micro-batch shape class c (first + 2c, first + 2c + 1), then W of each group
-  size the cell's W actions have (in `weight_sizes` order)."""
+  each unit shape class c (first + 2c, first + 2c + 1), then W of each group size
+  the cell's W actions have (in `weight_sizes` order)."""
   first: int
   num_classes: int
   weight_sizes: tuple[int, ...]
@@ -180,28 +182,69 @@ class Branches:
     return self.first + 2 * self.num_classes + len(self.weight_sizes)
 
 
+class SlotCounts(NamedTuple):
+  """How many slots of each kind a cell's loop state holds: stash (what a backward
+  needs), product (a deferred backward's projection inputs and output gradients) and
+  cache (token slices' cache entries, per micro-batch)."""
+  stash: int
+  product: int
+  cache: int
+
+
 @dataclasses.dataclass
 class ActionTable:
   """A device's actions as loop data: rows int32 [A, len(COLUMNS)], one `TableRow` per
-  entry of the device's order; per cell on the device, its branches and how many
-  stash, product and cache slots it needs; the kinds of hand-off its actions receive."""
+  entry of the device's order; per cell on the device, its branches and slot counts;
+  the kinds of hand-off its actions receive."""
   rows: np.ndarray
   branches: dict[int, Branches]
-  stash_slots: dict[int, int]
-  product_slots: dict[int, int]
+  slots: dict[int, SlotCounts]
   receives: list[ReceiveKind]
-  keys: np.ndarray  # float64 [A, 3]: cell, micro-batch, phase index (timeline.PHASES)
-  cache_slots: dict[int, int] = dataclasses.field(default_factory=dict)
+  keys: np.ndarray  # float64 [A, 3]: cell, unit, phase index (timeline.PHASES)
 
 
-def _take_lowest(free: list[int], count: dict[int, int], k: int) -> int:
-  """The lowest free slot of cell k (a new one if none is free)."""
-  if not free:
-    free.append(count[k])
-    count[k] += 1
-  slot = min(free)
-  free.remove(slot)
-  return slot
+class _LowestFree:
+  """Slots given out lowest-free-first, each held by a key until released; `size`:
+  the most held at once (the slots the loop state needs)."""
+
+  def __init__(self):
+    self.size = 0
+    self._free: list[int] = []
+    self._slot_of: dict[Any, int] = {}
+
+  def take(self, key: Any) -> int:
+    if not self._free:
+      self._free.append(self.size)
+      self.size += 1
+    slot = min(self._free)
+    self._free.remove(slot)
+    self._slot_of[key] = slot
+    return slot
+
+  def release(self, key: Any) -> int:
+    """Frees key's slot (it stays key's to read in the same action) and returns it."""
+    self._free.append(self._slot_of[key])
+    return self._slot_of[key]
+
+  def of(self, key: Any) -> int:
+    """key's slot (0 for a key never given one)."""
+    return self._slot_of.get(key, 0)
+
+
+class _ProductRing:
+  """A deferred backward's product slots: the i-th backward of the cell writes slot
+  i mod size; a W reads its group's consecutive slots from its first backward's."""
+
+  def __init__(self, size: int):
+    self.size = size
+    self._index_of: dict[int, int] = {}  # unit → its position among the backwards
+
+  def write(self, unit: int) -> int:
+    self._index_of[unit] = len(self._index_of)
+    return self._index_of[unit] % self.size if self.size else 0
+
+  def first(self, group: Sequence[int]) -> int:
+    return self._index_of[group[0]] % self.size
 
 
 def action_table(plan: PipelineSchedule, d: int, shape_class: Sequence[int],
@@ -211,14 +254,12 @@ def action_table(plan: PipelineSchedule, d: int, shape_class: Sequence[int],
   shape_class[u], offsets[u] (its first example's position) and token_offsets[u]
   (its first token's; None: 0).
 
-  Stash slots (what a backward needs) are given out per cell lowest-free-first at
-  each F and freed at its B, so cell k needs max_in_flight(k) of them. Product slots
-  (a deferred backward's projection inputs and output gradients, kept for its W) go
-  round a ring of max_awaiting_weights(k): the i-th backward of the cell writes slot
-  i mod R, and a W reads its group's consecutive backwards' slots. Cache slots (token
-  slices) are given out lowest-free-first at F(m, 0) and freed at B(m, 0).
+  Each cell has three allocators. Stash slots: lowest-free-first, taken at F and
+  freed at B, so cell k needs max_in_flight(k) of them. Product slots: a ring of
+  max_awaiting_weights(k) (`_ProductRing`). Cache slots (token slices): lowest-free-
+  first, taken at F(m, 0) and freed at B(m, 0).
   """
-  num_slices = plan.num_token_slices
+  slices = plan.slices
   token_offsets = token_offsets or [0] * len(offsets)
   cells = sorted({k for k, _ in plan.device_orders[d]})
   branches, first = {}, 0
@@ -226,63 +267,42 @@ def action_table(plan: PipelineSchedule, d: int, shape_class: Sequence[int],
     sizes = tuple(sorted({len(g) for g in plan.weight_groups(k).values()}))
     branches[k] = Branches(first, num_classes, sizes)
     first = branches[k].end
-  stash_slots = dict.fromkeys(cells, 0)
-  cache_slots = dict.fromkeys(cells, 0)
-  product_slots = {k: plan.max_awaiting_weights(k) for k in cells}
-  free: dict[int, list[int]] = {k: [] for k in cells}
-  free_caches: dict[int, list[int]] = {k: [] for k in cells}
-  slot_of: dict[tuple[int, int], int] = {}
-  cache_of: dict[tuple[int, int], int] = {}  # (cell, micro-batch) → its cache slot
-  backward_index: dict[tuple[int, int], int] = {}  # (cell, m) → its position among B's
-  backwards_run = dict.fromkeys(cells, 0)
+  stash = {k: _LowestFree() for k in cells}
+  cache = {k: _LowestFree() for k in cells}
+  products = {k: _ProductRing(plan.max_awaiting_weights(k)) for k in cells}
   groups = {k: plan.weight_groups(k) for k in cells}
   receives = [ReceiveKind(k, phase, c) for k in cells for c in range(num_classes)
               for phase, neighbour in ((FORWARD, k - 1), (BACKWARD, k + 1))
               if 0 <= neighbour < plan.num_cells]
   rows: list[TableRow] = []
-  keys = []
   for k, action in plan.device_orders[d]:
-    m, b = action.micro_batch, branches[k]
-    whole, j = divmod(m, num_slices)
-    if action.phase == FORWARD:
-      slot_of[(k, m)] = _take_lowest(free[k], stash_slots, k)
-      if j == 0 and num_slices > 1:
-        cache_of[(k, whole)] = _take_lowest(free_caches[k], cache_slots, k)
-      rows.append(TableRow(
-          branch=b.forward(shape_class[m]), micro_batch=m, offset=offsets[m],
-          stash_slot=slot_of[(k, m)], product_slot=0, first_product_slot=0,
-          receive=_receive_index(receives, ReceiveKind(k, FORWARD, shape_class[m])),
-          token_offset=token_offsets[m], token_slice=j,
-          cache_slot=cache_of.get((k, whole), 0)))
-    elif action.phase == BACKWARD:
-      free[k].append(slot_of[(k, m)])
-      if j == 0 and num_slices > 1:
-        free_caches[k].append(cache_of[(k, whole)])
-      index = backward_index[(k, m)] = backwards_run[k]
-      backwards_run[k] += 1
-      rows.append(TableRow(
-          branch=b.backward(shape_class[m]), micro_batch=m, offset=offsets[m],
-          stash_slot=slot_of[(k, m)],
-          product_slot=index % product_slots[k] if product_slots[k] else 0,
-          first_product_slot=0,
-          receive=_receive_index(receives, ReceiveKind(k, BACKWARD, shape_class[m])),
-          token_offset=token_offsets[m], token_slice=j,
-          cache_slot=cache_of.get((k, whole), 0)))
+    u, phase = action.unit, action.phase
+    m, j = divmod(u, slices)
+    if phase == WEIGHT_GRADIENT:
+      group = groups[k][u]
+      rows.append(TableRow(branches[k].weight_gradient(len(group)), u, offsets[u],
+                           first_product_slot=products[k].first(group)))
+      continue
+    first_slice = j == 0 and slices > 1  # takes (F) or frees (B) the micro-batch's cache
+    if phase == FORWARD:
+      branch, stash_slot, product_slot = branches[k].forward(shape_class[u]), stash[k].take(u), 0
+      if first_slice:
+        cache[k].take(m)
     else:
-      group = groups[k][m]
-      rows.append(TableRow(
-          branch=b.weight_gradient(len(group)), micro_batch=m, offset=offsets[m],
-          stash_slot=0, product_slot=0,
-          first_product_slot=backward_index[(k, group[0])] % product_slots[k],
-          receive=NO_RECEIVE))
-    keys.append([k, m, timeline.PHASES.index(action.phase)])
+      branch, stash_slot = branches[k].backward(shape_class[u]), stash[k].release(u)
+      product_slot = products[k].write(u)
+      if first_slice:
+        cache[k].release(m)
+    receive = ReceiveKind(k, phase, shape_class[u])
+    rows.append(TableRow(
+        branch, u, offsets[u], stash_slot=stash_slot, product_slot=product_slot,
+        receive=receives.index(receive) if receive in receives else NO_RECEIVE,
+        token_offset=token_offsets[u], token_slice=j, cache_slot=cache[k].of(m)))
+  keys = [[k, a.unit, timeline.PHASES.index(a.phase)] for k, a in plan.device_orders[d]]
   return ActionTable(np.array(rows, np.int32).reshape(-1, len(COLUMNS)), branches,
-                     stash_slots, product_slots, receives,
-                     np.array(keys, np.float64).reshape(-1, 3), cache_slots)
-
-
-def _receive_index(receives: list[ReceiveKind], kind: ReceiveKind) -> int:
-  return receives.index(kind) if kind in receives else NO_RECEIVE
+                     {k: SlotCounts(stash[k].size, products[k].size, cache[k].size)
+                      for k in cells},
+                     receives, np.array(keys, np.float64).reshape(-1, 3))
 
 
 def _slice(flat: Sequence[tf.Tensor], offset: tf.Tensor, size: int,
@@ -429,7 +449,7 @@ class Handler(NamedTuple):
 @dataclasses.dataclass
 class CellLoop:
   """What cell k's actions need in its device's loop: the cell, its call signatures
-  per micro-batch shape, its slots, the hand-offs to its neighbours and the step's
+  per unit shape, its slots, the hand-offs to its neighbours and the step's
   inputs. Each action takes the cell's part of the loop state and returns it updated,
   with its start and end timestamps."""
   cell: CellFunctions
@@ -437,14 +457,12 @@ class CellLoop:
   signatures: list[CallSignature]   # per shape class
   sizes: list[tuple[int, int]]      # per shape class, its (rows, tokens; 0: whole)
   branches: Branches
-  stash_slots: int
-  product_slots: int
-  num_micro_batches: int            # units: micro-batches × token slices
+  slots: SlotCounts
+  num_units: int                    # U = M·S: micro-batches × token slices
+  slices: int                       # S
   previous: channels.Link | None     # to cell k−1
   following: channels.Link | None    # to cell k+1
   step_inputs: StepInputs
-  cache_slots: int = 0
-  num_token_slices: int = 1
 
   # -- the cell's state ----------------------------------------------------------------
 
@@ -452,14 +470,14 @@ class CellLoop:
     sig0 = self.signatures[0]
     return CellState(
         sums=sig0.layout.zeros(),
-        stash=[_stash_slots(sig.saved, self.stash_slots) for sig in self.signatures],
-        outputs=(_list(sig0.outputs, self.num_micro_batches) if self.cell.head is not None
+        stash=[_stash_slots(sig.saved, self.slots.stash) for sig in self.signatures],
+        outputs=(_list(sig0.outputs, self.num_units) if self.cell.head is not None
                  else []),
-        stats=_list(sig0.stats, self.num_micro_batches),
-        product_inputs=_slots(sig0.product_inputs, self.product_slots),
-        product_grads=_slots(sig0.product_grads, self.product_slots),
-        cache=_slots(sig0.cache, self.cache_slots),
-        cache_grads=_slots(sig0.cache, self.cache_slots))
+        stats=_list(sig0.stats, self.num_units),
+        product_inputs=_slots(sig0.product_inputs, self.slots.product),
+        product_grads=_slots(sig0.product_grads, self.slots.product),
+        cache=_slots(sig0.cache, self.slots.cache),
+        cache_grads=_slots(sig0.cache, self.slots.cache))
 
   def handlers(self) -> list[Handler]:
     """The cell's Case branches: F and B per shape class, W per group size."""
@@ -492,7 +510,7 @@ class CellLoop:
   def _call_info(self, row: TableRow) -> tf.Tensor:
     """int64 [unit index, example offset in the whole batch, token offset]."""
     offset = tf.cast(self.step_inputs.base_offset, tf.int64) + tf.cast(row.offset, tf.int64)
-    return tf.stack([tf.cast(row.micro_batch, tf.int64), offset,
+    return tf.stack([tf.cast(row.unit, tf.int64), offset,
                      tf.cast(row.token_offset, tf.int64)])
 
   def _cache_entries(self, slots: Sequence[tf.TensorArray], row: TableRow,
@@ -539,12 +557,12 @@ class CellLoop:
     if self.following is not None:
       self.following.forward.send(outputs)
     else:
-      kept = [ta.write(row.micro_batch, t) for ta, t in zip(state.outputs, outputs)]
+      kept = [ta.write(row.unit, t) for ta, t in zip(state.outputs, outputs)]
     stash = list(state.stash)
     stash[c] = [ta.write(row.stash_slot, _stashed(t)) for ta, t in zip(stash[c], saved)]
     return state._replace(
         outputs=kept, stash=stash,
-        stats=[ta.write(row.micro_batch, t) for ta, t in zip(state.stats, stats)],
+        stats=[ta.write(row.unit, t) for ta, t in zip(state.stats, stats)],
         cache=self._write_cache(state.cache, row, cache))
 
   def backward(self, c: int, state: CellState, args: ActionArgs) -> ActionResult:
@@ -554,7 +572,7 @@ class CellLoop:
     sig, cell, row = self.signatures[c], self.cell, args.row
     if self.following is None:
       loss_index, weight_index = sig.loss_positions()
-      weight = state.outputs[weight_index].read(row.micro_batch)
+      weight = state.outputs[weight_index].read(row.unit)
       loss_spec = sig.outputs[loss_index]
       if self.step_inputs.loss_scale is not None:
         weight = weight * tf.cast(self.step_inputs.loss_scale, weight.dtype)
@@ -565,7 +583,7 @@ class CellLoop:
     saved, stash[c] = _take(stash[c], row.stash_slot, sig.saved)
     cache = self._cache_entries(state.cache, row, sig.cache, True)
     cache_grads = self._cache_entries(state.cache_grads, row, sig.cache,
-                                      row.token_slice < self.num_token_slices - 1)
+                                      row.token_slice < self.slices - 1)
     input_grads, cache_grads, sums, product_inputs, product_grads = cell.backward(
         sig, saved, seeds, state.sums, self.step_inputs.step, self._call_info(row), cache,
         cache_grads)
@@ -586,9 +604,9 @@ class CellLoop:
     concatenated → one product per projection, added to the sums."""
     sig, first = self.signatures[0], args.row.first_product_slot
     inputs, product_inputs = _read_group(
-        state.product_inputs, self.product_slots, first, n, sig.product_inputs)
+        state.product_inputs, self.slots.product, first, n, sig.product_inputs)
     grads, product_grads = _read_group(
-        state.product_grads, self.product_slots, first, n, sig.product_grads)
+        state.product_grads, self.slots.product, first, n, sig.product_grads)
     sums = self.cell.weight_gradients(state.sums, inputs, grads)
     return state._replace(sums=sums, product_inputs=product_inputs,
                           product_grads=product_grads)
@@ -756,7 +774,7 @@ def run(cells: Sequence[CellFunctions], plan: PipelineSchedule, inputs: Any, hea
   inputs: the pipeline's nested inputs [B, ...] on cells[0]'s device; head_inputs: the
   head's nested tensors [B, ...] on the last cell's device; sizes, offsets: each
   micro-batch's size and first example's position in the batch; slice_lengths: with
-  plan.num_token_slices S > 1, the S slices' lengths (summing to the sequence length,
+  plan.slices S > 1, the S slices' lengths (summing to the sequence length,
   axis 1 of every input and head input). Batch statistics go to the StepContext's
   layer_stats, the loops' timestamps to its spans.
 
@@ -768,7 +786,7 @@ def run(cells: Sequence[CellFunctions], plan: PipelineSchedule, inputs: Any, hea
   _check_schedule(cells, plan, sizes, slice_lengths)
   step = tf.cast(ctx.step, tf.int64)
   inputs, head_inputs = tf.nest.map_structure(tf.convert_to_tensor, (inputs, head_inputs))
-  units = Units.of(sizes, offsets, slice_lengths if plan.num_token_slices > 1 else None)
+  units = Units.of(sizes, offsets, slice_lengths if plan.slices > 1 else None)
   class_sizes, shape_class = _shape_classes(units.shapes)
   signatures = _trace(cells, inputs, head_inputs, class_sizes, units.full_length)
   links = channels.links(link_prefix, [cell.device for cell in cells])
@@ -778,8 +796,7 @@ def run(cells: Sequence[CellFunctions], plan: PipelineSchedule, inputs: Any, hea
   for d in range(len(plan.device_orders)):
     table = action_table(plan, d, shape_class, units.offsets, len(class_sizes),
                          units.token_offsets)
-    loop = _device_loop(cells, signatures, class_sizes, len(units.shapes), table, links,
-                        step_inputs, plan.num_token_slices)
+    loop = _device_loop(cells, signatures, class_sizes, plan, table, links, step_inputs)
     cell_states, times = loop.build()
     finals.update(cell_states)
     _record_times(ctx.spans, loop.device, times, table)
@@ -794,12 +811,12 @@ def _check_schedule(cells: Sequence[CellFunctions], plan: PipelineSchedule,
                     sizes: Sequence[int], slice_lengths: Sequence[int] | None) -> None:
   """Raises ValueError unless `plan` is for these cells, micro-batches and token
   slices and each of its devices' cells are on one device."""
-  num_slices = plan.num_token_slices
+  num_slices = plan.slices
   if num_slices > 1 and len(slice_lengths or ()) != num_slices:
     raise ValueError(f"schedule for {num_slices} token slices given slice lengths "
                      f"{slice_lengths}")
-  if plan.num_cells != len(cells) or plan.num_micro_batches != len(sizes) * num_slices:
-    raise ValueError(f"schedule for {plan.num_cells} cells × {plan.num_micro_batches} "
+  if plan.num_cells != len(cells) or plan.num_units != len(sizes) * num_slices:
+    raise ValueError(f"schedule for {plan.num_cells} cells × {plan.num_units} "
                      f"units given {len(cells)} cells × {len(sizes)} micro-batches × "
                      f"{num_slices} slices")
   for device_order in plan.device_orders:
@@ -829,17 +846,15 @@ def _trace(cells: Sequence[CellFunctions], inputs: Any, head_inputs: Any,
 
 
 def _device_loop(cells: Sequence[CellFunctions], signatures: list[list[CallSignature]],
-                 class_sizes: list[tuple[int, int]], num_units: int, table: ActionTable,
-                 links: list[channels.Link], step_inputs: StepInputs,
-                 num_token_slices: int = 1) -> DeviceLoop:
+                 class_sizes: list[tuple[int, int]], plan: PipelineSchedule,
+                 table: ActionTable, links: list[channels.Link], step_inputs: StepInputs
+                 ) -> DeviceLoop:
   """The loop of the device whose table is `table`, over the cells it holds."""
   last = len(cells) - 1
-  loops = {k: CellLoop(cells[k], k, signatures[k], class_sizes, branches,
-                       table.stash_slots[k], table.product_slots[k], num_units,
+  loops = {k: CellLoop(cells[k], k, signatures[k], class_sizes, branches, table.slots[k],
+                       plan.num_units, plan.slices,
                        previous=links[k - 1] if k > 0 else None,
-                       following=links[k] if k < last else None, step_inputs=step_inputs,
-                       cache_slots=table.cache_slots.get(k, 0),
-                       num_token_slices=num_token_slices)
+                       following=links[k] if k < last else None, step_inputs=step_inputs)
            for k, branches in table.branches.items()}
   return DeviceLoop(cells[min(loops)].device, loops, table)
 

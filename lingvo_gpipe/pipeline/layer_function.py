@@ -73,7 +73,7 @@ def step_info() -> tf.Tensor:
   token offset: 0 unless on a token slice)."""
   ctx = base_layer.current_context()
   token_offset = ctx.token_slice.offset if ctx.token_slice is not None else 0
-  return tf.stack([tf.cast(x, tf.int64) for x in (ctx.step, ctx.micro_batch,
+  return tf.stack([tf.cast(x, tf.int64) for x in (ctx.step, ctx.unit,
                                                   ctx.example_offset, token_offset)])
 
 
@@ -108,7 +108,7 @@ class _KindFunction:
                                            token_slices.SliceCache(cache))
                    if full_length else None)
     with base_layer.variables_read_as(sublayers, variables), base_layer.seed_source(seed), \
-        base_layer.step_context(step=info[0], micro_batch=info[1], example_offset=info[2],
+        base_layer.step_context(step=info[0], unit=info[1], example_offset=info[2],
                                 layer_stats=stats, spans=None, weight_products=None,
                                 token_slice=token_slice):
       outputs = base_layer.call_with(self.representative, inputs)

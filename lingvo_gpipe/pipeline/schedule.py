@@ -1,8 +1,9 @@
 """Pipeline schedules as data: for each cell, the ordered list of its actions.
 
-An action is the forward (F) or the backward (B, recompute included) of one
-micro-batch on one cell, or (W) the deferred weight gradients of the backwards the
-cell ran since its previous W, up to the micro-batch it names (only in cells that
+An action is the forward (F) or the backward (B, recompute included) of one unit
+(a micro-batch; with token slices, a slice of one) on one cell, or (W) the deferred
+weight gradients of the backwards the cell ran since its previous W, up to the unit
+it names (only in cells that
 defer them: `with_weight_gradients`, zb_h1). Cell k runs on device `device_of[k]`;
 each device runs its cells' actions in one order (`device_orders`), as one loop
 (device_loop.py). The dependencies between cells are fixed by the data:
@@ -47,8 +48,9 @@ and W equal, a backward that includes its weight gradients twice as long
 
 Token slices (TeraPipe, Li et al. 2021; `num_token_slices` S > 1, causal sequence
 models only: core/token_slices.py): each micro-batch m is cut along the sequence into
-S slices j, and the schedule's unit is (m, j), numbered u = m·S + j; an action's
-`micro_batch` is its unit (`num_micro_batches` counts units: M·S). Besides the
+S slices j, and the schedule's unit is (m, j), numbered u = m·S + j. An action names
+a unit (`Action.unit`); a schedule runs `num_units` U = M·S of them (`micro_batches`
+M, `slices` S); without token slices a unit is a micro-batch. Besides the
 dependencies above, on each cell
 
   F(k, (m, j)) comes after F(k, (m, j−1))   (slice j reads the cache slices < j left)
@@ -106,14 +108,14 @@ class ScheduleError(ParamsError):
 
 @dataclasses.dataclass(frozen=True)
 class Action:
-  """One cell call: the forward or the backward of micro-batch `micro_batch`, or the
-  weight gradients of the backwards since the cell's previous W, the last of them
-  being `micro_batch`'s."""
+  """One cell call: the forward or the backward of unit `unit` (a micro-batch, or a
+  token slice of one), or the weight gradients of the backwards since the cell's
+  previous W, the last of them being `unit`'s."""
   phase: str  # FORWARD, BACKWARD or WEIGHT_GRADIENT
-  micro_batch: int
+  unit: int
 
   def __str__(self) -> str:
-    return f"{_LETTERS[self.phase]}{self.micro_batch}"
+    return f"{_LETTERS[self.phase]}{self.unit}"
 
 
 def forward(m: int) -> Action:
@@ -157,11 +159,11 @@ class PipelineSchedule:
   need the device's order; `on_devices` derives one from the simulated timeline."""
   name: str
   num_cells: int
-  num_micro_batches: int  # units: micro-batches × num_token_slices
+  num_units: int  # U = M·S: micro-batches × token slices
   actions: tuple[tuple[Action, ...], ...]
   device_of: tuple[int, ...] = ()
   device_orders: tuple[tuple[tuple[int, Action], ...], ...] = ()
-  num_token_slices: int = 1  # S: a unit u is slice u mod S of micro-batch u // S
+  slices: int = 1  # S: unit u is slice u mod S of micro-batch u // S
 
   def __post_init__(self):
     if not self.device_of:
@@ -182,11 +184,16 @@ class PipelineSchedule:
   def num_devices(self) -> int:
     return len(self.device_orders)
 
+  @property
+  def micro_batches(self) -> int:
+    """M: the micro-batches the units are slices of (U / S)."""
+    return self.num_units // self.slices
+
   def label(self, action: Action) -> str:
     """'F3', or with token slices 'F<m>.<j>' (micro-batch m, slice j)."""
-    if self.num_token_slices == 1:
+    if self.slices == 1:
       return str(action)
-    m, j = divmod(action.micro_batch, self.num_token_slices)
+    m, j = divmod(action.unit, self.slices)
     return f"{_LETTERS[action.phase]}{m}.{j}"
 
   def _error(self, k: int, position: int, why: str) -> ScheduleError:
@@ -198,21 +205,21 @@ class PipelineSchedule:
   def _check_slices_in_order(self) -> None:
     """Each cell runs a micro-batch's slices' forwards in slice order and their
     backwards in reverse (module docstring)."""
-    s = self.num_token_slices
-    if not is_slice_count(s) or self.num_micro_batches % s:
+    s = self.slices
+    if not is_slice_count(s) or self.num_units % s:
       raise ScheduleError(f"{self.name}: num_token_slices={s} must be an int >= 1 dividing "
-                          f"the {self.num_micro_batches} units")
+                          f"the {self.num_units} units")
     if s == 1:
       return
     for k, cell_actions in enumerate(self.actions):
       done: set[Action] = set()
       for i, action in enumerate(cell_actions):
-        m, j = divmod(action.micro_batch, s)
-        if action.phase == FORWARD and j > 0 and forward(action.micro_batch - 1) not in done:
+        m, j = divmod(action.unit, s)
+        if action.phase == FORWARD and j > 0 and forward(action.unit - 1) not in done:
           raise self._error(k, i, f"runs {self.label(action)} before F{m}.{j - 1}: a slice "
                                   "reads the cache its micro-batch's earlier slices leave")
         if (action.phase == BACKWARD and j < s - 1
-            and backward(action.micro_batch + 1) not in done):
+            and backward(action.unit + 1) not in done):
           raise self._error(k, i, f"runs {self.label(action)} before B{m}.{j + 1}: the "
                                   "gradient of a slice's cache comes from the later slices")
         done.add(action)
@@ -221,27 +228,27 @@ class PipelineSchedule:
     if len(self.actions) != self.num_cells or len(self.device_of) != self.num_cells:
       raise ScheduleError(f"{self.name}: {len(self.actions)} action lists and "
                           f"{len(self.device_of)} devices for {self.num_cells} cells")
-    last = self.num_micro_batches - 1
+    last = self.num_units - 1
     for k, cell_actions in enumerate(self.actions):
       seen: set[Action] = set()
       pending: list[int] = []  # backwards since the last W, in order (cells that defer)
       defers = any(a.phase == WEIGHT_GRADIENT for a in cell_actions)
       for i, action in enumerate(cell_actions):
-        if not 0 <= action.micro_batch <= last or action in seen:
+        if not 0 <= action.unit <= last or action in seen:
           raise self._error(k, i, f"must run F0..F{last} and B0..B{last} once each; "
                                   f"{action} is {'repeated' if action in seen else 'unknown'}")
         seen.add(action)
         if action.phase == BACKWARD:
-          if forward(action.micro_batch) not in seen:
-            raise self._error(k, i, f"runs {action} before F{action.micro_batch}")
-          pending.append(action.micro_batch)
+          if forward(action.unit) not in seen:
+            raise self._error(k, i, f"runs {action} before F{action.unit}")
+          pending.append(action.unit)
         if action.phase == WEIGHT_GRADIENT:
-          if action.micro_batch not in pending:
+          if action.unit not in pending:
             raise self._error(k, i, f"runs {action} with no backward of its own to finish: "
-                                    f"B{action.micro_batch} has not run, or an earlier W "
+                                    f"B{action.unit} has not run, or an earlier W "
                                     "computed its weight gradients")
-          del pending[:pending.index(action.micro_batch) + 1]
-      if len([a for a in seen if a.phase != WEIGHT_GRADIENT]) != 2 * self.num_micro_batches:
+          del pending[:pending.index(action.unit) + 1]
+      if len([a for a in seen if a.phase != WEIGHT_GRADIENT]) != 2 * self.num_units:
         raise ScheduleError(f"{self.name}: cell {k} must run F0..F{last} and B0..B{last} "
                             f"once each; it runs {' '.join(map(str, cell_actions))}")
       if defers and pending:
@@ -258,11 +265,11 @@ class PipelineSchedule:
       raise ScheduleError(f"{self.name}: the devices' orders leave out actions")
 
   def link_orders(self, k: int) -> tuple[list[int], list[int], list[int], list[int]]:
-    """For the link between cells k and k+1: the micro-batches of cell k's forwards
+    """For the link between cells k and k+1: the units of cell k's forwards
     (sent), cell k+1's forwards (received), cell k+1's backwards (sent back) and
     cell k's backwards (received), each in list order."""
     def order(cell: int, phase: str) -> list[int]:
-      return [a.micro_batch for a in self.actions[cell] if a.phase == phase]
+      return [a.unit for a in self.actions[cell] if a.phase == phase]
     return (order(k, FORWARD), order(k + 1, FORWARD), order(k + 1, BACKWARD),
             order(k, BACKWARD))
 
@@ -280,12 +287,12 @@ class PipelineSchedule:
               receiver, position,
               f"receives on the {direction} link between cells {min(sender, receiver)} "
               f"and {max(sender, receiver)} in another order than cell {sender} sends: "
-              f"micro-batches {' '.join(map(str, b))} against "
+              f"units {' '.join(map(str, b))} against "
               f"{' '.join(map(str, a))}; hand-offs are matched first in, first out")
 
   def dependencies(self, k: int, action: Action) -> list[tuple[int, Action]]:
     """The (cell, action) pairs of other cells that `action` of cell k needs first."""
-    m = action.micro_batch
+    m = action.unit
     if action.phase == FORWARD:
       return [(k - 1, forward(m))] if k > 0 else []
     if action.phase == WEIGHT_GRADIENT:
@@ -325,15 +332,15 @@ class PipelineSchedule:
     return any(a.phase == WEIGHT_GRADIENT for a in self.actions[k])
 
   def weight_groups(self, k: int) -> dict[int, list[int]]:
-    """Per W action of cell k (by micro-batch): the micro-batches whose weight
+    """Per W action of cell k (by unit): the units whose weight
     gradients it computes, the backwards since the previous W up to its own."""
     groups, pending = {}, []
     for action in self.actions[k]:
       if action.phase == BACKWARD:
-        pending.append(action.micro_batch)
+        pending.append(action.unit)
       elif action.phase == WEIGHT_GRADIENT:
-        cut = pending.index(action.micro_batch) + 1
-        groups[action.micro_batch], pending = pending[:cut], pending[cut:]
+        cut = pending.index(action.unit) + 1
+        groups[action.unit], pending = pending[:cut], pending[cut:]
     return groups
 
   def simulate(self, forward_time: Times = 1.0, backward_time: Times = 1.0,
@@ -343,9 +350,9 @@ class PipelineSchedule:
     """(start, end) of every action, one call at a time per device: the planned
     timeline the measured one is compared with, and the planner's step.
 
-    Times are per micro-batch, one value or one per cell: the forward, the backward's
+    Times are per unit, one value or one per cell: the forward, the backward's
     input gradients, and the weight gradients, which a cell that defers them runs in
-    its W actions (a W of n micro-batches takes n·weight_time) and the others inside
+    its W actions (a W of n units takes n·weight_time) and the others inside
     their backward. `transfer_time` is added to every hand-off between devices.
     `cores`: where fewer than the devices compute at once at full speed (devices
     sharing a host's cores), n > cores devices with an action ready each run at
@@ -362,7 +369,7 @@ class PipelineSchedule:
         return f[k]
       if action.phase == BACKWARD:
         return b[k] + (0.0 if groups[k] else w[k])
-      return w[k] * len(groups[k][action.micro_batch])
+      return w[k] * len(groups[k][action.unit])
 
     def ready_at(k: int, action: Action, free: float) -> float:
       d = self.device_of[k]
@@ -425,7 +432,7 @@ class PipelineSchedule:
                                        transfer_time), self.num_devices)
 
   def max_in_flight(self, k: int) -> int:
-    """The most micro-batches cell k holds between their forward and their backward:
+    """The most units cell k holds between their forward and their backward:
     what its activation memory (inputs kept for re-materialization, or the whole
     forward without it) is proportional to."""
     in_flight = most = 0
@@ -437,17 +444,17 @@ class PipelineSchedule:
   def max_cached(self, k: int) -> int:
     """With token slices, the most micro-batches cell k keeps a cache for (from the
     forward of their first slice to the backward of it); 0 without."""
-    if self.num_token_slices == 1:
+    if self.slices == 1:
       return 0
     cached = most = 0
     for action in self.actions[k]:
-      if action.micro_batch % self.num_token_slices == 0 and action.phase != WEIGHT_GRADIENT:
+      if action.unit % self.slices == 0 and action.phase != WEIGHT_GRADIENT:
         cached += 1 if action.phase == FORWARD else -1
         most = max(most, cached)
     return most
 
   def max_awaiting_weights(self, k: int) -> int:
-    """The most micro-batches cell k holds between their backward and the W that
+    """The most units cell k holds between their backward and the W that
     computes their weight gradients (each keeps its projections' inputs and output
     gradients until then)."""
     waiting = most = 0
@@ -456,12 +463,12 @@ class PipelineSchedule:
       if action.phase == BACKWARD and groups:
         waiting += 1
       elif action.phase == WEIGHT_GRADIENT:
-        waiting -= len(groups[action.micro_batch])
+        waiting -= len(groups[action.unit])
       most = max(most, waiting)
     return most
 
   def max_held(self, k: int) -> int:
-    """The most micro-batches cell k holds from their forward until it is done with
+    """The most units cell k holds from their forward until it is done with
     them (their W where the cell defers weight gradients, else their backward): the
     count the zero-bubble paper bounds by 1F1B's."""
     held = most = 0
@@ -472,7 +479,7 @@ class PipelineSchedule:
       elif action.phase == BACKWARD and not groups:
         held -= 1
       elif action.phase == WEIGHT_GRADIENT:
-        held -= len(groups[action.micro_batch])
+        held -= len(groups[action.unit])
       most = max(most, held)
     return most
 
@@ -481,9 +488,9 @@ class PipelineSchedule:
     """This schedule with other device orders (the cells' lists follow from them)."""
     actions = tuple(tuple(a for d in device_orders for c, a in d if c == k)
                     for k in range(self.num_cells))
-    return PipelineSchedule(self.name, self.num_cells, self.num_micro_batches, actions,
+    return PipelineSchedule(self.name, self.num_cells, self.num_units, actions,
                             self.device_of, tuple(tuple(o) for o in device_orders),
-                            self.num_token_slices)
+                            self.slices)
 
   def with_weight_gradients(self, group: int, cells: Sequence[int]) -> PipelineSchedule:
     """This schedule with a W after every `group`-th backward of each of `cells` (the
@@ -502,7 +509,7 @@ class PipelineSchedule:
         if k in cells and action.phase == BACKWARD:
           since[k] += 1
           if since[k] == group or action == last_backward[k]:
-            row.append((k, weight_gradient(action.micro_batch)))
+            row.append((k, weight_gradient(action.unit)))
             since[k] = 0
       orders.append(row)
     return self._rebuilt(orders)
@@ -516,16 +523,16 @@ class PipelineSchedule:
       return self
     if len(device_of) != self.num_cells:
       raise ScheduleError(f"{self.name}: {len(device_of)} devices for {self.num_cells} cells")
-    free = PipelineSchedule(self.name, self.num_cells, self.num_micro_batches, self.actions,
-                            num_token_slices=self.num_token_slices)
+    free = PipelineSchedule(self.name, self.num_cells, self.num_units, self.actions,
+                            slices=self.slices)
     times = free.simulate()
     orders: list[list[tuple[float, int, int, Action]]] = [[] for _ in range(max(device_of) + 1)]
     for k, cell_actions in enumerate(self.actions):
       for i, action in enumerate(cell_actions):
         orders[device_of[k]].append((times[(k, action)][0], k, i, action))
-    return PipelineSchedule(self.name, self.num_cells, self.num_micro_batches, self.actions,
+    return PipelineSchedule(self.name, self.num_cells, self.num_units, self.actions,
                             device_of, tuple(tuple((k, a) for _, k, _, a in sorted(order))
-                                             for order in orders), self.num_token_slices)
+                                             for order in orders), self.slices)
 
   def format_table(self, forward_time: int = 1, backward_time: int = 1,
                    weight_time: int = 1) -> str:
@@ -550,18 +557,18 @@ class PipelineSchedule:
   def device_action_lists(self) -> list[list[str]]:
     """Each device's actions in torch.distributed.pipelining's compact form: cell
     (torch's stage), then F, I (the input-gradient backward of a cell that defers its
-    weight gradients), B (a whole backward) or W, then the micro-batch: '0F0', '1I3',
+    weight gradients), B (a whole backward) or W, then the unit: '0F0', '1I3',
     '0W2'. A W covering several backwards (weight_gradient_group > 1) is written as
-    one W per micro-batch, which is what torch's W means."""
+    one W per unit, which is what torch's W means."""
     rows = []
     for order in self.device_orders:
       row = []
       for k, action in order:
         if action.phase == WEIGHT_GRADIENT:
-          row += [f"{k}W{m}" for m in self.weight_groups(k)[action.micro_batch]]
+          row += [f"{k}W{m}" for m in self.weight_groups(k)[action.unit]]
         else:
           letter = "I" if action.phase == BACKWARD and self.defers(k) else str(action)[0]
-          row.append(f"{k}{letter}{action.micro_batch}")
+          row.append(f"{k}{letter}{action.unit}")
       rows.append(row)
     return rows
 
@@ -579,7 +586,7 @@ def gpipe(num_cells: int, num_micro_batches: int, num_token_slices: int = 1
   u = num_micro_batches * s
   cell = tuple(forward(i) for i in range(u)) + tuple(backward(i) for i in reversed(range(u)))
   return PipelineSchedule("gpipe", num_cells, u, tuple(cell for _ in range(num_cells)),
-                          num_token_slices=s)
+                          slices=s)
 
 
 def one_f_one_b(num_cells: int, num_micro_batches: int, num_token_slices: int = 1
@@ -604,7 +611,7 @@ def one_f_one_b(num_cells: int, num_micro_batches: int, num_token_slices: int = 
         cell.append(forward(next_forward))
         next_forward += 1
     actions.append(tuple(cell))
-  return PipelineSchedule("1f1b", num_cells, units, tuple(actions), num_token_slices=s)
+  return PipelineSchedule("1f1b", num_cells, units, tuple(actions), slices=s)
 
 
 def interleaved_1f1b(num_cells: int, num_micro_batches: int,
@@ -676,7 +683,7 @@ def _with_lagging_weights(cell: Sequence[Action], lag: int, num_micro_batches: i
   out = []
   for action in cell:
     out.append(action)
-    i = action.micro_batch
+    i = action.unit
     if action.phase == BACKWARD and i >= lag:
       out.append(weight_gradient(i - lag))
   out += [weight_gradient(i) for i in range(max(num_micro_batches - lag, 0),
@@ -771,9 +778,9 @@ def from_lists(name: str, actions: Sequence[Sequence[str]], num_token_slices: in
         raise ScheduleError(f"{name}: cell {k}: bad action {text!r}; write F<m>, B<m> or W<m>")
       row.append(Action(phases[text[0]], int(text[1:])))
     parsed.append(tuple(row))
-  num_micro = 1 + max((a.micro_batch for row in parsed for a in row), default=-1)
+  num_micro = 1 + max((a.unit for row in parsed for a in row), default=-1)
   return PipelineSchedule(name, len(parsed), num_micro, tuple(parsed),
-                          num_token_slices=num_token_slices)
+                          slices=num_token_slices)
 
 
 def from_device_lists(name: str, rows: Sequence[Sequence[str]]) -> PipelineSchedule:
@@ -797,7 +804,7 @@ def from_device_lists(name: str, rows: Sequence[Sequence[str]]) -> PipelineSched
       match = _COMPACT_ACTION.fullmatch(text)
       if match is None:
         raise ScheduleError(f"{name}: line {d + 1}: bad action {text!r}; write "
-                            "<cell><F|I|B|W><micro-batch>, e.g. 0F0 or 1I3")
+                            "<cell><F|I|B|W><unit>, e.g. 0F0 or 1I3")
       k, letter, m = int(match[1]), match[2], int(match[3])
       if device_of.setdefault(k, d) != d:
         raise ScheduleError(f"{name}: line {d + 1}: {text!r}: cell {k} is on line "
@@ -816,7 +823,7 @@ def from_device_lists(name: str, rows: Sequence[Sequence[str]]) -> PipelineSched
                           "runs whole backwards (B) or splits them (I and W)")
   actions = tuple(tuple(a for order in orders for c, a in order if c == k)
                   for k in range(num_cells))
-  num_micro = 1 + max((a.micro_batch for cell in actions for a in cell), default=-1)
+  num_micro = 1 + max((a.unit for cell in actions for a in cell), default=-1)
   return PipelineSchedule(name, num_cells, num_micro, actions,
                           tuple(device_of[k] for k in range(num_cells)), tuple(orders))
 

@@ -2,10 +2,9 @@
 
 One row per cell, cell 0 on top, labelled with the cell and its device; the step's
 time on the x axis in milliseconds; forward calls blue, backward calls (recompute
-included) orange, deferred weight-gradient calls green, darker for later micro-batches,
-each bar numbered with its micro-batch (m.j: slice j of micro-batch m, with token
-slices) where it is wide enough; white is idle (the
-bubble). With the plan, a thin row of outlined bars under each cell shows the plan's
+included) orange, deferred weight-gradient calls green, darker for later units, each
+bar numbered with its unit (the micro-batch; m.j, slice j of micro-batch m, with token
+slices) where it is wide enough; white is idle (the bubble). With the plan, a thin row of outlined bars under each cell shows the plan's
 simulated timeline with the step's own measured call times (`MeasuredTimeline.planned`):
 where a measured bar starts later than its planned one, the cell waited on something
 the plan does not model (hand-offs, the host). The title gives the measured bubble
@@ -53,14 +52,14 @@ def _short_device(device: str) -> str:
 
 
 WIDTH_INCHES, DPI = 4.2, 96  # 403 px
-# Below this many pixels a bar carries no micro-batch number (it would not fit).
+# Below this many pixels a bar carries no unit number (it would not fit).
 _MIN_NUMBERED_BAR_PX = 11
 
 
 def figure(schedule: MeasuredTimeline, devices: Sequence[str] | None = None,
            plan: PipelineSchedule | None = None) -> Figure:
   """The chart as a matplotlib Figure (tests read its artists; `render` rasterizes)."""
-  num_cells, num_micro = schedule.num_cells, schedule.num_micro_batches
+  num_cells, num_units = schedule.num_cells, schedule.num_units
   phases = [FORWARD, BACKWARD] + ([WEIGHT_GRADIENT] if any(
       key.phase == WEIGHT_GRADIENT for key in schedule.keys) else [])
   legend_rows = (len(phases) + 2 + (plan is not None)) // 2  # two per row, idle included
@@ -74,15 +73,15 @@ def figure(schedule: MeasuredTimeline, devices: Sequence[str] | None = None,
   # each took matplotlib 12 minutes.
   rows: dict[int, tuple[list, list]] = {}
   for (start, end), key in zip(schedule.times, schedule.keys):
-    shade = 1.0 - 0.5 * key.micro_batch / max(num_micro - 1, 1)
+    shade = 1.0 - 0.5 * key.unit / max(num_units - 1, 1)
     start_ms, width_ms = start * 1e3, (end - start) * 1e3
     bars, colors = rows.setdefault(key.cell, ([], []))
     bars.append((start_ms, width_ms))
     colors.append(tuple(c * shade for c in PHASE_COLORS[key.phase]))
     if width_ms * px_per_ms >= _MIN_NUMBERED_BAR_PX:
-      # the micro-batch, or with token slices (the plan's units) micro-batch.slice
-      number = (plan.label(Action(key.phase, key.micro_batch))[1:] if plan is not None
-                else str(key.micro_batch))
+      # the unit: a micro-batch, or with token slices (the plan's) micro-batch.slice
+      number = (plan.label(Action(key.phase, key.unit))[1:] if plan is not None
+                else str(key.unit))
       axes.text(start_ms + width_ms / 2, key.cell - (0.1 if plan else 0.0), number,
                 ha="center",
                 va="center", fontsize=7, color="white" if shade < 0.75 else "black")
@@ -106,9 +105,10 @@ def figure(schedule: MeasuredTimeline, devices: Sequence[str] | None = None,
   axes.set_xlabel("time in the step (ms)", fontsize=8)
   axes.tick_params(axis="x", labelsize=7.5)
   axes.set_facecolor("white")
-  slices = plan.num_token_slices if plan is not None else 1
-  units = (f"M={num_micro // slices} micro-batches × S={slices} token slices" if slices > 1
-           else f"M={num_micro} micro-batches")
+  if plan is not None and plan.slices > 1:
+    units = f"M={plan.micro_batches} micro-batches × S={plan.slices} token slices"
+  else:
+    units = f"M={num_units} micro-batches"
   title = (f"K={num_cells} cells, {units}\nbubble: measured "
            f"{schedule.bubble():.0%}, GPipe theory {schedule.theoretical_bubble():.0%}")
   if plan is not None:

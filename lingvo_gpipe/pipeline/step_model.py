@@ -383,7 +383,7 @@ def lower_bound_s(plan: schedule.PipelineSchedule, cells: Sequence[CellCost],
   busy = [0.0] * plan.num_devices
   for k, c in enumerate(cells):
     weight = c.weight_s if weight_gradient_group > 1 else 0.0
-    busy[plan.device_of[k]] += plan.num_micro_batches * (c.forward_s + c.backward_s - weight)
+    busy[plan.device_of[k]] += plan.num_units * (c.forward_s + c.backward_s - weight)
   cores = machine.cores if machine.cores is not None else math.inf
   all_busy = sum(busy) / cores if cores < plan.num_devices else 0.0
   return _with_update_and_allreduce(busy, all_busy, _device_weights(plan, cells), machine,

@@ -40,7 +40,7 @@ from lingvo_gpipe.pipeline.schedule import (
 @dataclasses.dataclass(frozen=True)
 class CellTimes:
   """One cell's actions in one step, on `device`: float64 [actions, 5] rows of start
-  and end timestamps, then the cell, micro-batch and phase index (PHASES)."""
+  and end timestamps, then the cell, unit and phase index (PHASES)."""
   device: str
   rows: tf.Tensor
 
@@ -49,7 +49,7 @@ class CellTimes:
 class SpanKey:
   """What a fetched row of timestamps belongs to (the Python half of a Span)."""
   cell: int
-  micro_batch: int
+  unit: int
   phase: str
 
 
@@ -95,7 +95,7 @@ class MeasuredTimeline:
   """The measured schedule of one step.
 
   times: float64 [num_spans, 2] (start, end) in seconds from the step's first start;
-  keys: the (cell, micro_batch, phase) of each row; devices: int [num_spans], the
+  keys: the (cell, unit, phase) of each row; devices: int [num_spans], the
   device (loop) that ran each row (default: each cell its own).
   """
   times: np.ndarray
@@ -111,8 +111,8 @@ class MeasuredTimeline:
     """From the fetched values of `fetches(spans)`: float64 [spans, 5] per device."""
     per_device = [np.asarray(t, np.float64).reshape(-1, 5) for t in fetched]
     rows = np.concatenate(per_device)
-    keys = [SpanKey(int(cell), int(micro_batch), PHASES[int(phase)])
-            for cell, micro_batch, phase in rows[:, 2:]]
+    keys = [SpanKey(int(cell), int(unit), PHASES[int(phase)])
+            for cell, unit, phase in rows[:, 2:]]
     devices = np.concatenate([np.full(len(t), d, np.int64) for d, t in enumerate(per_device)])
     return cls.from_spans(rows[:, :2], keys, devices)
 
@@ -136,8 +136,8 @@ class MeasuredTimeline:
     return len(set(self.devices.tolist()))
 
   @property
-  def num_micro_batches(self) -> int:
-    return 1 + max(k.micro_batch for k in self.keys)
+  def num_units(self) -> int:
+    return 1 + max(k.unit for k in self.keys)
 
   @property
   def duration(self) -> float:
@@ -163,17 +163,17 @@ class MeasuredTimeline:
   def theoretical_bubble(self) -> float:
     """GPipe's fill-drain bubble (D−1)/(U+D−1) over these D devices and U units (M·S:
     micro-batches × token slices), for equal cells and free transfers."""
-    d, m = self.num_devices, self.num_micro_batches
+    d, m = self.num_devices, self.num_units
     return (d - 1) / (m + d - 1)
 
   def action_times(self) -> tuple[list[float], list[float], list[float]]:
     """Per cell, the mean seconds of its forward and backward calls and its weight
-    gradients per micro-batch (its W calls' total / M; 0 where it runs none): what
+    gradients per unit (its W calls' total / U; 0 where it runs none): what
     `PipelineSchedule.simulate` takes to plan with this step's costs."""
     per_phase: dict[tuple[int, str], float] = {}
     for (start, end), key in zip(self.times, self.keys):
       per_phase[(key.cell, key.phase)] = per_phase.get((key.cell, key.phase), 0.0) + end - start
-    m = self.num_micro_batches
+    m = self.num_units
     return tuple([per_phase.get((k, phase), 0.0) / m for k in range(self.num_cells)]
                  for phase in PHASES)
 
@@ -191,7 +191,7 @@ class MeasuredTimeline:
     orders: list[list[tuple[float, Action]]] = [[] for _ in range(self.num_cells)]
     for (start, _), key in zip(self.times, self.keys):
       if key.phase in (FORWARD, BACKWARD):
-        orders[key.cell].append((start, Action(key.phase, key.micro_batch)))
+        orders[key.cell].append((start, Action(key.phase, key.unit)))
     return [[action for _, action in sorted(cell, key=lambda t: t[0])] for cell in orders]
 
   def followed(self, plan: PipelineSchedule) -> list[bool]:
