@@ -39,7 +39,7 @@ convolution, or pools them): `check_layers` refuses the last.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import tensorflow as tf
@@ -129,6 +129,11 @@ class TokenSlice:
     self.cache.give([entry], [spec])
     return entry
 
+  @property
+  def outgoing(self) -> list[tf.Tensor]:
+    """The entries this slice's layers extended, to pass on to the next slice."""
+    return self.cache.outgoing
+
   def prefix(self, full: tf.Tensor, axis: int, length: int) -> tf.Tensor:
     """full [..., T, ...] → its positions 0 .. offset+length−1 along `axis`: the
     sequence up to the end of this slice of `length` tokens (a dynamic length: what a
@@ -156,6 +161,30 @@ class TokenSlice:
     out = tf.slice(full, begin, tf.constant(size, tf.int64))
     out.set_shape(full.shape[:axis].concatenate([length]).concatenate(full.shape[axis + 1:]))
     return out
+
+
+def slice_of(offset: Any, full_length: int, incoming: Sequence[tf.Tensor] | None = None,
+             whole_reads: bool = False) -> TokenSlice | None:
+  """The TokenSlice of a call on tokens offset.. of sequences of `full_length` T
+  tokens, given the `incoming` cache entries (None: a trace that only learns their
+  specs reads zeros); None where T is 0 (whole sequences, no slice)."""
+  if not full_length:
+    return None
+  return TokenSlice(offset, full_length, SliceCache(incoming), whole_reads)
+
+
+def outgoing(token_slice: TokenSlice | None) -> list[tf.Tensor]:
+  """The entries a call on `token_slice` extended ([] without a slice)."""
+  return token_slice.outgoing if token_slice is not None else []
+
+
+def traced_cache_specs(call: Callable[..., Sequence[tf.Tensor]], *args: Any
+                       ) -> list[tf.TensorSpec]:
+  """The specs of the cache entries a call extends: `call` (→ the outgoing entries of
+  a slice whose incoming ones read as zeros, `slice_of(..., None)`) traced on `args`
+  (specs), never run."""
+  traced = tf.function(call, autograph=False).get_concrete_function(*args)
+  return [tf.TensorSpec(t.shape, t.dtype) for t in tf.nest.flatten(traced.structured_outputs)]
 
 
 def slice_lengths(length: int, num_slices: int) -> list[int]:

@@ -60,7 +60,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import tensorflow as tf
 
@@ -114,8 +114,11 @@ def _accumulate(layout: gradient_sums.StackedLayout, sums: Sequence[tf.Tensor],
                       {k: _dense(g) for k, g in (stack_grads or {}).items() if g is not None})
 
 
-def _zeros_for_none(grads: Sequence[Any], like: Sequence[tf.Tensor]) -> list[tf.Tensor]:
-  return [tf.zeros_like(t) if g is None else g for g, t in zip(grads, like)]
+def _zeros_where_none(grads: Sequence[Any], like: Sequence[Any]) -> list[Any]:
+  """Each gradient, or zeros shaped as its tensor or TensorSpec in `like` where None."""
+  return [g if g is not None else
+          tf.zeros(t.shape, t.dtype) if isinstance(t, tf.TensorSpec) else tf.zeros_like(t)
+          for g, t in zip(grads, like)]
 
 
 def _specs(tensors: Sequence[tf.Tensor]) -> list[tf.TensorSpec]:
@@ -124,8 +127,9 @@ def _specs(tensors: Sequence[tf.Tensor]) -> list[tf.TensorSpec]:
 
 _BITS = {2: tf.int16, 4: tf.int32, 8: tf.int64}
 
-# int64 [micro-batch (schedule unit) index, example offset, token offset].
+# int64 [schedule unit index, example offset, token offset].
 CALL_INFO = tf.TensorSpec([3], tf.int64)
+STEP = tf.TensorSpec([], tf.int64)  # the global step
 
 
 def _as_bits(t: tf.Tensor) -> tf.Tensor:
@@ -139,6 +143,46 @@ def _from_bits(t: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
   return tf.bitcast(t, dtype)
 
 
+class ProductSpecs(NamedTuple):
+  """A cell's deferred weight products (cells with W actions): per product, its
+  inputs [n, I] and output gradient [n, O]. probes: a cell not re-materialized that
+  defers: its pair's function takes one probe per product (shaped as its output
+  gradient) and returns the products' inputs after its outputs and statistics; its
+  `saved` starts with those inputs (as bits)."""
+  inputs: tuple[tf.TensorSpec, ...] = ()
+  grads: tuple[tf.TensorSpec, ...] = ()
+  probes: tuple[tf.TensorSpec, ...] = ()
+
+
+class _Backward(NamedTuple):
+  """How a cell's backward gets what it needs: `saved`, what the forward keeps; the
+  forward/backward pair (None: re-materialized); the deferred products."""
+  saved: list[tf.TensorSpec]
+  pair: tf_internals.ForwardBackwardPair | None
+  products: ProductSpecs
+
+
+class PairArguments(NamedTuple):
+  """Where each group of a cell's forward-function arguments sits, as slices: the
+  order `CellFunctions.forward` passes them in (inputs, head inputs, step,
+  call_info, cache entries, probes), which is also the order of the gradients the
+  pair's backward returns, followed by one per captured input (`captured`)."""
+  inputs: slice
+  head_inputs: slice
+  step: slice
+  call_info: slice
+  cache: slice
+  probes: slice
+  captured: slice
+
+  @classmethod
+  def of(cls, sig: CallSignature) -> PairArguments:
+    sizes = (len(sig.inputs), len(sig.head_inputs), 1, 1, len(sig.cache),
+             len(sig.products.probes))
+    starts = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+    return cls(*(slice(a, b) for a, b in zip(starts, starts[1:])), slice(starts[-1], None))
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class CallSignature:
   """What tracing a cell for one micro-batch shape found (`CellFunctions.signature`).
@@ -146,7 +190,8 @@ class CallSignature:
   inputs, head_inputs: the flat arguments; outputs, stats: the forward's flat results;
   saved: what a forward keeps for its backward (the inputs and head inputs of a
   re-materialized cell, TensorFlow's intermediates of the others); pair: the
-  forward/backward pair of a cell that is not re-materialized.
+  forward/backward pair of a cell that is not re-materialized; products: its
+  deferred weight products (`ProductSpecs`).
 
   output_structure: the nest the layers (and the head) return, `outputs` flattened
   from it; stats_structure: per layer that reported batch statistics, the layer and
@@ -165,14 +210,7 @@ class CallSignature:
   variables: tuple[tf.Variable, ...]
   layout: gradient_sums.StackedLayout
   pair: tf_internals.ForwardBackwardPair | None = None
-  # Deferred weight products (cells with W actions): per product, its inputs
-  # [n, I] and output gradient [n, O].
-  product_inputs: tuple[tf.TensorSpec, ...] = ()
-  product_grads: tuple[tf.TensorSpec, ...] = ()
-  # A cell not re-materialized that defers: its pair's function takes one probe per
-  # product (shaped as product_grads) and returns the products' inputs after its
-  # outputs and statistics; `saved` starts with those inputs.
-  probes: tuple[tf.TensorSpec, ...] = ()
+  products: ProductSpecs = ProductSpecs()  # () each: no deferred weight products
   # Token slices: the sequences' length T (0: whole sequences) and the cell's cache
   # entries (full-length, one per `TokenSlice.extend` of a call, in call order).
   full_length: int = 0
@@ -297,9 +335,7 @@ class CellFunctions:
     extended: [] unless full_length T > 0, the tokens of a slice of sequences of T
     tokens; cache None: specs only, the entries read as zeros)."""
     unit, example_offset, token_offset = tf.unstack(call_info)
-    token_slice = (token_slices.TokenSlice(token_offset, full_length,
-                                           token_slices.SliceCache(cache))
-                   if full_length else None)
+    token_slice = token_slices.slice_of(token_offset, full_length, cache)
     with base_layer.step_context(training=True, step=step, unit=unit,
                                  example_offset=example_offset, layer_stats=stats,
                                  spans=None, weight_products=products,
@@ -312,7 +348,7 @@ class CellFunctions:
       if self.head is not None:
         outputs = self.head(outputs, tf.nest.pack_sequence_as(traced.head_structure,
                                                              flat_head_inputs))
-    return outputs, (token_slice.cache.outgoing if token_slice else [])
+    return outputs, token_slices.outgoing(token_slice)
 
   def _forward_body(self, flat_inputs, flat_head_inputs, step, call_info, cache, full_length):
     stats: list = []
@@ -389,9 +425,9 @@ class CellFunctions:
                           input_sources + sources + product_outputs,
                           output_gradients=list(output_grads) + list(cache_grads),
                           unconnected_gradients=tf.UnconnectedGradients.NONE)
-    input_grads = _zeros_for_none(grads[:len(input_sources)], input_sources)
+    input_grads = _zeros_where_none(grads[:len(input_sources)], input_sources)
     variable_grads = grads[len(input_sources):len(input_sources) + len(variables)]
-    product_grads = _zeros_for_none(grads[len(input_sources) + len(variables):],
+    product_grads = _zeros_where_none(grads[len(input_sources) + len(variables):],
                                     product_outputs)
     num_inputs = len(input_sources) - len(cache)
     return (input_grads[:num_inputs], input_grads[num_inputs:],
@@ -447,12 +483,13 @@ class CellFunctions:
 
   def signature(self, input_specs: Any, head_specs: Any, full_length: int = 0
                 ) -> CallSignature:
-    """Traces the forward for one micro-batch shape (nested TensorSpecs; head_specs
-    None on cells without a head), and the backward of a re-materialized cell, and
-    returns what tracing found: what its calls take and give, and the structures the
-    loop packs their results into. full_length: T, the inputs being token slices of
+    """Traces the forward for one unit shape (nested TensorSpecs; head_specs None on
+    cells without a head), and the backward of a re-materialized cell, and returns
+    what tracing found: what its calls take and give, and the structures the loop
+    packs their results into. full_length: T, the inputs being token slices of
     sequences of T tokens (0: whole sequences). Traced once per shape (the record is
-    cached)."""
+    cached). Its parts: the cache entries (`_cache_specs`), the forward, then how the
+    backward gets what it needs (`_recomputed_backward` or `_kept_backward`)."""
     key = (tuple(tf.nest.flatten(input_specs)), tuple(tf.nest.flatten(head_specs or [])),
            full_length)
     if key in self._signatures:
@@ -461,51 +498,67 @@ class CellFunctions:
     traced.input_structure = input_specs
     traced.head_structure = head_specs
     flat_inputs, flat_head = list(key[0]), list(key[1])
-    scalar, info = tf.TensorSpec([], tf.int64), CALL_INFO
-    cache: list[tf.TensorSpec] = []
-    if full_length:  # (never with zb_h1, the one schedule that defers without recompute)
-      cache = _specs(tf.function(self._cache_specs_body, autograph=False)
-                     .get_concrete_function(flat_inputs, flat_head, scalar, info, full_length)
-                     .structured_outputs)
-    concrete = self._forward_fn.get_concrete_function(flat_inputs, flat_head, scalar, info,
-                                                      cache, full_length)
-    flat_outputs, flat_stats, _ = concrete.structured_outputs
-    pair = None
-    probes: list[tf.TensorSpec] = []
-    product_inputs, product_grads = [], []
-    if self.recompute:
-      saved = flat_inputs + flat_head
-      output_grads = _specs(_differentiable(
-          tf.nest.pack_sequence_as(traced.output_structure, list(flat_outputs)),
-          self.head is not None))
-      sums = traced.layout.specs()
-      backward = self._backward_fn.get_concrete_function(
-          flat_inputs, flat_head, output_grads, sums, scalar, info, cache, cache, full_length)
-      _, _, _, product_inputs, product_grads = backward.structured_outputs
-    else:
-      if self.defers_weight_gradients:
-        probes = _specs(tf.function(self._product_outputs_body, autograph=False)
-                        .get_concrete_function(flat_inputs, flat_head, scalar, info)
-                        .structured_outputs)
-        concrete = self._probed_forward_fn.get_concrete_function(
-            flat_inputs, flat_head, scalar, info, probes)
-        _, _, bits = concrete.structured_outputs
-        product_inputs = [tf.TensorSpec(b.shape, p.dtype) for b, p in zip(bits, probes)]
-        product_grads = probes
-      pair = tf_internals.forward_backward_pair(concrete)
-      graph_outputs = concrete.graph.outputs
-      saved = ([tf.TensorSpec(s.shape, _BITS[s.dtype.size]) for s in product_inputs]
-               + _specs([graph_outputs[i] for i in pair.kept_positions]))
+    cache = self._cache_specs(flat_inputs, flat_head, full_length)
+    forward = self._forward_fn.get_concrete_function(flat_inputs, flat_head, STEP, CALL_INFO,
+                                                     cache, full_length)
+    flat_outputs, flat_stats, _ = forward.structured_outputs
+    backward = (self._recomputed_backward(flat_inputs, flat_head, flat_outputs, cache,
+                                          full_length)
+                if self.recompute else self._kept_backward(forward, flat_inputs, flat_head))
     signature = CallSignature(
         inputs=tuple(flat_inputs), head_inputs=tuple(flat_head),
         outputs=tuple(_specs(flat_outputs)), stats=tuple(_specs(flat_stats)),
-        saved=tuple(saved), output_structure=traced.output_structure,
+        saved=tuple(backward.saved), output_structure=traced.output_structure,
         stats_structure=traced.stats_structure, variables=tuple(traced.variables),
-        layout=traced.layout, pair=pair, product_inputs=tuple(_specs(product_inputs)),
-        product_grads=tuple(_specs(product_grads)), probes=tuple(probes),
+        layout=traced.layout, pair=backward.pair, products=backward.products,
         full_length=full_length, cache=tuple(cache))
     self._signatures[key] = signature
     return signature
+
+  def _cache_specs(self, flat_inputs: list[tf.TensorSpec], flat_head: list[tf.TensorSpec],
+                   full_length: int) -> list[tf.TensorSpec]:
+    """Token slices: the specs of the cache entries the cell's forward extends ([] on
+    whole sequences)."""
+    if not full_length:
+      return []
+    return token_slices.traced_cache_specs(self._cache_specs_body, flat_inputs, flat_head,
+                                           STEP, CALL_INFO, full_length)
+
+  def _recomputed_backward(self, flat_inputs: list[tf.TensorSpec],
+                           flat_head: list[tf.TensorSpec], flat_outputs: Sequence[Any],
+                           cache: list[tf.TensorSpec], full_length: int) -> _Backward:
+    """A re-materialized cell keeps its inputs; its backward (traced here) recomputes
+    the forward and returns the deferred products' inputs and output gradients."""
+    output_grads = _specs(_differentiable(
+        tf.nest.pack_sequence_as(self._traced.output_structure, list(flat_outputs)),
+        self.head is not None))
+    backward = self._backward_fn.get_concrete_function(
+        flat_inputs, flat_head, output_grads, self._traced.layout.specs(), STEP, CALL_INFO,
+        cache, cache, full_length)
+    _, _, _, product_inputs, product_grads = backward.structured_outputs
+    return _Backward(flat_inputs + flat_head, None,
+                     ProductSpecs(tuple(_specs(product_inputs)), tuple(_specs(product_grads))))
+
+  def _kept_backward(self, forward: Any, flat_inputs: list[tf.TensorSpec],
+                     flat_head: list[tf.TensorSpec]) -> _Backward:
+    """A cell not re-materialized keeps TensorFlow's intermediates for the backward
+    of its forward function's pair; one that defers its weight gradients runs the
+    probed forward instead (`_probed_forward_body`) and keeps, first, its products'
+    inputs as bits."""
+    products = ProductSpecs()
+    if self.defers_weight_gradients:
+      probes = tuple(_specs(tf.function(self._product_outputs_body, autograph=False)
+                            .get_concrete_function(flat_inputs, flat_head, STEP, CALL_INFO)
+                            .structured_outputs))
+      forward = self._probed_forward_fn.get_concrete_function(
+          flat_inputs, flat_head, STEP, CALL_INFO, list(probes))
+      _, _, bits = forward.structured_outputs
+      products = ProductSpecs(tuple(tf.TensorSpec(b.shape, p.dtype)
+                                    for b, p in zip(bits, probes)), probes, probes)
+    pair = tf_internals.forward_backward_pair(forward)
+    saved = ([tf.TensorSpec(s.shape, _BITS[s.dtype.size]) for s in products.inputs]
+             + _specs([forward.graph.outputs[i] for i in pair.kept_positions]))
+    return _Backward(saved, pair, products)
 
   def forward(self, sig: CallSignature, flat_inputs: Sequence[tf.Tensor],
               flat_head: Sequence[tf.Tensor], step: tf.Tensor, call_info: tf.Tensor,
@@ -523,13 +576,14 @@ class CellFunctions:
     # Zeros: one tensor per distinct shape, passed as every probe of that shape.
     zeros: dict[tuple, tf.Tensor] = {}
     probes = [zeros.setdefault((tuple(spec.shape), spec.dtype), tf.zeros(spec.shape, spec.dtype))
-              for spec in sig.probes]
+              for spec in sig.products.probes]
+    # (in PairArguments' order)
     results, kept = sig.pair.forward(list(flat_inputs) + list(flat_head) + [step, call_info]
                                      + list(cache) + probes)
     num_outputs, num_stats = len(sig.outputs), len(sig.stats)
     # After the outputs and statistics: the products' inputs (probed), or the cache.
     extra = results[num_outputs + num_stats:]
-    product_inputs, cache_out = (extra, []) if sig.probes else ([], extra)
+    product_inputs, cache_out = (extra, []) if sig.products.probes else ([], extra)
     return (results[:num_outputs], results[num_outputs:num_outputs + num_stats],
             product_inputs + kept, cache_out)
 
@@ -558,10 +612,10 @@ class CellFunctions:
           step, call_info, list(cache), list(cache_grads), sig.full_length)
       return (list(input_grads), list(cache_in_grads), list(new_sums), list(product_inputs),
               list(product_grads))
-    pair = sig.pair
-    num_products = len(sig.probes)
+    pair, arguments = sig.pair, PairArguments.of(sig)
+    num_products = len(sig.products.probes)
     product_inputs = [_from_bits(t, spec.dtype)
-                      for t, spec in zip(saved[:num_products], sig.product_inputs)]
+                      for t, spec in zip(saved[:num_products], sig.products.inputs)]
     saved = saved[num_products:]
     # Seeds for every floating output of the forward function (outputs, statistics,
     # then the cache it extended): the given gradients for the differentiable ones,
@@ -575,18 +629,14 @@ class CellFunctions:
         seeds[i] = g
     seeds += list(cache_grads)
     grads = pair.backward([seeds[i] for i in pair.trainable_outputs], saved)
-    first_cache = len(sig.inputs) + len(sig.head_inputs) + 2
-    cache_in_grads = [tf.zeros(spec.shape, spec.dtype) if g is None else g for g, spec in
-                      zip(grads[first_cache:first_cache + len(sig.cache)], sig.cache)]
-    num_args = first_cache + len(sig.cache) + num_products
-    product_grads = [tf.zeros(spec.shape, spec.dtype) if g is None else g
-                     for g, spec in zip(grads[num_args - num_products:num_args], sig.probes)]
+    cache_in_grads = _zeros_where_none(grads[arguments.cache], sig.cache)
+    product_grads = _zeros_where_none(grads[arguments.probes], sig.products.probes)
     input_grads = []
     if self.needs_input_grads:
-      input_grads = [tf.zeros(spec.shape, spec.dtype) if g is None else _dense(g)
-                     for g, spec in zip(grads[:len(sig.inputs)], sig.inputs)
+      input_grads = [_dense(g) for g, spec in zip(
+          _zeros_where_none(grads[arguments.inputs], sig.inputs), sig.inputs)
                      if spec.dtype.is_floating]
-    by_handle = {id(c): g for c, g in zip(pair.captured_inputs, grads[num_args:])}
+    by_handle = {id(c): g for c, g in zip(pair.captured_inputs, grads[arguments.captured])}
     # A stack's gradient comes whole ([n, *shape]: the forward read it whole).
     variable_grads = [None if isinstance(v, stacked_variables.RowVariable)
                       else by_handle.get(id(v.handle)) for v in sig.variables]

@@ -474,8 +474,8 @@ class CellLoop:
         outputs=(_list(sig0.outputs, self.num_units) if self.cell.head is not None
                  else []),
         stats=_list(sig0.stats, self.num_units),
-        product_inputs=_slots(sig0.product_inputs, self.slots.product),
-        product_grads=_slots(sig0.product_grads, self.slots.product),
+        product_inputs=_slots(sig0.products.inputs, self.slots.product),
+        product_grads=_slots(sig0.products.grads, self.slots.product),
         cache=_slots(sig0.cache, self.slots.cache),
         cache_grads=_slots(sig0.cache, self.slots.cache))
 
@@ -604,9 +604,9 @@ class CellLoop:
     concatenated → one product per projection, added to the sums."""
     sig, first = self.signatures[0], args.row.first_product_slot
     inputs, product_inputs = _read_group(
-        state.product_inputs, self.slots.product, first, n, sig.product_inputs)
+        state.product_inputs, self.slots.product, first, n, sig.products.inputs)
     grads, product_grads = _read_group(
-        state.product_grads, self.slots.product, first, n, sig.product_grads)
+        state.product_grads, self.slots.product, first, n, sig.products.grads)
     sums = self.cell.weight_gradients(state.sums, inputs, grads)
     return state._replace(sums=sums, product_inputs=product_inputs,
                           product_grads=product_grads)

@@ -104,9 +104,7 @@ class _KindFunction:
       asked.append((position[id(layer)], purpose))
       return seeds[len(asked) - 1]
 
-    token_slice = (token_slices.TokenSlice(info[3], full_length,
-                                           token_slices.SliceCache(cache))
-                   if full_length else None)
+    token_slice = token_slices.slice_of(info[3], full_length, cache)
     with base_layer.variables_read_as(sublayers, variables), base_layer.seed_source(seed), \
         base_layer.step_context(step=info[0], unit=info[1], example_offset=info[2],
                                 layer_stats=stats, spans=None, weight_products=None,
@@ -120,7 +118,7 @@ class _KindFunction:
       raise RuntimeError(f"{self.representative.path}: a second trace of the layer asked "
                          "for other seeds or reported other statistics")
     return (outputs, tf.nest.flatten([s for _, s in stats]),
-            token_slice.cache.outgoing if token_slice else [])
+            token_slices.outgoing(token_slice))
 
   def _cache_specs(self, variables: list, inputs: Any, info: tf.Tensor,
                    full_length: int) -> list[tf.TensorSpec]:
@@ -129,10 +127,9 @@ class _KindFunction:
     key = (tuple(tf.nest.flatten(tf.nest.map_structure(
         lambda t: (tuple(t.shape), t.dtype), (variables, inputs)))), full_length)
     if key not in self._cache_specs_of:
-      traced = tf.function(self._layer_body, autograph=False).get_concrete_function(
+      self._cache_specs_of[key] = token_slices.traced_cache_specs(
+          lambda *args: self._layer_body(*args)[2],
           variables, inputs, info, _SEEDS, None, full_length)
-      self._cache_specs_of[key] = [tf.TensorSpec(t.shape, t.dtype)
-                                for t in traced.structured_outputs[2]]
     return self._cache_specs_of[key]
 
   def call(self, layer: BaseLayer, inputs: Any, info: tf.Tensor,

@@ -521,16 +521,14 @@ def _cache_bytes(layer: Any, given: Any) -> int:
   if getattr(type(layer), "token_slicing", None) != token_slices.CAUSAL:
     return 0
   specs = [tf.TensorSpec(t.shape, layer.to_fprop_dtype(t).dtype) for t in tf.nest.flatten(given)]
-  cache = token_slices.SliceCache()
 
   def call(*flat):
-    whole = token_slices.TokenSlice(tf.constant(0, tf.int64), specs[0].shape[1], cache)
+    whole = token_slices.slice_of(tf.constant(0, tf.int64), specs[0].shape[1])
     with base_layer.step_context(training=True, layer_stats=[], token_slice=whole):
       base_layer.call_with(layer, tf.nest.pack_sequence_as(given, list(flat)))
-    return []
+    return whole.outgoing
 
-  tf.function(call, autograph=False).get_concrete_function(*specs)
-  return _nbytes(cache.specs)
+  return _nbytes(token_slices.traced_cache_specs(call, *specs))
 
 
 def _aliased_source(t: tf.Tensor) -> tf.Tensor:

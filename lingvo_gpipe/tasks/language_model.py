@@ -182,13 +182,12 @@ class LanguageModelTask(BaseTask):
 
     if use_cache:
       def step(t, buffer, cache):
-        token_slice = token_slices.TokenSlice(tf.cast(t, tf.int64), max_length,
-                                              token_slices.SliceCache(cache),
-                                              whole_reads=True)
+        token_slice = token_slices.slice_of(tf.cast(t, tf.int64), max_length, cache,
+                                            whole_reads=True)
         with base_layer.step_context(token_slice=token_slice):
           logits = self.serve_stack((tf.slice(buffer, [0, t], [-1, 1]),
                                      tf.zeros([batch, 1], tf.float32)))
-        return t + 1, next_buffer(buffer, logits[:, 0], t), token_slice.cache.outgoing
+        return t + 1, next_buffer(buffer, logits[:, 0], t), token_slice.outgoing
 
       # The first step reads no cache (zeros); its entries start the loop's.
       t, buffer, cache = step(tf.constant(0), buffer, None)
