@@ -155,17 +155,10 @@ def non_finite_variables(variables: Sequence[tf.Variable]) -> list[str]:
   """The names of the floating-point variables holding an inf or a NaN (eagerly; for
   the error message once `variable_chunks.all_finite` said so); for a stacked
   variable, those of its rows that do."""
-  names = []
-  for v in variables:
-    if not v.dtype.is_floating:
-      continue
-    finite = np.isfinite(v.numpy())
-    stack = stacked_variables.stack_of(v)
-    if stack is None:
-      names += [] if finite.all() else [v.name]
-    else:
-      names += [row.name for row, ok in zip(stack.rows, finite) if not ok.all()]
-  return names
+  floats = [v for v in variables if v.dtype.is_floating]
+  weights = stacked_variables.weights_of(floats)
+  finite = stacked_variables.per_weight(weights, floats, [np.isfinite(v.numpy()) for v in floats])
+  return [w.name for w, ok in zip(weights, finite) if not ok.all()]
 
 
 class StackWithLoss(tf.Module):

@@ -455,8 +455,9 @@ class Trainer:
                      description="Replica 0's cells top to bottom (with their devices), "
                      "time in ms left to right; forward calls blue, backward (with "
                      "recompute) orange, deferred weight gradients green, darker for later "
-                     "micro-batches and numbered with the micro-batch where a bar is wide "
-                     "enough; white is idle (the bubble).")
+                     "units and numbered with the unit (the micro-batch; m.j, slice j of "
+                     "micro-batch m, with token slices) where a bar is wide enough; white "
+                     "is idle (the bubble).")
 
   def evaluate(self) -> dict[str, float]:
     """Runs the eval input once; writes and returns the example-weighted mean metrics."""

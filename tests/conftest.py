@@ -7,6 +7,7 @@ take `cpu_devices` on four logical GPUs instead (tools/gpu_check.sh).
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -56,6 +57,19 @@ def engine_loss_and_grads(model, wrapped, batch: dict, step: int, loss_scale=Non
 
   loss, grads = run()
   return loss.numpy(), [g.numpy() for g in grads]
+
+
+def summary_values(event_dir: Path) -> dict[str, list[Any]]:
+  """{tag: [value per event, in order]} of the summaries under `event_dir`: a scalar's
+  float, any other summary's numpy value (an image's encoded bytes, a text's string)."""
+  values: dict[str, list[Any]] = {}
+  for path in sorted(event_dir.glob("events.out.tfevents.*")):
+    for event in tf.compat.v1.train.summary_iterator(str(path)):
+      for value in event.summary.value:
+        array = tf.make_ndarray(value.tensor)
+        values.setdefault(value.tag, []).append(float(array) if array.ndim == 0
+                                                and array.dtype.kind == "f" else array)
+  return values
 
 
 @pytest.fixture

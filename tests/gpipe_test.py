@@ -96,7 +96,9 @@ def fprop_loss_and_grads(model):
     return loss, tf.gradients(loss, model.trainable_variables)
 
   loss, grads = step()
-  return loss.numpy(), stacked_variables.per_weight(model, [g.numpy() for g in grads])
+  return loss.numpy(), stacked_variables.per_weight(
+      stacked_variables.trainable_weights(model), model.trainable_variables,
+      [g.numpy() for g in grads])
 
 
 @pytest.fixture(scope="module")

@@ -314,21 +314,25 @@ def test_device_memory_of_zero_bubble_and_interleaved_by_hand():
   costs = [layer] * 4
   machine = Machine(2, np.inf, slot_factor=1.0)
   zb = planner.predict(costs, machine, 1, (2, 4), 4, "always", "zb_h1", 8)
-  layout = schedule.make("zb_h1", 2, 4, weight_cells=[0, 1])
-  assert (layout.max_in_flight(0), layout.max_awaiting_weights(0)) == (2, 1)
+  # By hand (schedule.py's rule: cell k runs W of i − k after B of i):
+  #   cell 0: F0 F1 B0 W0 F2 B1 W1 F3 B2 W2 B3 W3  2 in flight, 1 awaiting its W
+  #   cell 1: F0 B0 F1 B1 W0 F2 B2 W1 F3 B3 W2 W3  1 in flight, 2 awaiting
   weights, kept, products, inputs = 2 * 1000 * 4.0, 2 * 100, 2 * 40, 10 * 8 / 2
   assert zb.peak_bytes[0] == pytest.approx(
       weights + 2 * 10 + 1 * products + 2 * 10 + kept + inputs)
-  assert zb.peak_bytes[1] == pytest.approx(
-      weights + layout.max_in_flight(1) * 10 + layout.max_awaiting_weights(1) * products +
-      10 + kept)
+  assert zb.peak_bytes[1] == pytest.approx(weights + 1 * 10 + 2 * products + 10 + kept)
   inter = planner.predict(costs, machine, 1, (1, 2, 3, 4), 4, "never", "interleaved_1f1b", 8,
                           virtual_stages=2)
-  layout = schedule.make("interleaved_1f1b", 4, 4, virtual_stages=2)
+  # By hand (Megatron's rounds of D = 2 micro-batches, warm-up 4 on device 0, 2 on 1):
+  #   device 0: cell 0 F0 F1, cell 2 F0 F1, cell 0 F2, cell 2 B0, cell 0 F3, cell 2 B1,
+  #             cell 2 F2, cell 0 B0, cell 2 F3, cell 0 B1, cell 2 B2 B3, cell 0 B2 B3
+  #   device 1: cell 1 F0 F1, cell 3 F0 B0 F1 B1, cell 1 F2 B0 F3 B1, cell 3 F2 B2 F3 B3,
+  #             cell 1 B2 B3
+  # so cells 0..3 hold at most 4, 3, 2, 1 micro-batches in flight.
+  in_flight = [4, 3, 2, 1]
   for d in range(2):
     cells = [d, d + 2]
-    held = sum(1000 * 4.0 + layout.max_in_flight(k) * 100 + 10 + (10 if k < 3 else 0)
-               for k in cells)
+    held = sum(1000 * 4.0 + in_flight[k] * 100 + 10 + (10 if k < 3 else 0) for k in cells)
     assert inter.peak_bytes[d] == pytest.approx(held + (inputs if d == 0 else 0.0)), d
 
 
@@ -385,8 +389,6 @@ def test_plan_mode_and_plan_auto_train_the_best_plan_and_refuse_a_budget_nothing
   devices = len(found["shape"]["splits"]) // found["shape"]["virtual_stages"]
   assert len(found["predicted_peak_bytes"]) == devices
   assert found["predicted_step_s"] > 0 and found["measured_step_s"] > 0
-  assert found["step_error"] == pytest.approx(
-      found["measured_step_s"] / found["predicted_step_s"] - 1)
   assert len(found["measured_action_s"]) == len(found["predicted_action_s"]) == 3
   params_txt = (tmp_path / "auto" / "params.txt").read_text()
   assert f"task.pipeline.splits : {override['task.pipeline.splits']}" in params_txt
@@ -465,11 +467,15 @@ def test_the_comparison_sets_prediction_beside_measurement():
   assert found["peak_error"] == [pytest.approx(0.3)]
 
 
-def test_machine_figures_are_measured_on_the_devices():
+def test_each_layer_input_is_traced_and_its_work_runs_on_the_device():
+  """What calibration measures the model's own work with: each layer's input spec
+  (traced, against the shapes by hand) and that layer's work, run. (The figures
+  measured from it are checked against scripted timings in calibration_test.py; here
+  only the concurrency rule of one device, which no timing decides.)"""
   import tensorflow as tf
 
   from lingvo_gpipe import calibration
-  from lingvo_gpipe.core import layers, optimizers
+  from lingvo_gpipe.core import layers
 
   assert calibration.concurrency(["/device:CPU:0"]) == float("inf")
   # The model's own work: each layer's input spec found by tracing, the layer run.
@@ -479,10 +485,6 @@ def test_machine_figures_are_measured_on_the_devices():
   assert [s.shape.as_list() for s in specs] == [[8, 16], [8, 32]]
   work = layer_profiler.layer_work(params[1], specs[1])("/device:CPU:0")
   assert np.isfinite(tf.function(work)().numpy())
-  latency, rate = calibration.link("/device:CPU:0", "/device:CPU:0")
-  assert latency >= 0 and rate > 0
-  assert calibration.action_overhead_s("/device:CPU:0") >= 0
-  assert calibration.update_s_per_byte("/device:CPU:0", optimizers.Adam.Params()) > 0
 
 
 def test_plan_mode_refuses_a_bad_budget_and_cache_path_in_one_line(tmp_path):

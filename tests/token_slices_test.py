@@ -379,8 +379,12 @@ def test_the_cost_model_counts_units_and_caches_by_hand(recompute):
   machine = Machine(2, np.inf, slot_factor=1.0)
   got = planner.predict(costs, machine, 1, (2, 4), 2, recompute, "1f1b", 8,
                         num_token_slices=4)
+  # By hand: 1f1b over units warms up with S + K−k−1 forwards (5 on cell 0, 4 on cell
+  # 1), its most in flight; each cell caches both micro-batches at once.
+  in_flight, cached = [5, 4], [2, 2]
   layout = schedule.make("1f1b", 2, 2, num_token_slices=4)
-  assert [layout.max_cached(k) for k in range(2)] == [2, 2]
+  assert [layout.max_cached(k) for k in range(2)] == cached
+  assert [layout.max_in_flight(k) for k in range(2)] == in_flight
   unit = 4 / 4 / 2  # a unit's share of the profiled batch of 2
   weights, inputs = 2 * 1000 * 4.0, 16 * unit
   cache = 2 * 48 * 4 / 2  # two layers' entries for a micro-batch of 4 sequences
@@ -390,7 +394,7 @@ def test_the_cost_model_counts_units_and_caches_by_hand(recompute):
   for k in range(2):
     hand_offs = inputs + (inputs if k == 0 else 0.0)  # the inbox, and what cell 0 sends
     assert got.peak_bytes[k] == pytest.approx(
-        weights + layout.max_in_flight(k) * stash + hand_offs + 2 * layout.max_cached(k) * cache
+        weights + in_flight[k] * stash + hand_offs + 2 * cached[k] * cache
         + working + 2 * cache + (batch_inputs if k == 0 else 0.0)), k
   assert got.shape.num_token_slices == 4 and "num_token_slices=4" in got.shape.params_override()
 
@@ -427,7 +431,11 @@ def lm_trainer(logdir, overrides: str):
 def test_the_trainer_with_replicas_and_slices_trains_like_one_unsliced_pipeline(tmp_path):
   """lm.TransformerTiny (dropout, Adam), 32 sequences of 12 tokens: R=2 replicas of
   K=2 cells with M=2 micro-batches of S=3 token slices each gives the losses of one
-  K=2 pipeline over M=4 whole micro-batches, and writes its schedule summaries."""
+  K=2 pipeline over M=4 whole micro-batches, and writes its schedule summaries: the
+  measured bubble beside GPipe's over replica 0's D = 2 devices and U = M·S = 6 units,
+  (D−1)/(U+D−1) = 1/7, and the chart."""
+  from conftest import summary_values
+
   losses = {}
   for name, overrides in (("whole", "task.pipeline.num_micro_batches=4"),
                           ("sliced", "task.pipeline.num_micro_batches=2;"
@@ -438,8 +446,11 @@ def test_the_trainer_with_replicas_and_slices_trains_like_one_unsliced_pipeline(
     run.train(2, on_step=lambda _, v, out=losses[name]: out.append(float(v["loss"])))
   assert_all_close(np.array(losses["sliced"], np.float32),
                    np.array(losses["whole"], np.float32), ulps=TRAINED)
-  events = list((tmp_path / "sliced" / "train").glob("events.out.tfevents.*"))
-  assert events, "no TensorBoard log"
+  summaries = summary_values(tmp_path / "sliced" / "train")
+  assert summaries["pipeline/bubble_theoretical"] == pytest.approx([1 / 7] * 2)
+  assert all(0.0 <= b < 1.0 for b in summaries["pipeline/bubble_measured"])
+  assert summaries["pipeline/cells_following_plan"] == [1.0, 1.0]
+  assert len(summaries["pipeline/schedule"]) == 2
 
 
 def test_a_plan_sets_near_equal_slices_and_the_params_as_given_keep_their_lengths():

@@ -239,13 +239,28 @@ def trainable_weights(module: tf.Module) -> list[Any]:
       or (isinstance(x, tf.Variable) and x.trainable and stack_of(x) is None))))
 
 
-def per_weight(module: tf.Module, values: Sequence[Any]) -> list[Any]:
-  """`values` aligned with `module.trainable_variables` (e.g. their gradients, or
-  numpy arrays) → aligned with `trainable_weights(module)`: a stack's value split
-  into its rows."""
-  by_ref = {v.ref(): x for v, x in zip(module.trainable_variables, values, strict=True)}
-  return [by_ref[w.stack.variable.ref()][w.row] if isinstance(w, RowVariable)
-          else by_ref[w.ref()] for w in trainable_weights(module)]
+def weights_of(variables: Sequence[tf.Variable]) -> list[Any]:
+  """Each variable's weights, in order: a stack's rows, any other variable itself."""
+  return [w for v in variables
+          for w in (stack_of(v).rows if stack_of(v) is not None else [v])]
+
+
+def per_weight(weights: Sequence[Any], variables: Sequence[Any], values: Sequence[Any]
+               ) -> list[Any]:
+  """`values` aligned with `variables` (tf.Variables, stacks among them: e.g. their
+  gradients, or numpy arrays) → aligned with `weights` (RowVariables and tf.Variables):
+  a row's value is row i of its stack's, taken on the row's device; None for a
+  weight none of `variables` holds. The one place a stack's value is split by row."""
+  by_ref = {v.ref(): x for v, x in zip(variables, values, strict=True)}
+  out = []
+  for w in weights:
+    stack = stack_of_row(w)
+    value = by_ref.get((stack.variable if stack is not None else w).ref())
+    if value is not None and stack is not None:
+      with tf.device(w.device):
+        value = value[w.row]
+    out.append(value)
+  return out
 
 
 @contextlib.contextmanager

@@ -44,6 +44,8 @@ from typing import Any
 
 import tensorflow as tf
 
+from lingvo_gpipe.core import near_equal
+
 TOKENWISE, CAUSAL = "tokenwise", "causal"
 SLICING = (TOKENWISE, CAUSAL)
 
@@ -192,8 +194,7 @@ def slice_lengths(length: int, num_slices: int) -> list[int]:
   if num_slices < 1 or num_slices > length:
     raise ValueError(f"num_token_slices={num_slices} must be in 1..{length} (the sequence "
                      f"length)")
-  base, extra = divmod(length, num_slices)
-  return [base + (1 if j < extra else 0) for j in range(num_slices)]
+  return near_equal.sizes(length, num_slices)
 
 
 def check_layers(layers: Sequence[Any], path: str) -> None:

@@ -88,18 +88,11 @@ class StepGradients:
   def gradients_for(self, variables: Sequence[Any]) -> list[tf.Tensor]:
     """Gradients in the order of `variables` (tf.Variables, or a stacked variable's
     rows: `stacked_variables.trainable_weights`); zeros for variables no cell used."""
-    by_ref = {v.ref(): g for v, g in zip(self.variables, self.gradients)}
-    grads = []
-    for v in variables:
-      stack = stacked_variables.stack_of_row(v)
-      if stack is not None and stack.variable.ref() in by_ref:
+    grads = stacked_variables.per_weight(variables, self.variables, self.gradients)
+    for i, (v, g) in enumerate(zip(variables, grads)):
+      if g is None:
         with tf.device(v.device):
-          grads.append(by_ref[stack.variable.ref()][v.row])
-      elif v.ref() in by_ref:
-        grads.append(by_ref[v.ref()])
-      else:
-        with tf.device(v.device):
-          grads.append(tf.zeros(v.shape, v.dtype))
+          grads[i] = tf.zeros(v.shape, v.dtype)
     return grads
 
 

@@ -38,6 +38,7 @@ from lingvo_gpipe.core import (
   base_layer,
   hyperparams,
   model_stats,
+  near_equal,
   stacked_variables,
   tf_internals,
   token_slices,
@@ -64,6 +65,13 @@ class PipelineError(ParamsError):
   """Bad pipelining params or inputs; the message names the value."""
 
 
+def measured_costs(layer_params: Sequence[Any], input_specs: Any) -> list[float]:
+  """Each layer's forward + backward seconds on this machine, as the partitioner
+  weighs them (`layer_profiler.partition_costs`: each layer built and run alone, a few
+  times): the one way tasks and pipelines ask the profiler for partition costs."""
+  return layer_profiler.partition_costs(layer_params, input_specs)
+
+
 def micro_batch_sizes(batch_size: int, num_micro_batches: int) -> list[int]:
   """Near-equal sizes summing to batch_size; the first (batch_size % M) get one more."""
   if num_micro_batches < 1:
@@ -71,8 +79,7 @@ def micro_batch_sizes(batch_size: int, num_micro_batches: int) -> list[int]:
   if num_micro_batches > batch_size:
     raise PipelineError(f"num_micro_batches={num_micro_batches} is larger than the batch "
                         f"size {batch_size}; use at most {batch_size} micro-batches")
-  base, extra = divmod(batch_size, num_micro_batches)
-  return [base + (1 if m < extra else 0) for m in range(num_micro_batches)]
+  return near_equal.sizes(batch_size, num_micro_batches)
 
 
 def recomputes(policy: str, k: int, num_cells: int) -> bool:
@@ -319,7 +326,7 @@ class PipeliningLayer(BaseLayer):
         raise PipelineError(f"{self.path}: partition_cost='measured' profiles the layers, "
                             "which needs eager execution; build the pipeline eagerly, or "
                             "measure first and give the costs (partition_cost='given')")
-      return layer_profiler.partition_costs(
+      return measured_costs(
           [base_layer.inherit_fprop_dtype(lp, self.fprop_dtype) for lp in p.layers],
           p.input_specs)
     from lingvo_gpipe.core import layers as layers_lib
@@ -525,8 +532,7 @@ class PipeliningLayer(BaseLayer):
     flat = tf.nest.flatten(structure)
     with tf.device(self.cell_devices[0]):
       batch = tf.shape(flat[0], out_type=tf.int32)[0]
-      base, extra = batch // num_micro_batches, batch % num_micro_batches
-      sizes = base + tf.cast(tf.range(num_micro_batches) < extra, tf.int32)
+      sizes = near_equal.tensor_sizes(batch, num_micro_batches)
       parts = [tf.split(t, sizes, num=num_micro_batches, axis=0) for t in flat]
     outputs = []
     for m in range(num_micro_batches):

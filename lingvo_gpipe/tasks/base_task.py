@@ -26,11 +26,11 @@ import tensorflow as tf
 
 from lingvo_gpipe.core import base_layer, layers, loss_scale, optimizers
 from lingvo_gpipe.core.hyperparams import InstantiableParams, Params, ParamsError
-from lingvo_gpipe.pipeline import layer_profiler
 from lingvo_gpipe.pipeline.layer import (
   NEEDS_INPUT_SPECS,
   PipeliningLayer,
   check_pipeline_params,
+  measured_costs,
   requested_cells,
 )
 
@@ -93,7 +93,7 @@ def with_partition_costs(task_params: Params, input_params: Params,
     (nested, batch size included), found by building the task unpipelined in a scratch
     graph (nothing is allocated);
   - 'measured' without `layer_costs`: each layer's forward + backward seconds, profiled
-    here and now on this machine (layer_profiler.measure_layer_costs: each layer is
+    here and now on this machine (`pipeline.layer.measured_costs`: each layer is
     built and run alone, a few times), recorded as its `layer_costs`.
 
   Otherwise `task_params` itself (and the input is not built). `log` hears when layers
@@ -109,8 +109,8 @@ def with_partition_costs(task_params: Params, input_params: Params,
   if pipeline.partition_cost == "measured" and not pipeline.layer_costs:
     if log is not None:
       log("Measuring each layer's forward and backward time for the partition ...")
-    completed.pipeline.layer_costs = layer_profiler.partition_costs(
-        layers_params, completed.pipeline.input_specs)
+    completed.pipeline.layer_costs = measured_costs(layers_params,
+                                                    completed.pipeline.input_specs)
   return completed.freeze() if task_params.is_frozen else completed
 
 
