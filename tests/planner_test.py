@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from lingvo_gpipe.pipeline import layer_profiler, planner, schedule
+from lingvo_gpipe.pipeline import layer_profiler, planner
 from lingvo_gpipe.pipeline.layer_profiler import LayerCost
 from lingvo_gpipe.pipeline.planner import Machine
 

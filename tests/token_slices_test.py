@@ -241,7 +241,7 @@ def test_a_layer_on_slices_with_its_cache_equals_the_whole_sequence():
     parts.append(y.numpy())
     entries, start = cache.outgoing, start + length
   # key paddings [B, T], keys [B, N, H, T] and values [B, N, T, H]
-  assert [s.shape.as_list() for s in cache.specs] == [[3, 12], [3, 2, 4, 12], [3, 2, 12, 4]]
+  assert [e.shape.as_list() for e in cache.outgoing] == [[3, 12], [3, 2, 4, 12], [3, 2, 12, 4]]
   assert_close(np.concatenate(parts, axis=1), want.numpy())
 
 

@@ -147,8 +147,6 @@ class StepContext:
   Attributes:
     training: True in a training step (dropout on, batch norm uses batch statistics).
     step: the global step as an int64 scalar tensor (or int); seeds dropout.
-    unit: the schedule unit being computed (a micro-batch, or with token slices a
-      slice of one: pipeline/schedule.py; 0 when not pipelined).
     example_offset: position in the mini-batch of the first example of the batch this
       forward pass sees. Dropout draws the mask of each example from its position, so
       micro-batches draw different masks, and any split of the mini-batch into
@@ -171,7 +169,6 @@ class StepContext:
   """
   training: bool = False
   step: Any = 0
-  unit: Any = 0
   example_offset: Any = 0
   layer_stats: list | None = None
   spans: list | None = None

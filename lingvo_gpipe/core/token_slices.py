@@ -55,13 +55,12 @@ class SliceCache:
 
   incoming: the entries the call was given (a flat list, one per `extend` of the
   call), or None while a trace only learns their specs (each then reads zeros).
-  After the call, `outgoing` holds the entries to pass on and `specs` their specs.
+  After the call, `outgoing` holds the entries to pass on.
   """
 
   def __init__(self, incoming: Sequence[tf.Tensor] | None = None):
     self.incoming = None if incoming is None else list(incoming)
     self.outgoing: list[tf.Tensor] = []
-    self.specs: list[tf.TensorSpec] = []
 
   def take(self, specs: Sequence[tf.TensorSpec]) -> list[tf.Tensor]:
     """The next len(specs) incoming entries, those after the ones extended so far
@@ -80,10 +79,9 @@ class SliceCache:
                            f"layer extends {spec.dtype.name}{spec.shape}")
     return entries
 
-  def give(self, entries: Sequence[tf.Tensor], specs: Sequence[tf.TensorSpec]) -> None:
-    """Records `entries` (shaped as `specs`) as the next outgoing ones."""
+  def give(self, entries: Sequence[tf.Tensor]) -> None:
+    """Records `entries` as the next outgoing ones."""
     self.outgoing.extend(entries)
-    self.specs.extend(specs)
 
 
 @dataclasses.dataclass
@@ -105,7 +103,7 @@ class TokenSlice:
   def extend(self, new: tf.Tensor, axis: int) -> tf.Tensor:
     """new [..., n, ...] (n along `axis`: this slice's entries) → the full-length entry
     [..., T, ...]: the incoming one at positions < offset, `new` at offset..offset+n−1,
-    zeros after. Recorded as an outgoing entry (and its spec).
+    zeros after. Recorded as an outgoing entry.
 
     n must be static; the batch dimension (axis 0) may be unknown (a serving function's
     generate step takes any batch), the others must be known."""
@@ -128,7 +126,7 @@ class TokenSlice:
                       tf.zeros([], new.dtype))
     # previous entries before the slice, then this slice's, then zeros
     entry = tf.where(tf.reshape(place < 0, along_axis), previous, placed)
-    self.cache.give([entry], [spec])
+    self.cache.give([entry])
     return entry
 
   @property

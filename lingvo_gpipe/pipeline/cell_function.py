@@ -26,7 +26,7 @@ variables and their sums' layout), and called from its device's loop
 bodies share with their tracer per cell lives in `_Traced` (see why there).
 
 What varies per call enters as tensors: the global step, and `call_info` = int64
-[micro-batch index, example offset, token offset]; the step and the offsets seed
+[example offset, token offset]; the step and the offsets seed
 dropout exactly as in the unpartitioned model, so the recompute inside `backward`
 draws the forward's masks.
 
@@ -127,8 +127,8 @@ def _specs(tensors: Sequence[tf.Tensor]) -> list[tf.TensorSpec]:
 
 _BITS = {2: tf.int16, 4: tf.int32, 8: tf.int64}
 
-# int64 [schedule unit index, example offset, token offset].
-CALL_INFO = tf.TensorSpec([3], tf.int64)
+# int64 [example offset, token offset]: where the unit's examples and tokens start.
+CALL_INFO = tf.TensorSpec([2], tf.int64)
 STEP = tf.TensorSpec([], tf.int64)  # the global step
 
 
@@ -334,11 +334,10 @@ class CellFunctions:
     """The layers (and head) on one call's inputs → (outputs, the cache entries
     extended: [] unless full_length T > 0, the tokens of a slice of sequences of T
     tokens; cache None: specs only, the entries read as zeros)."""
-    unit, example_offset, token_offset = tf.unstack(call_info)
+    example_offset, token_offset = tf.unstack(call_info)
     token_slice = token_slices.slice_of(token_offset, full_length, cache)
-    with base_layer.step_context(training=True, step=step, unit=unit,
-                                 example_offset=example_offset, layer_stats=stats,
-                                 spans=None, weight_products=products,
+    with base_layer.step_context(training=True, step=step, example_offset=example_offset,
+                                 layer_stats=stats, spans=None, weight_products=products,
                                  token_slice=token_slice), \
         stacked_variables.bound(self.stacks) as rows:
       traced = self._traced

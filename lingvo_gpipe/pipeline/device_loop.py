@@ -501,10 +501,9 @@ class CellLoop:
   # -- the actions ---------------------------------------------------------------------
 
   def _call_info(self, row: TableRow) -> tf.Tensor:
-    """int64 [unit index, example offset in the whole batch, token offset]."""
+    """int64 [example offset in the whole batch, token offset]."""
     offset = tf.cast(self.step_inputs.base_offset, tf.int64) + tf.cast(row.offset, tf.int64)
-    return tf.stack([tf.cast(row.unit, tf.int64), offset,
-                     tf.cast(row.token_offset, tf.int64)])
+    return tf.stack([offset, tf.cast(row.token_offset, tf.int64)])
 
   def _cache_entries(self, slots: Sequence[tf.TensorArray], row: TableRow,
                      specs: Sequence[tf.TensorSpec], filled: tf.Tensor) -> list[tf.Tensor]:

@@ -499,8 +499,7 @@ class PipeliningLayer(BaseLayer):
     step = tf.cast(ctx.step, tf.int64)
     outputs = []
     for m, x in enumerate(self._split(structure, sizes, self.cell_devices[0])):
-      call_info = tf.stack([tf.constant(m, tf.int64),
-                            tf.cast(ctx.example_offset, tf.int64) + offsets[m],
+      call_info = tf.stack([tf.cast(ctx.example_offset, tf.int64) + offsets[m],
                             tf.constant(0, tf.int64)])  # whole sequences: token offset 0
       for cell in cells:
         x, stats = cell.call_forward(x, None, step, call_info)

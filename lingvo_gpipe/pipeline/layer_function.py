@@ -69,12 +69,11 @@ class _Layout:
 
 
 def step_info() -> tf.Tensor:
-  """int64 [4]: the current StepContext's (global step, micro-batch, example offset,
-  token offset: 0 unless on a token slice)."""
+  """int64 [3]: the current StepContext's (global step, example offset, token offset:
+  0 unless on a token slice)."""
   ctx = base_layer.current_context()
   token_offset = ctx.token_slice.offset if ctx.token_slice is not None else 0
-  return tf.stack([tf.cast(x, tf.int64) for x in (ctx.step, ctx.unit,
-                                                  ctx.example_offset, token_offset)])
+  return tf.stack([tf.cast(x, tf.int64) for x in (ctx.step, ctx.example_offset, token_offset)])
 
 
 class _KindFunction:
@@ -104,9 +103,9 @@ class _KindFunction:
       asked.append((position[id(layer)], purpose))
       return seeds[len(asked) - 1]
 
-    token_slice = token_slices.slice_of(info[3], full_length, cache)
+    token_slice = token_slices.slice_of(info[2], full_length, cache)
     with base_layer.variables_read_as(sublayers, variables), base_layer.seed_source(seed), \
-        base_layer.step_context(step=info[0], unit=info[1], example_offset=info[2],
+        base_layer.step_context(step=info[0], example_offset=info[1],
                                 layer_stats=stats, spans=None, weight_products=None,
                                 token_slice=token_slice):
       outputs = base_layer.call_with(self.representative, inputs)
@@ -154,7 +153,7 @@ class _KindFunction:
     outputs, flat_stats, cache_out = concrete(variables, inputs, info, seeds, cache,
                                               full_length)
     if token_slice is not None:
-      token_slice.cache.give(cache_out, specs)
+      token_slice.cache.give(cache_out)
     if ctx.layer_stats is not None and self.layout.stats:
       packed = tf.nest.pack_sequence_as([s for _, s in self.layout.stats], list(flat_stats))
       for (i, _), stats in zip(self.layout.stats, packed):

@@ -4,11 +4,12 @@ One row per cell, cell 0 on top, labelled with the cell and its device; the step
 time on the x axis in milliseconds; forward calls blue, backward calls (recompute
 included) orange, deferred weight-gradient calls green, darker for later units, each
 bar numbered with its unit (the micro-batch; m.j, slice j of micro-batch m, with token
-slices) where it is wide enough; white is idle (the bubble). With the plan, a thin row of outlined bars under each cell shows the plan's
-simulated timeline with the step's own measured call times (`MeasuredTimeline.planned`):
-where a measured bar starts later than its planned one, the cell waited on something
-the plan does not model (hand-offs, the host). The title gives the measured bubble
-beside GPipe's theoretical (D−1)/(U+D−1) over U = M·S units and, with the plan, the planned bubble.
+slices) where it is wide enough; white is idle (the bubble). With the plan, a thin row
+of outlined bars under each cell shows the plan's simulated timeline with the step's
+own measured call times (`MeasuredTimeline.planned`): where a measured bar starts
+later than its planned one, the cell waited on something the plan does not model
+(hand-offs, the host). The title gives the measured bubble beside GPipe's theoretical
+(D−1)/(U+D−1) over U = M·S units and, with the plan, the planned bubble.
 
 Sized for TensorBoard's image card, which shows images about 330-400 px wide: the chart
 is 400 px wide with text of 10-12 px, so it is read without "show actual image size".
