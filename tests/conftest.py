@@ -95,6 +95,27 @@ def run_trainer(*args: str, env: dict | None = None, timeout: int = 300,
                         cwd=REPO, preexec_fn=limit if file_size_limit else None)
 
 
+@pytest.fixture(scope="session")
+def tiny_lm_cost_cache(tmp_path_factory) -> Path:
+  """A cost cache (layers and machine) of lm.TransformerTiny on cpu:2, measured once
+  per run by `--mode=plan` (about 50 s of profiling), for the tests that plan that
+  model: each copies it rather than profiling again. Under xdist the workers share one
+  (the first to ask measures it while the others wait on a lock)."""
+  import fcntl
+
+  shared = tmp_path_factory.getbasetemp()
+  if os.environ.get("PYTEST_XDIST_WORKER"):
+    shared = shared.parent  # this run's folder, above the workers' own
+  cache = shared / "tiny_lm_costs.json"
+  with open(shared / "tiny_lm_costs.lock", "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    if not cache.exists():
+      measured = run_trainer("--model=lm.TransformerTiny", "--devices=cpu:2", "--mode=plan",
+                             f"--cost_cache={cache}")
+      assert measured.returncode == 0, measured.stderr[-3000:]
+  return cache
+
+
 @pytest.fixture
 def cpu_allocator_stats() -> None:
   """Skips a test that reads the CPU allocator's statistics where this TensorFlow keeps

@@ -3,6 +3,7 @@
 import dataclasses
 import itertools
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -360,7 +361,7 @@ def test_a_cost_cache_path_that_can_never_be_one_is_refused_before_measuring(tmp
 
 
 def test_plan_mode_and_plan_auto_train_the_best_plan_and_refuse_a_budget_nothing_fits(
-    tmp_path):
+    tiny_lm_cost_cache, tmp_path):
   """--mode=plan prints the best plans and judges the params as given; --plan=auto
   trains with that best plan and writes its prediction beside the measurement;
   --plan=check keeps the params as given; a budget no plan fits exits 2 in both."""
@@ -369,6 +370,7 @@ def test_plan_mode_and_plan_auto_train_the_best_plan_and_refuse_a_budget_nothing
   from conftest import run_trainer
 
   cache = tmp_path / "costs.json"
+  shutil.copy(tiny_lm_cost_cache, cache)
   common = ("--model=lm.TransformerTiny", "--devices=cpu:2", f"--cost_cache={cache}")
   planned = run_trainer(*common, "--mode=plan", "--device_memory=64MiB")
   assert planned.returncode == 0, planned.stderr
@@ -410,15 +412,17 @@ def test_plan_mode_and_plan_auto_train_the_best_plan_and_refuse_a_budget_nothing
       refused.stdout
 
 
-def test_a_plan_trains_the_shape_it_predicted_with_the_layers_profiled_once(tmp_path):
+def test_a_plan_trains_the_shape_it_predicted_with_the_layers_profiled_once(tiny_lm_cost_cache,
+                                                                            tmp_path):
   """--plan=auto with the params' own weight_gradient_group=2 trains the plan's G (the
   plan sets every field it decides: a zb_h1 plan with the params' G=2 would be
   refused); --plan=check under partition_cost='measured' trains the split it
-  predicted (read back from params.txt), from the planner's one profiling of the
-  layers (the partitioner does not profile them again)."""
+  predicted (read back from params.txt), from the planner's costs in the cache (the
+  partitioner does not profile the layers again)."""
   from conftest import run_trainer
 
   cache = tmp_path / "costs.json"
+  shutil.copy(tiny_lm_cost_cache, cache)
   common = ("--model=lm.TransformerTiny", "--devices=cpu:2", f"--cost_cache={cache}",
             "--max_steps=3")
 
