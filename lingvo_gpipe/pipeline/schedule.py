@@ -91,7 +91,7 @@ import csv
 import dataclasses
 import functools
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from lingvo_gpipe.core.hyperparams import ParamsError
@@ -431,57 +431,46 @@ class PipelineSchedule:
     return idle_fraction(self.simulate(forward_time, backward_time, weight_time,
                                        transfer_time), self.num_devices)
 
-  def max_in_flight(self, k: int) -> int:
-    """The most units cell k holds between their forward and their backward:
-    what its activation memory (inputs kept for re-materialization, or the whole
-    forward without it) is proportional to."""
-    in_flight = most = 0
+  def _most_held(self, k: int, change: Callable[[Action], int]) -> int:
+    """The highest running total of `change(action)` over cell k's list: the most
+    units it holds at once of what `change` counts in (+) and out (−)."""
+    held = most = 0
     for action in self.actions[k]:
-      in_flight += {FORWARD: 1, BACKWARD: -1, WEIGHT_GRADIENT: 0}[action.phase]
-      most = max(most, in_flight)
+      held += change(action)
+      most = max(most, held)
     return most
+
+  def max_in_flight(self, k: int) -> int:
+    """The most units cell k holds between their forward and their backward: what
+    its activation memory (inputs kept for re-materialization, or the whole forward
+    without it) is proportional to."""
+    return self._most_held(k, lambda a: {FORWARD: 1, BACKWARD: -1}.get(a.phase, 0))
 
   def max_cached(self, k: int) -> int:
     """With token slices, the most micro-batches cell k keeps a cache for (from the
     forward of their first slice to the backward of it); 0 without."""
     if self.slices == 1:
       return 0
-    cached = most = 0
-    for action in self.actions[k]:
-      if action.unit % self.slices == 0 and action.phase != WEIGHT_GRADIENT:
-        cached += 1 if action.phase == FORWARD else -1
-        most = max(most, cached)
-    return most
+    return self._most_held(k, lambda a: 0 if a.unit % self.slices else
+                           {FORWARD: 1, BACKWARD: -1}.get(a.phase, 0))
 
   def max_awaiting_weights(self, k: int) -> int:
-    """The most units cell k holds between their backward and the W that
-    computes their weight gradients (each keeps its projections' inputs and output
-    gradients until then)."""
-    waiting = most = 0
+    """The most units cell k holds between their backward and the W that computes
+    their weight gradients (each keeps its projections' inputs and output gradients
+    until then)."""
     groups = self.weight_groups(k)
-    for action in self.actions[k]:
-      if action.phase == BACKWARD and groups:
-        waiting += 1
-      elif action.phase == WEIGHT_GRADIENT:
-        waiting -= len(groups[action.unit])
-      most = max(most, waiting)
-    return most
+    return self._most_held(k, lambda a: (1 if a.phase == BACKWARD and groups else
+                                         -len(groups[a.unit]) if a.phase == WEIGHT_GRADIENT
+                                         else 0))
 
   def max_held(self, k: int) -> int:
-    """The most units cell k holds from their forward until it is done with
-    them (their W where the cell defers weight gradients, else their backward): the
-    count the zero-bubble paper bounds by 1F1B's."""
-    held = most = 0
+    """The most units cell k holds from their forward until it is done with them
+    (their W where the cell defers weight gradients, else their backward): the count
+    the zero-bubble paper bounds by 1F1B's."""
     groups = self.weight_groups(k)
-    for action in self.actions[k]:
-      if action.phase == FORWARD:
-        held += 1
-      elif action.phase == BACKWARD and not groups:
-        held -= 1
-      elif action.phase == WEIGHT_GRADIENT:
-        held -= len(groups[action.unit])
-      most = max(most, held)
-    return most
+    return self._most_held(k, lambda a: (1 if a.phase == FORWARD else
+                                         -len(groups[a.unit]) if a.phase == WEIGHT_GRADIENT
+                                         else 0 if groups else -1))
 
   def _rebuilt(self, device_orders: Sequence[Sequence[tuple[int, Action]]]
                ) -> PipelineSchedule:
