@@ -317,6 +317,24 @@ def test_interleaved_virtual_stages_equal_unpartitioned(reference, cpu_devices, 
   assert_matches_reference(pipelined_loss_and_grads(model), reference)
 
 
+@pytest.mark.parametrize("num_cells, num_micro_batches, recompute", [
+    (4, 1, "always"), (4, 3, "never"), (4, 5, "except_last"), (8, 4, "never"),
+    (8, 8, "always"), (2, 2, "never"),  # one device holding both cells
+])
+def test_zbv_equals_unpartitioned(reference, cpu_devices, num_cells, num_micro_batches,
+                                  recompute):
+  """ZB-V: cells k and K−1−k on device k (a V), every backward split into B and W, at
+  any M (uneven micro-batches at BATCH=13)."""
+  model = model_params(gpipe.PipeliningLayer, num_cells=num_cells, schedule="zbv",
+                       virtual_stages=2, num_micro_batches=num_micro_batches,
+                       recompute=recompute, devices=cpu_devices[:num_cells // 2]).instantiate()
+  assert [model.cell_devices.index(d) for d in model.cell_devices] == [
+      min(k, num_cells - 1 - k) for k in range(num_cells)]
+  plan = model.plan()
+  assert plan.name == "zbv" and all(plan.defers(k) for k in range(num_cells))
+  assert_matches_reference(pipelined_loss_and_grads(model), reference)
+
+
 def test_interleaved_with_weight_gradient_groups_equals_unpartitioned(reference, cpu_devices):
   model = model_params(gpipe.PipeliningLayer, num_cells=4, schedule="interleaved_1f1b",
                        virtual_stages=2, num_micro_batches=4, weight_gradient_group=2,
@@ -350,13 +368,18 @@ def test_round_robin_cells_share_one_loop_per_device(reference, cpu_devices):
      r"4 cells but only 2 device\(s\)"),
     (dict(recompute="sometimes"), "recompute must be one of"),
     (dict(schedule="zigzag"),
-     r"schedule must be one of \['1f1b', 'gpipe', 'interleaved_1f1b', 'zb_h1'\], got 'zigzag'"),
+     r"schedule must be one of \['1f1b', 'gpipe', 'interleaved_1f1b', 'zb_h1', 'zbv'\], "
+     r"got 'zigzag'"),
     (dict(schedule="zb_h1", weight_gradient_group=2),
      "weight_gradient_group must be 1 with schedule='zb_h1'"),
     (dict(schedule="interleaved_1f1b"), "virtual_stages must be >= 2 with "
                                         "schedule='interleaved_1f1b'"),
-    (dict(virtual_stages=2), "virtual_stages must be 1 unless schedule='interleaved_1f1b', "
-                             "got 2"),
+    (dict(virtual_stages=2), r"virtual_stages must be 1 with schedule='gpipe' \(cells per "
+                             r"device: interleaved_1f1b >= 2, zbv 2, any other 1\), got 2"),
+    (dict(schedule="zbv", virtual_stages=3, num_cells=6),
+     "virtual_stages must be 2 with schedule='zbv'"),
+    (dict(schedule="zbv", weight_gradient_group=2, virtual_stages=2),
+     "weight_gradient_group must be 1 with schedule='zbv'"),
     (dict(schedule="interleaved_1f1b", virtual_stages=3, num_cells=4),
      "virtual_stages=3 must divide the 4 cells"),
     (dict(weight_gradient_group=0), "weight_gradient_group must be an int >= 1, got 0"),

@@ -523,13 +523,15 @@ def scalar_values(event_dir: Path, tag: str) -> dict[int, float]:
 
 def test_zero_bubble_and_interleaved_train_a_real_model_as_gpipe_does(tmp_path):
   """lm.TransformerTiny (dropout on) through the trainer, 4 steps with Adam: the losses
-  of zb_h1 and of interleaved_1f1b (4 cells on 2 devices) are gpipe's."""
+  of zb_h1, of interleaved_1f1b and of zbv (4 cells on 2 devices each) are gpipe's."""
   every_step = ("task.train.log_interval_steps=1;task.train.summary_interval_steps=1;"
                 "task.train.save_interval_steps=100")
   runs = {"gpipe": "task.pipeline.num_cells=2",
           "zb_h1": "task.pipeline.num_cells=2;task.pipeline.schedule=zb_h1",
           "interleaved_1f1b": "task.pipeline.num_cells=4;task.pipeline.virtual_stages=2;"
-                              "task.pipeline.schedule=interleaved_1f1b"}
+                              "task.pipeline.schedule=interleaved_1f1b",
+          "zbv": "task.pipeline.num_cells=4;task.pipeline.virtual_stages=2;"
+                 "task.pipeline.schedule=zbv"}
   losses = {}
   for name, override in runs.items():
     logdir = tmp_path / name
@@ -540,7 +542,7 @@ def test_zero_bubble_and_interleaved_train_a_real_model_as_gpipe_does(tmp_path):
     losses[name] = scalar_values(logdir / "train", "loss")
     assert sorted(losses[name]) == [1, 2, 3, 4]
   want = [losses["gpipe"][step] for step in sorted(losses["gpipe"])]
-  for name in ("zb_h1", "interleaved_1f1b"):
+  for name in ("zb_h1", "interleaved_1f1b", "zbv"):
     assert_close([losses[name][step] for step in sorted(losses[name])], want,
                  dtype=np.float32, err_msg=name)
 

@@ -113,15 +113,15 @@ def check_pipeline_params(p: hyperparams.Params, path: str) -> None:
     raise bad("schedule", f"one of {sorted(schedule.SCHEDULES)}")
   if not isinstance(p.weight_gradient_group, int) or p.weight_gradient_group < 1:
     raise bad("weight_gradient_group", "an int >= 1")
-  if p.schedule == "zb_h1" and p.weight_gradient_group != 1:
-    raise bad("weight_gradient_group", "1 with schedule='zb_h1' (it places one W per "
+  if p.schedule in schedule.SPLIT_BACKWARD and p.weight_gradient_group != 1:
+    raise bad("weight_gradient_group", f"1 with schedule={p.schedule!r} (it places one W per "
               "backward itself)")
   if not isinstance(p.virtual_stages, int) or p.virtual_stages < 1:
     raise bad("virtual_stages", "an int >= 1")
-  if (p.schedule == "interleaved_1f1b") != (p.virtual_stages > 1):
-    raise bad("virtual_stages", ">= 2 with schedule='interleaved_1f1b' and 1 with any "
-              "other schedule" if p.schedule == "interleaved_1f1b" else
-              "1 unless schedule='interleaved_1f1b'")
+  if not schedule.takes_virtual_stages(p.schedule, p.virtual_stages):
+    rules = ", ".join(f"{s} {v}" for s, v in schedule.VIRTUAL_STAGES.items())
+    raise bad("virtual_stages", f"{schedule.VIRTUAL_STAGES.get(p.schedule, '1')} with "
+              f"schedule={p.schedule!r} (cells per device: {rules}, any other 1)")
   if p.partition_cost not in PARTITION_COSTS:
     raise bad("partition_cost", f"one of {PARTITION_COSTS}")
   if p.memory_cap_bytes is not None and not p.memory_cap_bytes > 0:
@@ -168,9 +168,9 @@ def token_slice_lengths(p: hyperparams.Params, length: int, path: str) -> list[i
 def assign_devices(p: hyperparams.Params, num_cells: int, devices: Sequence[str],
                    path: str) -> list[str]:
   """The device of each of `num_cells` cells of pipeline params `p` among `devices`:
-  cell k on device k mod (K/V) with virtual stages, else k (wrapping only with
-  round_robin_devices). Raises PipelineError, prefixed by `path`, when there are too
-  few devices."""
+  with virtual stages V, the schedule's placement (`schedule.placement`: k mod K/V
+  round-robin, zbv's V), else k (wrapping only with round_robin_devices). Raises
+  PipelineError, prefixed by `path`, when there are too few devices."""
   devices = list(devices)
   if p.virtual_stages > 1:
     if num_cells % p.virtual_stages:
@@ -181,7 +181,7 @@ def assign_devices(p: hyperparams.Params, num_cells: int, devices: Sequence[str]
       raise PipelineError(f"{path}: {num_cells} cells at virtual_stages="
                           f"{p.virtual_stages} need {num_devices} devices; only "
                           f"{len(devices)}: {devices}")
-    return [devices[k % num_devices] for k in range(num_cells)]
+    return [devices[d] for d in schedule.placement(p.schedule, num_cells, p.virtual_stages)]
   if num_cells > len(devices) and not p.round_robin_devices:
     raise PipelineError(
         f"{path}: {num_cells} cells but only {len(devices)} device(s) {devices}; "

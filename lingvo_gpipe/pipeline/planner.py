@@ -4,7 +4,7 @@ and replicas chosen from measured per-layer costs and a per-device memory budget
 The cost model is `step_model`'s (per-layer times fitted at two micro-batch sizes,
 the machine's measured action overhead, update rate and link, every schedule's real
 in-flight counts). `plan` searches R (dividing the devices and the batch), K cells
-(at most the devices / R, or twice that interleaved), the contiguous split, M
+(at most the devices / R, or twice that with two cells per device), the contiguous split, M
 (dividing the per-replica batch), every recompute policy, every schedule (schedule.SCHEDULES;
 interleaved_1f1b at each V that divides K and leaves M a multiple of K/V), the weight
 gradient group G (`_weight_gradient_groups`) and the token slices asked for, and
@@ -226,8 +226,11 @@ def _divisors(n: int) -> list[int]:
 
 def _schedule_variants(name: str, num_cells: int, num_micro_batches: int,
                        devices: int) -> list[int]:
-  """The virtual stages V to try for schedule `name`: 1, or for interleaved_1f1b each
-  V ≥ 2 dividing K whose K/V devices are at most `devices` and divide M."""
+  """The virtual stages V to try for schedule `name`: 1; for zbv 2 (an even K on at
+  most `devices` devices); for interleaved_1f1b each V ≥ 2 dividing K whose K/V
+  devices are at most `devices` and divide M."""
+  if name == "zbv":
+    return [2] if num_cells % 2 == 0 and num_cells // 2 <= devices else []
   if name != "interleaved_1f1b":
     return [1]
   return [v for v in range(2, num_cells + 1) if num_cells % v == 0 and
@@ -264,7 +267,7 @@ def plan(costs: Sequence[LayerCost], machine: Machine, batch_size: int,
             if s > 1 and name not in schedule.SLICED_SCHEDULES:
               continue
             for v in _schedule_variants(name, num_cells, m, devices):
-              if name != "interleaved_1f1b" and num_cells > devices:
+              if v == 1 and num_cells > devices:
                 continue
               for g in _weight_gradient_groups(name, recompute, m * s, s):
                 shape = _best_shape(costs, machine, PlanShape(
@@ -301,11 +304,11 @@ WEIGHT_GRADIENT_GROUPS = (1, 2, 4)
 def _weight_gradient_groups(name: str, recompute: str, units: int, slices: int
                             ) -> list[int]:
   """The G to try: 1, and where a cell can defer its weight gradients (a
-  re-materialized cell under any schedule but zb_h1, which places one W per
-  backward itself) WEIGHT_GRADIENT_GROUPS and S (a micro-batch's slices in one
+  re-materialized cell under any schedule but zb_h1 and zbv, which place one W per
+  backward themselves) WEIGHT_GRADIENT_GROUPS and S (a micro-batch's slices in one
   product) up to the units M·S. G trades a larger product's speed (the fitted
   line's fixed part paid once per group) for the projections' inputs held until it."""
-  if name == "zb_h1" or recompute == "never":
+  if name in schedule.SPLIT_BACKWARD or recompute == "never":
     return [1]
   return sorted({g for g in (*WEIGHT_GRADIENT_GROUPS, slices) if g <= units})
 

@@ -46,6 +46,9 @@ and W equal, a backward that includes its weight gradients twice as long
   interleaved_1f1b (Megatron-LM 2021: D devices hold V cells each, cell k on device
   k mod D; the devices run 1F1B over their cells in rounds of D micro-batches)
 
+  zbv (ZB-V, Qi et al. 2024: D devices hold two cells each in a V, device d cells d
+  and K−1−d; B and W apart, `zero_bubble_v`)
+
 Token slices (TeraPipe, Li et al. 2021; `num_token_slices` S > 1, causal sequence
 models only: core/token_slices.py): each micro-batch m is cut along the sequence into
 S slices j, and the schedule's unit is (m, j), numbered u = m·S + j. An action names
@@ -83,6 +86,8 @@ micro-batch on a device's layers; the bubble, `bubble`, is idle / (M(F+B+W) + id
   zb_h1             (K−1)(F+B−W)        up to K on every cell: 1F1B's peak (cell 0's)
   interleaved_1f1b  (D−1)(F+B+W)/V      device d: up to 2(D−d−1)+(V−1)D+1 of its cells'
                                         micro-batches, each 1/V of the device's layers
+  zbv               about half zb_h1's  up to 2D of its two cells', each half of the
+                    (simulated)         device's layers: 1F1B's peak
 """
 
 from __future__ import annotations
@@ -641,7 +646,7 @@ def interleaved_1f1b(num_cells: int, num_micro_batches: int,
     orders.append(tuple(order))
   actions = tuple(tuple(a for c, a in orders[k % d_count] if c == k) for k in range(num_cells))
   return PipelineSchedule("interleaved_1f1b", num_cells, m, actions,
-                          tuple(k % d_count for k in range(num_cells)), tuple(orders))
+                          placement("interleaved_1f1b", num_cells, v), tuple(orders))
 
 
 def zero_bubble_h1(num_cells: int, num_micro_batches: int,
@@ -665,6 +670,67 @@ def zero_bubble_h1(num_cells: int, num_micro_batches: int,
   return PipelineSchedule("zb_h1", num_cells, num_micro_batches, tuple(actions))
 
 
+
+def zero_bubble_v(num_cells: int, num_micro_batches: int) -> PipelineSchedule:
+  """ZB-V (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024, section 6): D =
+  K/2 devices, device d holding cells d and K−1−d, so the forward runs down the
+  devices and back up (a V) and the last cell's loss is on device 0; every backward
+  split into B (input gradients) and W (weight gradients, one W per B). Device d:
+
+    warm-up   2(D−d)−1 forwards of its first cell; d times a forward of its second
+              cell and one of its first; D−d times F, B and W of its second cell
+    steady    a forward of its first cell (while any remain), B and W of its first
+              cell, F, B and W of its second, until both cells ran every forward
+    cool-down d times B of its first cell and of its second; D−d times B of its first
+              cell and its oldest W; then the remaining W, its second cell's first
+
+  At M < 2D−1 the order is M = 2D−1's without the units from M on. With F = B = W a
+  device idles about half of zb_h1's (K−1)(F+B−W) over its two cells, and holds at
+  most 2D units of its cells (1F1B's peak: D units of a cell twice its size)."""
+  if num_cells < 2 or num_cells % 2:
+    raise ScheduleError(f"zbv puts two cells on each device (a V): num_cells must be even "
+                        f"and >= 2, got {num_cells}")
+  d_count, m = num_cells // 2, num_micro_batches
+  n = max(2 * d_count - 1, m)
+  orders = []
+  for d in range(d_count):
+    first, second = d, num_cells - 1 - d
+    count = dict.fromkeys(((c, p) for c in (first, second)
+                           for p in (FORWARD, BACKWARD, WEIGHT_GRADIENT)), 0)
+    order: list[tuple[int, Action]] = []
+
+    def add(cell: int, *phases: str, order=order, count=count) -> None:
+      for phase in phases:
+        order.append((cell, Action(phase, count[(cell, phase)])))
+        count[(cell, phase)] += 1
+
+    for _ in range(2 * (d_count - d) - 1):
+      add(first, FORWARD)
+    for _ in range(d):
+      add(second, FORWARD)
+      add(first, FORWARD)
+    for _ in range(d_count - d):
+      add(second, FORWARD, BACKWARD, WEIGHT_GRADIENT)
+    while count[(second, FORWARD)] < count[(first, FORWARD)] or count[(first, FORWARD)] < n:
+      if count[(first, FORWARD)] < n:
+        add(first, FORWARD)
+      add(first, BACKWARD, WEIGHT_GRADIENT)
+      add(second, FORWARD, BACKWARD, WEIGHT_GRADIENT)
+    for _ in range(d):
+      add(first, BACKWARD)
+      add(second, BACKWARD)
+    for _ in range(d_count - d):
+      add(first, BACKWARD, WEIGHT_GRADIENT)
+    while count[(second, WEIGHT_GRADIENT)] < count[(second, BACKWARD)]:
+      add(second, WEIGHT_GRADIENT)
+    while count[(first, WEIGHT_GRADIENT)] < count[(first, BACKWARD)]:
+      add(first, WEIGHT_GRADIENT)
+    orders.append(tuple((k, a) for k, a in order if a.unit < m))
+  device_of = placement("zbv", num_cells)
+  actions = tuple(tuple(a for c, a in orders[device_of[k]] if c == k)
+                  for k in range(num_cells))
+  return PipelineSchedule("zbv", num_cells, m, actions, device_of, tuple(orders))
+
 def _with_lagging_weights(cell: Sequence[Action], lag: int, num_micro_batches: int
                           ) -> tuple[Action, ...]:
   """cell's actions with the W of micro-batch i − lag right after the backward of
@@ -680,14 +746,39 @@ def _with_lagging_weights(cell: Sequence[Action], lag: int, num_micro_batches: i
   return tuple(out)
 
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv")
+# Those that split every backward into B and W and place the W actions themselves.
+SPLIT_BACKWARD = ("zb_h1", "zbv")
+
+
+# The virtual stages V (cells per device) each schedule takes; any other: 1.
+VIRTUAL_STAGES = {"interleaved_1f1b": ">= 2", "zbv": "2"}
+
+
+def takes_virtual_stages(name: str, virtual_stages: int) -> bool:
+  """Whether schedule `name` runs V = `virtual_stages` cells per device
+  (VIRTUAL_STAGES)."""
+  rule = VIRTUAL_STAGES.get(name, "1")
+  return virtual_stages >= 2 if rule == ">= 2" else virtual_stages == int(rule)
+
+
+def placement(name: str, num_cells: int, virtual_stages: int = 1) -> tuple[int, ...]:
+  """The device index of each cell under schedule `name` (placement as data, the one
+  rule the pipeline, the planner and the chart take it from): zbv's V, cell k on
+  device min(k, K−1−k); with V cells per device otherwise, round-robin, k mod K/V;
+  else each cell its own device."""
+  if name == "zbv":
+    return tuple(min(k, num_cells - 1 - k) for k in range(num_cells))
+  num_devices = max(num_cells // virtual_stages, 1)
+  return tuple(k % num_devices for k in range(num_cells))
 
 
 def deferring_cells(name: str, num_cells: int, weight_gradient_group: int,
                     recomputed: Sequence[bool]) -> list[int]:
-  """The cells that run their weight gradients as W actions: every cell under zb_h1;
-  with weight_gradient_group G > 1, the re-materialized ones (`recomputed[k]`)."""
-  if name == "zb_h1":
+  """The cells that run their weight gradients as W actions: every cell under zb_h1
+  and zbv (SPLIT_BACKWARD); with weight_gradient_group G > 1, the re-materialized ones
+  (`recomputed[k]`)."""
+  if name in SPLIT_BACKWARD:
     return list(range(num_cells))
   if weight_gradient_group > 1:
     return [k for k in range(num_cells) if recomputed[k]]
@@ -715,10 +806,9 @@ def build(name: str, num_cells: int, num_micro_batches: int, *, virtual_stages: 
   deferring = deferring_cells(name, num_cells, weight_gradient_group, recomputed)
   plan = make(name, num_cells, num_micro_batches, virtual_stages=virtual_stages,
               weight_cells=deferring, num_token_slices=num_token_slices)
-  if name != "zb_h1":
+  if name not in SPLIT_BACKWARD:
     plan = plan.with_weight_gradients(weight_gradient_group, deferring)
-  num_devices = num_cells // virtual_stages
-  return plan.on_devices(device_of or tuple(k % num_devices for k in range(num_cells)))
+  return plan.on_devices(device_of or placement(name, num_cells, virtual_stages))
 
 
 def is_slice_count(value: Any) -> bool:
@@ -730,9 +820,10 @@ def make(name: str, num_cells: int, num_micro_batches: int, *, virtual_stages: i
          weight_cells: Sequence[int] = (), num_token_slices: int = 1) -> PipelineSchedule:
   """The schedule called `name` (one of SCHEDULES) for K cells and M micro-batches.
 
-  virtual_stages: V cells per device (interleaved_1f1b); weight_cells: the cells that
-  compute weight gradients in W actions of their own, which zb_h1 places itself (the
-  other schedules get them from `with_weight_gradients`); num_token_slices: S slices
+  virtual_stages: V cells per device (interleaved_1f1b; zbv is 2); weight_cells: the
+  cells that compute weight gradients in W actions of their own, which zb_h1 places
+  itself (zbv: every cell; the others get them from `with_weight_gradients`);
+  num_token_slices: S slices
   per micro-batch (SLICED_SCHEDULES only), units (m, j) as the module docstring says.
   """
   if name not in SCHEDULES:
@@ -749,6 +840,8 @@ def make(name: str, num_cells: int, num_micro_batches: int, *, virtual_stages: i
     return interleaved_1f1b(num_cells, num_micro_batches, virtual_stages)
   if name == "zb_h1":
     return zero_bubble_h1(num_cells, num_micro_batches, weight_cells)
+  if name == "zbv":
+    return zero_bubble_v(num_cells, num_micro_batches)
   return {"gpipe": gpipe, "1f1b": one_f_one_b}[name](num_cells, num_micro_batches,
                                                     num_token_slices)
 
