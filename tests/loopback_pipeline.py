@@ -1,7 +1,7 @@
 """Run by loopback_test.py in its own process (joining a cluster changes TF's context).
 
 Starts two tools/worker.py servers on loopback, places a pipeline on them with each
-schedule (two cells; interleaved: four, two per worker) and a causal LM on token
+schedule (two cells; interleaved and zbv: four, two per worker) and a causal LM on token
 slices, and prints one JSON line: the
 largest relative difference between its loss and gradients and those of the same
 layers run unpartitioned in this process (also with fprop_dtype='bfloat16': bfloat16
@@ -54,9 +54,9 @@ def main() -> None:
     wants = {"float32": unpartitioned("float32"), "bfloat16": unpartitioned("bfloat16")}
     worst = {}
     # (interleaved last: the report names the devices of the last pipeline built)
-    for schedule in ("gpipe", "1f1b", "1f1b/bfloat16", "zb_h1", "interleaved_1f1b"):
+    for schedule in ("gpipe", "1f1b", "1f1b/bfloat16", "zb_h1", "zbv", "interleaved_1f1b"):
       schedule, _, dtype = schedule.partition("/")
-      interleaved = schedule == "interleaved_1f1b"  # 4 cells, 2 on each worker
+      interleaved = schedule in ("interleaved_1f1b", "zbv")  # 4 cells, 2 on each worker
       remote = gpipe.PipeliningLayer.Params().set(
           name="s", layers=stack, random_seed=3, num_cells=4 if interleaved else 2,
           virtual_stages=2 if interleaved else 1, num_micro_batches=4,

@@ -156,7 +156,9 @@ def one_cell():
     dict(num_cells=4, schedule="zb_h1"),
     dict(num_cells=2, schedule="zb_h1", recompute="never"),
     dict(num_cells=4, schedule="interleaved_1f1b", virtual_stages=2),
-], ids=["gpipe-k2", "1f1b-k4-never", "zb_h1-k4", "zb_h1-k2-never", "interleaved-k4v2"])
+    dict(num_cells=4, schedule="zbv", virtual_stages=2),
+], ids=["gpipe-k2", "1f1b-k4-never", "zb_h1-k4", "zb_h1-k2-never", "interleaved-k4v2",
+        "zbv-k4"])
 def test_partitioning_changes_nothing_in_a_half_dtype(cpu_devices, one_cell, dtype, pipeline):
   """K ∈ {2, 4} and every schedule give K=1's loss and gradients with the same M: the
   same micro-batch arithmetic in the same dtype, only placed elsewhere (float32's
@@ -173,7 +175,7 @@ def test_partitioning_changes_nothing_in_a_half_dtype(cpu_devices, one_cell, dty
                 **pipeline)
   loss, grads = step_loss_and_grads(model)
   shared, in_cell = one_cell[dtype]
-  want_loss, want_grads = in_cell if pipeline["schedule"] == "zb_h1" and \
+  want_loss, want_grads = in_cell if pipeline["schedule"] in ("zb_h1", "zbv") and \
       pipeline.get("recompute", "always") == "always" else shared
   assert_close(loss, want_loss)
   assert_all_close(grads, want_grads, dtype=np.float32)

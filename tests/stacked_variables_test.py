@@ -154,6 +154,26 @@ def test_checkpoints_move_between_stacked_and_unstacked_and_across_k(tmp_path, c
       np.testing.assert_array_equal(slot.numpy(), again_opt.slots_of(b)[name].numpy())
 
 
+def test_checkpoints_move_between_zbv_and_gpipe_at_another_k(tmp_path, cpu_devices):
+  """zbv (K=4, two cells per device in a V) → gpipe K=2 → zbv: the checkpoint holds each
+  weight under its own name whatever the schedule, K and placement."""
+  zbv = dict(num_cells=4, schedule="zbv", virtual_stages=2, devices=cpu_devices[:2])
+  model, opt, step, batch = build(**zbv)
+  step(batch)
+  path = tf.train.Checkpoint(model=model, optimizer=opt).write(str(tmp_path / "zbv"))
+  gpipe, gpipe_opt, gpipe_step, _ = build(num_cells=2, devices=cpu_devices[2:])
+  tf.train.Checkpoint(model=gpipe, optimizer=gpipe_opt).read(path).assert_consumed()
+  gpipe_step(batch)
+  path = tf.train.Checkpoint(model=gpipe, optimizer=gpipe_opt).write(str(tmp_path / "gpipe"))
+  again, again_opt, _, _ = build(**zbv)
+  tf.train.Checkpoint(model=again, optimizer=again_opt).read(path).assert_consumed()
+  for a, b in zip(stacked_variables.trainable_weights(gpipe),
+                  stacked_variables.trainable_weights(again), strict=True):
+    np.testing.assert_array_equal(a.numpy(), b.numpy())
+    for name, slot in gpipe_opt.slots_of(a).items():
+      np.testing.assert_array_equal(slot.numpy(), again_opt.slots_of(b)[name].numpy())
+
+
 @pytest.mark.parametrize("optimizer", [
     optimizers.Adam.Params().set(learning_rate=0.05),
     optimizers.SGD.Params().set(learning_rate=0.1, momentum=0.9),

@@ -171,7 +171,7 @@ def test_a_step_stamps_every_action_in_the_loop_of_its_device(cpu_devices, sched
 
 
 @pytest.mark.parametrize("schedule_name, num_cells, virtual_stages", [
-    ("interleaved_1f1b", 4, 2), ("zb_h1", 2, 1)])
+    ("interleaved_1f1b", 4, 2), ("zb_h1", 2, 1), ("zbv", 4, 2)])
 def test_each_device_runs_its_cells_in_one_loop_one_call_at_a_time(cpu_devices, schedule_name,
                                                                    num_cells, virtual_stages):
   num_micro, num_devices = 4, num_cells // virtual_stages
