@@ -18,8 +18,9 @@ fill-drain bubble bounds the K=2 speedup by 2·M/(M+1).
   python bench/pipeline_speedup.py                 # K ∈ {1, 2}, M ∈ {1, 2, 4, 8, 16}
   python bench/pipeline_speedup.py --max_workers 4 # also K = 4 (needs ≥ 5 cores)
 
-Each K>1 runs with every schedule of --schedules (default all four: gpipe, 1f1b,
-zb_h1, and interleaved_1f1b with V=2, i.e. 2K cells, two per worker), and each
+Each K>1 runs with every schedule of --schedules (default gpipe, 1f1b, zb_h1, and
+interleaved_1f1b with V=2, i.e. 2K cells, two per worker; zbv, two cells per worker in
+a V, on request), and each
 configuration with `PipeliningLayer.weight_gradient_group` G ∈ --weight_gradient_groups
 (default 1 and M: weight gradients per micro-batch, or over all M at once; zb_h1 runs
 at G=1 only, it places one W per backward itself).
@@ -59,7 +60,9 @@ The last line printed is one JSON object: `results` per configuration, and
 `speedup_vs_best_single_<model>_k2_m8[_<schedule>][_g8]`, `<model>_k1_m8[_g8]_over_m1`
 (the single device's cost of splitting into 8), `speedup_k2_m8` (the MLP's K=1 ÷ K=2
 median step time at M=8, G=1), and per model at M=8 the measured bubbles of zb_h1 and
-interleaved_1f1b over 1f1b's (`<model>_m8_bubble_over_1f1b_<schedule>`).
+interleaved_1f1b over 1f1b's (`<model>_m8_bubble_over_1f1b_<schedule>`); with zbv
+and zb_h1 both run, `zbv_bubble_vs_zb_h1_<model>`, the highest ratio of their measured
+bubbles over the configurations run.
 """
 
 from __future__ import annotations
@@ -103,8 +106,10 @@ def make_step(model_name: str, num_cells: int, num_micro_batches: int, devices: 
               schedule: str = "gpipe", weight_gradient_group: int = 1,
               recompute: str = "always"):
   """A traced, warmed-up training step of `model_name` on `num_cells` workers
-  (interleaved_1f1b: two cells on each)."""
-  virtual_stages = 2 if schedule == "interleaved_1f1b" else 1
+  (interleaved_1f1b and zbv: two cells on each)."""
+  from lingvo_gpipe.pipeline import schedule as schedules
+
+  virtual_stages = 2 if schedule in schedules.VIRTUAL_STAGES else 1
   return _make_step(model_name, num_cells * virtual_stages, num_micro_batches,
                     devices[:num_cells], schedule, weight_gradient_group, virtual_stages,
                     recompute)
@@ -269,9 +274,7 @@ def main() -> None:
               model_name, 1, m, devices, weight_gradient_group=group)
           for k in worker_counts:
             for schedule in args.schedules.split(","):
-              if schedule == "zb_h1" and group > 1:
-                continue
-              if schedule == "interleaved_1f1b" and m % k:
+              if schedule in ("zb_h1", "zbv") and group > 1:
                 continue
               for policy in policies:
                 runners[(k, schedule, group, m, policy)] = make_step(
@@ -325,7 +328,7 @@ def main() -> None:
                            "bubble_planned": round(planned, 3),
                            "bubble_theoretical": round((k - 1) / (m + k - 1), 3),
                            "busy_fractions": [round(b, 3) for b in busy]}
-          if schedule == "zb_h1":
+          if schedule in ("zb_h1", "zbv"):
             results[name]["weight_share"] = round(
                 statistics.median(_weight_share(s) for s in runs), 3)
           print(f"{name:30s} K=1 {base:.4f} s  K={k} {step_k:.4f} s  "
@@ -359,6 +362,15 @@ def main() -> None:
         if one_f and other:
           summary[f"{model_name}_m8_bubble_over_1f1b_{schedule}"] = round(
               other["bubble_measured"] / max(one_f["bubble_measured"], 1e-9), 3)
+      # ZB-V against zb_h1, same K, M, G and recompute: the highest ratio of measured
+      # bubbles over the M run (issue 50's target: <= 0.6).
+      ratios = [result["bubble_measured"] / max(results[name.replace("_zbv", "_zb_h1")][
+                    "bubble_measured"], 1e-9)
+                for name, result in results.items()
+                if name.startswith(f"{model_name}_k") and "_zbv" in name
+                and name.replace("_zbv", "_zb_h1") in results]
+      if ratios:
+        summary[f"zbv_bubble_vs_zb_h1_{model_name}"] = round(max(ratios), 3)
       if f"{model_name}_k2_m8_zb_h1" in results:
         summary[f"{model_name}_weight_share"] = results[f"{model_name}_k2_m8_zb_h1"][
             "weight_share"]

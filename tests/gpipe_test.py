@@ -303,6 +303,7 @@ def test_zero_bubble_equals_unpartitioned(reference, cpu_devices, num_cells, num
 @pytest.mark.parametrize("num_cells, virtual_stages, num_micro_batches, recompute", [
     (4, 2, 2, "always"), (4, 2, 4, "never"), (4, 2, 8, "except_last"), (6, 3, 4, "always"),
     (2, 2, 3, "always"),  # one device holding both cells
+    (4, 2, 3, "never"), (4, 2, 5, "always"),  # M the devices do not divide
 ])
 def test_interleaved_virtual_stages_equal_unpartitioned(reference, cpu_devices, num_cells,
                                                         virtual_stages, num_micro_batches,

@@ -298,7 +298,6 @@ def test_the_planner_searches_every_schedule_and_no_duplicate_plans():
     assert s.num_devices * s.num_replicas <= 2 and len(p.peak_bytes) == s.num_devices
     assert (s.virtual_stages > 1) == (s.schedule in ("interleaved_1f1b", "zbv"))
     assert s.virtual_stages == 2 or s.schedule != "zbv"
-    assert s.num_micro_batches % s.num_devices == 0 or s.schedule != "interleaved_1f1b"
     # G > 1 only where a cell defers its weight gradients (re-materialized; not zb_h1 or
     # zbv, which place their own W)
     assert s.weight_gradient_group == 1 or (s.recompute != "never"

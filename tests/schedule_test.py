@@ -260,26 +260,41 @@ def test_interleaving_divides_the_bubble_by_v(num_devices, virtual_stages, round
   assert got == pytest.approx(idle / (3.0 * num_micro + idle))
 
 
-@pytest.mark.parametrize("num_devices, virtual_stages, num_micro",
-                         [(2, 2, 4), (2, 2, 8), (4, 2, 8), (4, 3, 16), (3, 2, 9)])
+@pytest.mark.parametrize("num_devices, virtual_stages, num_micro, round_size", [
+    (2, 2, 4, 2), (2, 2, 8, 2), (4, 2, 8, 4), (4, 3, 16, 4), (3, 2, 9, 3),
+    (2, 2, 2, 2), (4, 2, 4, 4),  # M = D: one round, PyTorch's warm-up (not all forwards)
+    (4, 2, 10, 5), (2, 3, 3, 3), (4, 2, 3, 3),  # PyTorch's flexible rounds (R divides M)
+    (4, 2, 9, 5), (3, 2, 7, 4)])  # any M: rounds of near-equal size (5 + 4, 4 + 3)
 def test_interleaved_devices_hold_megatrons_warmup_plus_one(num_devices, virtual_stages,
-                                                            num_micro):
-  """Device d holds at most min(2(D−d−1) + (V−1)·D + 1, M·V) micro-batches of its
-  cells between forward and backward (Megatron-LM's warm-up count + 1)."""
+                                                            num_micro, round_size):
+  """Device d holds at most min(2(D−d−1) + (V−1)·P + 1, M·V) micro-batches of its
+  cells between forward and backward (Megatron-LM's warm-up count + 1, P the first
+  round's size: D where D divides M, as PyTorch's ScheduleInterleaved1F1B otherwise)."""
   plan = interleaved(num_devices, virtual_stages, num_micro)
   for d, device_order in enumerate(plan.device_orders):
     in_flight = most = 0
     for _, action in device_order:
       in_flight += 1 if action.phase == FORWARD else -1
       most = max(most, in_flight)
-    warmup = 2 * (num_devices - d - 1) + (virtual_stages - 1) * num_devices
+    warmup = 2 * (num_devices - d - 1) + (virtual_stages - 1) * round_size
     assert most == min(warmup + 1, num_micro * virtual_stages)
   assert plan.device_of == tuple(k % num_devices for k in range(plan.num_cells))
 
 
+# PyTorch's ScheduleInterleaved1F1B for 2 devices, V=2 and 3 micro-batches (one round
+# of P=3; warm-up (V−1)·P + 2(D−1−d): 5 on device 0, 3 on device 1), written out by
+# hand in its compact form.
+TORCH_INTERLEAVED_2X2X3 = ("0F0,0F1,0F2,2F0,2F1,2F2,2B0,2B1,2B2,0B0,0B1,0B2\n"
+                           "1F0,1F1,1F2,3F0,3B0,3F1,3B1,3F2,3B2,1B0,1B1,1B2\n")
+
+
+def test_interleaving_at_an_m_the_devices_do_not_divide_is_pytorchs_order():
+  plan = schedule.make("interleaved_1f1b", 4, 3, virtual_stages=2)
+  assert plan.to_csv() == TORCH_INTERLEAVED_2X2X3
+  assert schedule.from_csv("torch", TORCH_INTERLEAVED_2X2X3).actions == plan.actions
+
+
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(num_cells=4, num_micro_batches=3, virtual_stages=2),
-     "num_micro_batches must be a multiple of 2 devices, got 3"),
     (dict(num_cells=4, num_micro_batches=4, virtual_stages=1), "virtual_stages >= 2"),
     (dict(num_cells=5, num_micro_batches=4, virtual_stages=2), "K=5, V=2"),
 ])

@@ -6,7 +6,7 @@ the machine's measured action overhead, update rate and link, every schedule's r
 in-flight counts). `plan` searches R (dividing the devices and the batch), K cells
 (at most the devices / R, or twice that with two cells per device), the contiguous split, M
 (dividing the per-replica batch), every recompute policy, every schedule (schedule.SCHEDULES;
-interleaved_1f1b at each V that divides K and leaves M a multiple of K/V), the weight
+interleaved_1f1b at each V that divides K, zbv at V = 2), the weight
 gradient group G (`_weight_gradient_groups`) and the token slices asked for, and
 ranks what fits by predicted step time.
 
@@ -224,17 +224,16 @@ def _divisors(n: int) -> list[int]:
   return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _schedule_variants(name: str, num_cells: int, num_micro_batches: int,
-                       devices: int) -> list[int]:
+def _schedule_variants(name: str, num_cells: int, devices: int) -> list[int]:
   """The virtual stages V to try for schedule `name`: 1; for zbv 2 (an even K on at
   most `devices` devices); for interleaved_1f1b each V ≥ 2 dividing K whose K/V
-  devices are at most `devices` and divide M."""
+  devices are at most `devices`."""
   if name == "zbv":
     return [2] if num_cells % 2 == 0 and num_cells // 2 <= devices else []
   if name != "interleaved_1f1b":
     return [1]
   return [v for v in range(2, num_cells + 1) if num_cells % v == 0 and
-          num_cells // v <= devices and num_micro_batches % (num_cells // v) == 0]
+          num_cells // v <= devices]
 
 
 def plan(costs: Sequence[LayerCost], machine: Machine, batch_size: int,
@@ -266,7 +265,7 @@ def plan(costs: Sequence[LayerCost], machine: Machine, batch_size: int,
           for name, s in itertools.product(schedules, token_slices):
             if s > 1 and name not in schedule.SLICED_SCHEDULES:
               continue
-            for v in _schedule_variants(name, num_cells, m, devices):
+            for v in _schedule_variants(name, num_cells, devices):
               if v == 1 and num_cells > devices:
                 continue
               for g in _weight_gradient_groups(name, recompute, m * s, s):

@@ -44,7 +44,8 @@ and W equal, a backward that includes its weight gradients twice as long
     cell 2  .. .. F0 B0 F1 B1 F2 B2 W0 F3 B3 W1 W2 W3
 
   interleaved_1f1b (Megatron-LM 2021: D devices hold V cells each, cell k on device
-  k mod D; the devices run 1F1B over their cells in rounds of D micro-batches)
+  k mod D; the devices run 1F1B over their cells in rounds of D micro-batches, or of
+  near-equal sizes where D does not divide M)
 
   zbv (ZB-V, Qi et al. 2024: D devices hold two cells each in a V, device d cells d
   and K−1−d; B and W apart, `zero_bubble_v`)
@@ -84,8 +85,9 @@ micro-batch on a device's layers; the bubble, `bubble`, is idle / (M(F+B+W) + id
   schedule          idle per device     micro-batches held (forward done, not finished)
   gpipe, 1f1b       (K−1)(F+B+W)        M per cell (gpipe); K−k on cell k (1f1b)
   zb_h1             (K−1)(F+B−W)        up to K on every cell: 1F1B's peak (cell 0's)
-  interleaved_1f1b  (D−1)(F+B+W)/V      device d: up to 2(D−d−1)+(V−1)D+1 of its cells'
+  interleaved_1f1b  (D−1)(F+B+W)/V      device d: up to 2(D−d−1)+(V−1)P+1 of its cells'
                                         micro-batches, each 1/V of the device's layers
+                                        (P: the first round's size, D where D divides M)
   zbv               about half zb_h1's  up to 2D of its two cells', each half of the
                     (simulated)         device's layers: 1F1B's peak
 """
@@ -99,6 +101,7 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from lingvo_gpipe.core import near_equal
 from lingvo_gpipe.core.hyperparams import ParamsError
 
 _COMPACT_ACTION = re.compile(r"(\d+)([FBIW])(\d+)")
@@ -612,38 +615,37 @@ def interleaved_1f1b(num_cells: int, num_micro_batches: int,
                      virtual_stages: int) -> PipelineSchedule:
   """Megatron-LM's interleaved 1F1B (Narayanan et al. 2021): K = D·V cells, cell k on
   device k mod D, so each device holds V cells ("model chunks") spread along the
-  pipeline. Device d runs its chunks' forwards in rounds of D micro-batches, chunk
-  after chunk, min(2(D−d−1) + (V−1)·D, M·V) of them first, then one forward and one
-  backward in turn (backwards from the last chunk down), then the remaining backwards.
-  The bubble shrinks V times, to (D−1)/V per device in units of a whole stage's F+B,
-  at V times the hand-offs; device d holds up to that warm-up count + 1 chunk
-  micro-batches in flight. M must be a multiple of D."""
+  pipeline. The M micro-batches go in R = max(1, ⌊M/D⌋) rounds of near-equal size
+  (the first M mod R one larger; each at least D where M ≥ D: Megatron's rounds of D
+  when D divides M, PyTorch's when R divides M, any M here). Device d runs each
+  round's forwards chunk after chunk, min(2(D−d−1) + (V−1)·P, M·V) of them first (P:
+  the first round's size), then one forward and one backward in turn (backwards
+  from the last chunk down), then the remaining backwards. The bubble shrinks V
+  times, to (D−1)/V per device in units of a whole stage's F+B, at V times the
+  hand-offs; device d holds up to that warm-up count + 1 chunk micro-batches in
+  flight."""
   v = virtual_stages
   if v < 2 or num_cells % v:
     raise ScheduleError(f"interleaved_1f1b needs virtual_stages >= 2 dividing num_cells "
                         f"(K = devices × V); got K={num_cells}, V={v}")
   d_count, m = num_cells // v, num_micro_batches
-  if m % d_count:
-    raise ScheduleError(f"interleaved_1f1b runs micro-batches in rounds of one per device: "
-                        f"num_micro_batches must be a multiple of {d_count} devices, got {m}")
+  rounds = near_equal.sizes(m, max(1, m // d_count))
+  starts = [sum(rounds[:r]) for r in range(len(rounds))]
+  # (chunk, micro-batch) of a device's forwards and backwards, in the order it runs them
+  forwards = [(chunk, start + i) for start, size in zip(starts, rounds)
+              for chunk in range(v) for i in range(size)]
+  backwards = [(chunk, start + i) for start, size in zip(starts, rounds)
+               for chunk in reversed(range(v)) for i in range(size)]
   total = m * v
-
-  def forward_of(j: int, d: int) -> tuple[int, Action]:
-    chunk = (j // d_count) % v
-    return chunk * d_count + d, forward((j // (d_count * v)) * d_count + j % d_count)
-
-  def backward_of(j: int, d: int) -> tuple[int, Action]:
-    chunk = v - 1 - (j // d_count) % v
-    return chunk * d_count + d, backward((j // (d_count * v)) * d_count + j % d_count)
-
   orders = []
   for d in range(d_count):
-    warmup = total if m == d_count else min(2 * (d_count - d - 1) + (v - 1) * d_count, total)
-    order = [forward_of(j, d) for j in range(warmup)]
+    f = [(chunk * d_count + d, forward(u)) for chunk, u in forwards]
+    b = [(chunk * d_count + d, backward(u)) for chunk, u in backwards]
+    warmup = min(2 * (d_count - d - 1) + (v - 1) * rounds[0], total)
+    order = f[:warmup]
     for i in range(total - warmup):
-      order += [forward_of(warmup + i, d), backward_of(i, d)]
-    order += [backward_of(j, d) for j in range(total - warmup, total)]
-    orders.append(tuple(order))
+      order += [f[warmup + i], b[i]]
+    orders.append(tuple(order + b[total - warmup:]))
   actions = tuple(tuple(a for c, a in orders[k % d_count] if c == k) for k in range(num_cells))
   return PipelineSchedule("interleaved_1f1b", num_cells, m, actions,
                           placement("interleaved_1f1b", num_cells, v), tuple(orders))
