@@ -336,6 +336,20 @@ def test_zbv_equals_unpartitioned(reference, cpu_devices, num_cells, num_micro_b
   assert_matches_reference(pipelined_loss_and_grads(model), reference)
 
 
+@pytest.mark.parametrize("num_cells, virtual_stages, num_micro_batches, recompute", [
+    (4, 2, 2, "always"), (4, 2, 3, "never"), (6, 3, 4, "except_last"),
+])
+def test_interleaved_zero_bubble_equals_unpartitioned(reference, cpu_devices, num_cells,
+                                                      virtual_stages, num_micro_batches,
+                                                      recompute):
+  model = model_params(gpipe.PipeliningLayer, num_cells=num_cells, schedule="interleaved_zb",
+                       virtual_stages=virtual_stages, num_micro_batches=num_micro_batches,
+                       recompute=recompute,
+                       devices=cpu_devices[:num_cells // virtual_stages]).instantiate()
+  assert all(model.plan().defers(k) for k in range(num_cells))
+  assert_matches_reference(pipelined_loss_and_grads(model), reference)
+
+
 def test_interleaved_with_weight_gradient_groups_equals_unpartitioned(reference, cpu_devices):
   model = model_params(gpipe.PipeliningLayer, num_cells=4, schedule="interleaved_1f1b",
                        virtual_stages=2, num_micro_batches=4, weight_gradient_group=2,
@@ -369,14 +383,15 @@ def test_round_robin_cells_share_one_loop_per_device(reference, cpu_devices):
      r"4 cells but only 2 device\(s\)"),
     (dict(recompute="sometimes"), "recompute must be one of"),
     (dict(schedule="zigzag"),
-     r"schedule must be one of \['1f1b', 'gpipe', 'interleaved_1f1b', 'zb_h1', 'zbv'\], "
-     r"got 'zigzag'"),
+     r"schedule must be one of \['1f1b', 'gpipe', 'interleaved_1f1b', 'interleaved_zb', "
+     r"'zb_h1', 'zbv'\], got 'zigzag'"),
     (dict(schedule="zb_h1", weight_gradient_group=2),
      "weight_gradient_group must be 1 with schedule='zb_h1'"),
     (dict(schedule="interleaved_1f1b"), "virtual_stages must be >= 2 with "
                                         "schedule='interleaved_1f1b'"),
     (dict(virtual_stages=2), r"virtual_stages must be 1 with schedule='gpipe' \(cells per "
-                             r"device: interleaved_1f1b >= 2, zbv 2, any other 1\), got 2"),
+                             r"device: interleaved_1f1b >= 2, zbv 2, interleaved_zb >= 2, "
+                             r"any other 1\), got 2"),
     (dict(schedule="zbv", virtual_stages=3, num_cells=6),
      "virtual_stages must be 2 with schedule='zbv'"),
     (dict(schedule="zbv", weight_gradient_group=2, virtual_stages=2),

@@ -293,15 +293,17 @@ def test_the_planner_searches_every_schedule_and_no_duplicate_plans():
   shapes = [p.shape for p in plans]
   # Written out, not read from schedule.SCHEDULES: a schedule added there must be
   # searched (and this list updated) on purpose.
-  assert {s.schedule for s in shapes} == {"gpipe", "1f1b", "zb_h1", "interleaved_1f1b", "zbv"}
+  assert {s.schedule for s in shapes} == {"gpipe", "1f1b", "zb_h1", "interleaved_1f1b", "zbv",
+                                          "interleaved_zb"}
   for s, p in zip(shapes, plans):
     assert s.num_devices * s.num_replicas <= 2 and len(p.peak_bytes) == s.num_devices
-    assert (s.virtual_stages > 1) == (s.schedule in ("interleaved_1f1b", "zbv"))
+    assert (s.virtual_stages > 1) == (s.schedule in ("interleaved_1f1b", "zbv",
+                                                      "interleaved_zb"))
     assert s.virtual_stages == 2 or s.schedule != "zbv"
-    # G > 1 only where a cell defers its weight gradients (re-materialized; not zb_h1 or
-    # zbv, which place their own W)
-    assert s.weight_gradient_group == 1 or (s.recompute != "never"
-                                            and s.schedule not in ("zb_h1", "zbv"))
+    # G > 1 only where a cell defers its weight gradients (re-materialized; not the
+    # schedules that place their own W)
+    assert s.weight_gradient_group == 1 or (s.recompute != "never" and s.schedule not in
+                                            ("zb_h1", "zbv", "interleaved_zb"))
   assert {s.weight_gradient_group for s in shapes} == {1, 2, 4}
   keys = [(s.num_cells, dataclasses.replace(s, splits=())) for s in shapes]
   assert len(keys) == len(set(keys))

@@ -168,7 +168,7 @@ def test_malformed_schedules_are_named(lists, message):
 
 def test_unknown_schedule_names_the_valid_ones():
   with pytest.raises(ScheduleError, match=r"unknown pipeline schedule 'zigzag'; valid: \['1f1b', "
-                                          r"'gpipe', 'interleaved_1f1b', 'zb_h1', 'zbv'\]"):
+                     r"'gpipe', 'interleaved_1f1b', 'interleaved_zb', 'zb_h1', 'zbv'\]"):
     schedule.make("zigzag", 2, 4)
 
 
@@ -193,12 +193,16 @@ def interleaved(num_devices, virtual_stages, num_micro):
 NEW_SCHEDULES = ([("zb_h1", k, m) for k, m in SIZES]
                  + [("interleaved", (d, v), m) for d in (1, 2, 3, 4) for v in (2, 3)
                     for m in (d, 2 * d, 3 * d, 8 * d)]
-                 + [("zbv", 2 * d, m) for d in (1, 2, 3, 4) for m in (1, 2, d, 2 * d + 1, 8)])
+                 + [("zbv", 2 * d, m) for d in (1, 2, 3, 4) for m in (1, 2, d, 2 * d + 1, 8)]
+                 + [("interleaved_zb", (d, v), m) for d in (1, 2, 3, 4) for v in (2, 3)
+                    for m in (1, d, d + 1, 3 * d)])
 
 
 def build(name, cells, num_micro):
   if name == "zbv":
     return schedule.make("zbv", cells, num_micro)
+  if name == "interleaved_zb":
+    return schedule.make(name, cells[0] * cells[1], num_micro, virtual_stages=cells[1])
   return zb_h1(cells, num_micro) if name == "zb_h1" else interleaved(*cells, num_micro)
 
 
@@ -294,13 +298,14 @@ def test_interleaving_at_an_m_the_devices_do_not_divide_is_pytorchs_order():
   assert schedule.from_csv("torch", TORCH_INTERLEAVED_2X2X3).actions == plan.actions
 
 
+@pytest.mark.parametrize("name", ["interleaved_1f1b", "interleaved_zb"])
 @pytest.mark.parametrize("kwargs, message", [
     (dict(num_cells=4, num_micro_batches=4, virtual_stages=1), "virtual_stages >= 2"),
     (dict(num_cells=5, num_micro_batches=4, virtual_stages=2), "K=5, V=2"),
 ])
-def test_bad_interleaving_is_named(kwargs, message):
-  with pytest.raises(ScheduleError, match=message):
-    schedule.make("interleaved_1f1b", **kwargs)
+def test_bad_interleaving_is_named(name, kwargs, message):
+  with pytest.raises(ScheduleError, match=f"{name} needs {message}|{message}"):
+    schedule.make(name, **kwargs)
 
 
 def test_weight_gradient_groups_are_the_backwards_since_the_previous_w():
@@ -389,6 +394,24 @@ def test_zbv_halves_zb_h1s_bubble_and_holds_what_1f1b_holds(num_devices, num_mic
       held += {FORWARD: 1, WEIGHT_GRADIENT: -1}.get(action.phase, 0)
       most = max(most, held)
     assert len(cells) == 2 and most <= 2 * one_f.max_in_flight(0) == 2 * num_devices
+
+
+# PyTorch's ScheduleInterleavedZeroBubble (ZB-1P over interleaved stages) for 2
+# devices, V=2 and 2 micro-batches, written out by hand from its rule: warm-up
+# (V−1)·P + D−1−d forwards (3 and 2), then F and I in turn, from the (d+1)-th I on each
+# followed by the W of the oldest I awaiting one, then the remaining I and W.
+TORCH_INTERLEAVED_ZB_2X2X2 = ("0F0,0F1,2F0,2F1,2I0,2W0,2I1,2W1,0I0,0W0,0I1,0W1\n"
+                              "1F0,1F1,3F0,3I0,3F1,3I1,3W0,1I0,3W1,1I1,1W0,1W1\n")
+
+
+def test_interleaved_zero_bubble_is_pytorchs_order_and_has_zbvs_bubble():
+  plan = schedule.make("interleaved_zb", 4, 2, virtual_stages=2)
+  assert plan.to_csv() == TORCH_INTERLEAVED_ZB_2X2X2
+  assert plan.device_of == (0, 1, 0, 1)
+  for num_devices, num_micro, bubble in [(4, 16, 0.030), (8, 32, 0.035)]:
+    got = schedule.make("interleaved_zb", 2 * num_devices, num_micro, virtual_stages=2)
+    assert got.bubble() == pytest.approx(bubble, abs=5e-4)
+    assert got.bubble() <= 0.6 * zb_h1(num_devices, num_micro).bubble()
 
 
 def test_zbv_needs_an_even_number_of_cells():

@@ -35,7 +35,7 @@ import time  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 DEFAULT_MODELS = ("lm.TransformerTiny", "mt.MultilingualTiny", "image.AmoebaNetTiny")
-SCHEDULES = ("gpipe", "1f1b", "zb_h1", "interleaved_1f1b", "zbv")
+SCHEDULES = ("gpipe", "1f1b", "zb_h1", "interleaved_1f1b", "zbv", "interleaved_zb")
 RECOMPUTE = ("always", "except_last", "never")
 DTYPES = ("float32", "bfloat16", "float16")
 STAND_INS = 4  # logical CPUs standing for GPUs: K=2 × R=2, or K=4 cells interleaved on 2
@@ -60,7 +60,7 @@ class Config:
 
   def overrides(self) -> dict[str, str]:
     pipeline = {"schedule": repr(self.schedule), "recompute": repr(self.recompute)}
-    if self.schedule in ("interleaved_1f1b", "zbv"):  # 4 cells on 2 devices
+    if self.schedule in ("interleaved_1f1b", "zbv", "interleaved_zb"):  # 4 cells, 2 devices
       pipeline.update(num_cells="4", virtual_stages="2")
     if self.token_slices > 1:
       pipeline.update(num_token_slices=str(self.token_slices),

@@ -217,9 +217,9 @@ class PipeliningLayer(BaseLayer):
              "weight-gradient inputs until its W); interleaved_1f1b puts virtual_stages "
              "cells on each device (bubble / V, V× the hand-offs).")
     p.define("virtual_stages", 1, "V: cells per device, the K cells on K/V devices where "
-             "the schedule places them (schedule.placement): interleaved_1f1b V >= 2, cell "
-             "k on device k mod (K/V); zbv V = 2, cells k and K-1-k on device k; any other "
-             "schedule 1.")
+             "the schedule places them (schedule.placement): interleaved_1f1b and "
+             "interleaved_zb V >= 2, cell k on device k mod (K/V); zbv V = 2, cells k and "
+             "K-1-k on device k; any other schedule 1.")
     p.define("weight_gradient_group", 1, "G: re-materialized cells compute the weight "
              "gradients of their projections (layers.project: Linear, attention, softmax) "
              "over G micro-batches at once, in one call after every G-th backward: one "

@@ -6,7 +6,7 @@ the machine's measured action overhead, update rate and link, every schedule's r
 in-flight counts). `plan` searches R (dividing the devices and the batch), K cells
 (at most the devices / R, or twice that with two cells per device), the contiguous split, M
 (dividing the per-replica batch), every recompute policy, every schedule (schedule.SCHEDULES;
-interleaved_1f1b at each V that divides K, zbv at V = 2), the weight
+interleaved_1f1b and interleaved_zb at each V that divides K, zbv at V = 2), the weight
 gradient group G (`_weight_gradient_groups`) and the token slices asked for, and
 ranks what fits by predicted step time.
 
@@ -226,11 +226,11 @@ def _divisors(n: int) -> list[int]:
 
 def _schedule_variants(name: str, num_cells: int, devices: int) -> list[int]:
   """The virtual stages V to try for schedule `name`: 1; for zbv 2 (an even K on at
-  most `devices` devices); for interleaved_1f1b each V ≥ 2 dividing K whose K/V
-  devices are at most `devices`."""
+  most `devices` devices); for interleaved_1f1b and interleaved_zb each V ≥ 2
+  dividing K whose K/V devices are at most `devices`."""
   if name == "zbv":
     return [2] if num_cells % 2 == 0 and num_cells // 2 <= devices else []
-  if name != "interleaved_1f1b":
+  if name not in ("interleaved_1f1b", "interleaved_zb"):
     return [1]
   return [v for v in range(2, num_cells + 1) if num_cells % v == 0 and
           num_cells // v <= devices]

@@ -50,6 +50,9 @@ and W equal, a backward that includes its weight gradients twice as long
   zbv (ZB-V, Qi et al. 2024: D devices hold two cells each in a V, device d cells d
   and K−1−d; B and W apart, `zero_bubble_v`)
 
+  interleaved_zb (ZB-1P over interleaved cells: interleaved_1f1b's placement and
+  rounds, B and W apart, each W in a bubble; `interleaved_zero_bubble`)
+
 Token slices (TeraPipe, Li et al. 2021; `num_token_slices` S > 1, causal sequence
 models only: core/token_slices.py): each micro-batch m is cut along the sequence into
 S slices j, and the schedule's unit is (m, j), numbered u = m·S + j. An action names
@@ -90,6 +93,8 @@ micro-batch on a device's layers; the bubble, `bubble`, is idle / (M(F+B+W) + id
                                         (P: the first round's size, D where D divides M)
   zbv               about half zb_h1's  up to 2D of its two cells', each half of the
                     (simulated)         device's layers: 1F1B's peak
+  interleaved_zb    as zbv (simulated)  interleaved_1f1b's warm-up, less D−d−1, + 1, and
+                                        each B's products until its W
 """
 
 from __future__ import annotations
@@ -624,31 +629,99 @@ def interleaved_1f1b(num_cells: int, num_micro_batches: int,
   times, to (D−1)/V per device in units of a whole stage's F+B, at V times the
   hand-offs; device d holds up to that warm-up count + 1 chunk micro-batches in
   flight."""
-  v = virtual_stages
-  if v < 2 or num_cells % v:
-    raise ScheduleError(f"interleaved_1f1b needs virtual_stages >= 2 dividing num_cells "
-                        f"(K = devices × V); got K={num_cells}, V={v}")
-  d_count, m = num_cells // v, num_micro_batches
-  rounds = near_equal.sizes(m, max(1, m // d_count))
-  starts = [sum(rounds[:r]) for r in range(len(rounds))]
-  # (chunk, micro-batch) of a device's forwards and backwards, in the order it runs them
-  forwards = [(chunk, start + i) for start, size in zip(starts, rounds)
-              for chunk in range(v) for i in range(size)]
-  backwards = [(chunk, start + i) for start, size in zip(starts, rounds)
-               for chunk in reversed(range(v)) for i in range(size)]
-  total = m * v
+  rounds = _Rounds.of("interleaved_1f1b", num_cells, num_micro_batches, virtual_stages)
   orders = []
-  for d in range(d_count):
-    f = [(chunk * d_count + d, forward(u)) for chunk, u in forwards]
-    b = [(chunk * d_count + d, backward(u)) for chunk, u in backwards]
-    warmup = min(2 * (d_count - d - 1) + (v - 1) * rounds[0], total)
+  for d in range(rounds.devices):
+    f, b = rounds.forwards(d), rounds.backwards(d)
+    warmup = min(2 * (rounds.devices - d - 1) + (virtual_stages - 1) * rounds.first,
+                 rounds.total)
     order = f[:warmup]
-    for i in range(total - warmup):
+    for i in range(rounds.total - warmup):
       order += [f[warmup + i], b[i]]
-    orders.append(tuple(order + b[total - warmup:]))
-  actions = tuple(tuple(a for c, a in orders[k % d_count] if c == k) for k in range(num_cells))
-  return PipelineSchedule("interleaved_1f1b", num_cells, m, actions,
-                          placement("interleaved_1f1b", num_cells, v), tuple(orders))
+    orders.append(tuple(order + b[rounds.total - warmup:]))
+  return rounds.schedule(orders)
+
+
+def interleaved_zero_bubble(num_cells: int, num_micro_batches: int,
+                            virtual_stages: int) -> PipelineSchedule:
+  """Interleaved zero bubble (Qi et al. 2024's ZB-1P over interleaved stages; PyTorch's
+  ScheduleInterleavedZeroBubble): interleaved_1f1b's placement and rounds with every
+  backward split into B and W. Device d warms up with min((V−1)·P + D−d−1, M·V)
+  forwards (one per hop, not two: a B waits for no W downstream), then runs a
+  forward and a B in turn, and from its (d+1)-th B on each B is followed by the W of
+  the oldest backward still awaiting one; the cool-down runs the remaining B, each
+  with a W, then the remaining W."""
+  rounds = _Rounds.of("interleaved_zb", num_cells, num_micro_batches, virtual_stages)
+  orders = []
+  for d in range(rounds.devices):
+    f, b = rounds.forwards(d), rounds.backwards(d)
+    warmup = min((virtual_stages - 1) * rounds.first + rounds.devices - d - 1, rounds.total)
+    order = f[:warmup]
+    for i, (cell, action) in enumerate(b):
+      if i < rounds.total - warmup:
+        order.append(f[warmup + i])
+      order.append((cell, action))
+      if i >= d:  # the W of the oldest backward awaiting one
+        order.append((b[i - d][0], weight_gradient(b[i - d][1].unit)))
+    order += [(cell, weight_gradient(a.unit)) for cell, a in b[max(len(b) - d, 0):]]
+    orders.append(tuple(order))
+  return rounds.schedule(orders)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rounds:
+  """Interleaved placement's micro-batch rounds: K = D·V cells, cell k on device
+  k mod D, the M micro-batches in R = max(1, ⌊M/D⌋) rounds of near-equal size (the
+  first M mod R one larger); a device runs each round's forwards chunk after chunk
+  and its backwards from the last chunk down."""
+  name: str
+  cells: int
+  devices: int
+  micro_batches: int
+  sizes: tuple[int, ...]  # each round's micro-batches
+
+  @classmethod
+  def of(cls, name: str, num_cells: int, num_micro_batches: int, virtual_stages: int
+         ) -> _Rounds:
+    v = virtual_stages
+    if v < 2 or num_cells % v:
+      raise ScheduleError(f"{name} needs virtual_stages >= 2 dividing num_cells "
+                          f"(K = devices × V); got K={num_cells}, V={v}")
+    d_count = num_cells // v
+    return cls(name, num_cells, d_count, num_micro_batches,
+               tuple(near_equal.sizes(num_micro_batches, max(1, num_micro_batches // d_count))))
+
+  @property
+  def first(self) -> int:
+    """P: the first (largest) round's size."""
+    return self.sizes[0]
+
+  @property
+  def total(self) -> int:
+    """A device's forwards (and backwards): M per chunk."""
+    return self.micro_batches * self.cells // self.devices
+
+  def _order(self, d: int, chunks: Sequence[int], make: Callable[[int], Action]
+             ) -> list[tuple[int, Action]]:
+    out, start = [], 0
+    for size in self.sizes:
+      out += [(chunk * self.devices + d, make(start + i)) for chunk in chunks
+              for i in range(size)]
+      start += size
+    return out
+
+  def forwards(self, d: int) -> list[tuple[int, Action]]:
+    return self._order(d, range(self.cells // self.devices), forward)
+
+  def backwards(self, d: int) -> list[tuple[int, Action]]:
+    return self._order(d, list(reversed(range(self.cells // self.devices))), backward)
+
+  def schedule(self, orders: Sequence[tuple[tuple[int, Action], ...]]) -> PipelineSchedule:
+    actions = tuple(tuple(a for c, a in orders[k % self.devices] if c == k)
+                    for k in range(self.cells))
+    return PipelineSchedule(self.name, self.cells, self.micro_batches, actions,
+                            placement(self.name, self.cells, self.cells // self.devices),
+                            tuple(orders))
 
 
 def zero_bubble_h1(num_cells: int, num_micro_batches: int,
@@ -748,13 +821,13 @@ def _with_lagging_weights(cell: Sequence[Action], lag: int, num_micro_batches: i
   return tuple(out)
 
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv", "interleaved_zb")
 # Those that split every backward into B and W and place the W actions themselves.
-SPLIT_BACKWARD = ("zb_h1", "zbv")
+SPLIT_BACKWARD = ("zb_h1", "zbv", "interleaved_zb")
 
 
 # The virtual stages V (cells per device) each schedule takes; any other: 1.
-VIRTUAL_STAGES = {"interleaved_1f1b": ">= 2", "zbv": "2"}
+VIRTUAL_STAGES = {"interleaved_1f1b": ">= 2", "zbv": "2", "interleaved_zb": ">= 2"}
 
 
 def takes_virtual_stages(name: str, virtual_stages: int) -> bool:
@@ -844,6 +917,8 @@ def make(name: str, num_cells: int, num_micro_batches: int, *, virtual_stages: i
     return zero_bubble_h1(num_cells, num_micro_batches, weight_cells)
   if name == "zbv":
     return zero_bubble_v(num_cells, num_micro_batches)
+  if name == "interleaved_zb":
+    return interleaved_zero_bubble(num_cells, num_micro_batches, virtual_stages)
   return {"gpipe": gpipe, "1f1b": one_f_one_b}[name](num_cells, num_micro_batches,
                                                     num_token_slices)
 
