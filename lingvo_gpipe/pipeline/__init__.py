@@ -1,10 +1,11 @@
 """The GPipe engine: cells on devices, micro-batches, schedules, re-materialization.
 
   layer.py          PipeliningLayer: partition into cells, placement, the training entry
-  cell_function.py  a cell's forward and backward, traced once per micro-batch shape
+  cell_function.py  a cell's forward and backward, traced once per unit shape
   layer_function.py layers of one kind share one traced function (variables as arguments)
   schedule.py       each cell's actions and each device's order as data (gpipe, 1f1b,
-                    zb_h1, interleaved_1f1b; F, B, W), validated and simulated
+                    zb_h1, interleaved_1f1b, zbv, interleaved_zb; F, B, W), where each
+                    cell runs (placement), validated and simulated
   device_loop.py    one loop per device runs its cells' actions; sums the gradients
   gradient_sums.py  a cell's running gradient sums, one stacked tensor per shape and dtype
   channels.py       Send/Recv hand-offs between neighbouring cells

@@ -1,19 +1,20 @@
 """`PipeliningLayer`: GPipe's cells on devices, micro-batches and re-materialization.
 
 The layers are cut into K cells (explicit `splits`, or `partition.balance` on their
-costs); cell k's variables are created on its device: device k by default, device
-k mod D with `virtual_stages` V (interleaved_1f1b, D = K / V devices) or
+costs); cell k's variables are created on its device: device k by default, with
+`virtual_stages` V where the schedule places it (`schedule.placement`: k mod D for
+interleaved_1f1b and interleaved_zb, D = K / V devices; zbv's V), or round-robin with
 `round_robin_devices`. Training goes through `forward_backward(inputs, head,
 head_inputs)`:
 
   batch [B, ...] → M micro-batches of near-equal size (axis 0) → for each device, one
   loop running its cells' actions in the order `task.pipeline.schedule` gives
-  (schedule.py: gpipe, 1f1b, zb_h1, interleaved_1f1b; device_loop.py), each a call of
-  a cell's forward, backward or deferred weight-gradient function, traced once per
-  micro-batch shape (cell_function.py; layers of one kind share one traced function,
-  layer_function.py), hand-offs through Send/Recv (channels.py) → the whole batch's
-  metrics and every variable's gradient of the whole batch's loss, summed over
-  micro-batches on its device.
+  (schedule.py: gpipe, 1f1b, zb_h1, interleaved_1f1b, zbv, interleaved_zb;
+  device_loop.py), each a call of a cell's forward, backward or deferred
+  weight-gradient function, traced once per unit shape (cell_function.py; layers of
+  one kind share one traced function, layer_function.py), hand-offs through Send/Recv
+  (channels.py) → the whole batch's metrics and every variable's gradient of the
+  whole batch's loss, summed over micro-batches on its device.
 
 The backward of a re-materialized cell (`recompute`: always, except_last, never)
 recomputes its forward from the kept inputs, so peak activation memory is
