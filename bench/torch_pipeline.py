@@ -109,16 +109,12 @@ def pipelined_step(model_name: str, schedule: str, micro_batches: int, rank: int
   optimizer = torch.optim.SGD(parameters, lr=1e-4)
   target = torch.zeros(())
 
+  inputs = (batch,) if 0 in indices else ()  # the first stage's rank feeds the batch
+  targets = ({"target": target.expand(batch.shape[0])} if num_stages - 1 in indices
+             else {})  # the last stage's rank computes the loss
+
   def run() -> None:
-    kwargs = {}
-    if 0 in indices:
-      kwargs["x"] = batch
-    if num_stages - 1 in indices:
-      kwargs["target"] = target.expand(batch.shape[0])
-    if "x" in kwargs:
-      runner.step(kwargs.pop("x"), **kwargs)
-    else:
-      runner.step(**kwargs)
+    runner.step(*inputs, **targets)
     optimizer.step()
     optimizer.zero_grad()
 

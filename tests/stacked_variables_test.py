@@ -137,6 +137,16 @@ def test_a_checkpoint_of_unstacked_variables_restores_bit_for_bit(tmp_path, cpu_
     np.testing.assert_array_equal(got[key], want[key], err_msg=key)
 
 
+def assert_same_weights_and_slots(saved, restored) -> None:
+  """(model, optimizer) pairs: every weight and its optimizer slots bit for bit equal."""
+  (model, opt), (again, again_opt) = saved, restored
+  for a, b in zip(stacked_variables.trainable_weights(model),
+                  stacked_variables.trainable_weights(again), strict=True):
+    np.testing.assert_array_equal(a.numpy(), b.numpy())
+    for name, slot in opt.slots_of(a).items():
+      np.testing.assert_array_equal(slot.numpy(), again_opt.slots_of(b)[name].numpy())
+
+
 def test_checkpoints_move_between_stacked_and_unstacked_and_across_k(tmp_path, cpu_devices):
   """K=4 stacked → K=1 unstacked → K=2 stacked: each restores what the last saved."""
   model, opt, step, batch = build(num_cells=4, devices=cpu_devices)
@@ -147,11 +157,7 @@ def test_checkpoints_move_between_stacked_and_unstacked_and_across_k(tmp_path, c
   path = tf.train.Checkpoint(model=plain, optimizer=plain_opt).write(str(tmp_path / "k1"))
   again, again_opt, _, _ = build(num_cells=2, devices=cpu_devices[:2])
   tf.train.Checkpoint(model=again, optimizer=again_opt).read(path).assert_consumed()
-  for a, b in zip(stacked_variables.trainable_weights(model),
-                  stacked_variables.trainable_weights(again), strict=True):
-    np.testing.assert_array_equal(a.numpy(), b.numpy())
-    for name, slot in opt.slots_of(a).items():
-      np.testing.assert_array_equal(slot.numpy(), again_opt.slots_of(b)[name].numpy())
+  assert_same_weights_and_slots((model, opt), (again, again_opt))
 
 
 def test_checkpoints_move_between_zbv_and_gpipe_at_another_k(tmp_path, cpu_devices):
@@ -167,11 +173,7 @@ def test_checkpoints_move_between_zbv_and_gpipe_at_another_k(tmp_path, cpu_devic
   path = tf.train.Checkpoint(model=gpipe, optimizer=gpipe_opt).write(str(tmp_path / "gpipe"))
   again, again_opt, _, _ = build(**zbv)
   tf.train.Checkpoint(model=again, optimizer=again_opt).read(path).assert_consumed()
-  for a, b in zip(stacked_variables.trainable_weights(gpipe),
-                  stacked_variables.trainable_weights(again), strict=True):
-    np.testing.assert_array_equal(a.numpy(), b.numpy())
-    for name, slot in gpipe_opt.slots_of(a).items():
-      np.testing.assert_array_equal(slot.numpy(), again_opt.slots_of(b)[name].numpy())
+  assert_same_weights_and_slots((gpipe, gpipe_opt), (again, again_opt))
 
 
 @pytest.mark.parametrize("optimizer", [
