@@ -63,6 +63,15 @@ median step time at M=8, G=1), and per model at M=8 the measured bubbles of zb_h
 interleaved_1f1b over 1f1b's (`<model>_m8_bubble_over_1f1b_<schedule>`); with zbv
 and zb_h1 both run, `zbv_bubble_vs_zb_h1_<model>`, the highest ratio of their measured
 bubbles over the configurations run.
+
+Each worker's peak memory is measured for the schedules of --peak_schedules (default
+1f1b and zbv) at every K>1, M and recompute policy run, each in a fresh process with
+fresh workers that log their allocators (tools/worker.py --memory_log; on CPU that is
+TensorFlow's BFC allocator, the one GPUs use): a worker's peak counts from its start,
+and the timed runs share theirs. Results carry `peak_bytes_per_worker`, and the JSON
+names `<schedule>_peak_vs_1f1b_<model>`: that schedule's peak over 1f1b's at the same K,
+M and recompute, the highest over the workers and the configurations run (issue 50's
+target for zbv: ≤ 1.05).
 """
 
 from __future__ import annotations
@@ -72,6 +81,9 @@ import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -213,6 +225,38 @@ def train_step_runner(model, head, inputs, input_device: str):
   return run
 
 
+def worker_peaks(model_name: str, k: int, m: int, schedule: str, recompute: str) -> list[int]:
+  """Each worker's allocator peak (bytes) over a traced step and one more of `model_name`
+  at K=k, M=m: measured in a fresh process with fresh workers (`_print_worker_peaks`),
+  since a worker's peak counts from its start and the timed runs share their workers."""
+  command = [sys.executable, os.path.abspath(__file__), "--peak_of",
+             f"{model_name},{k},{m},{schedule},{recompute}"]
+  result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+  if result.returncode != 0:
+    raise RuntimeError(f"{' '.join(command)} failed:\n{result.stderr[-3000:]}")
+  return json.loads(result.stdout.splitlines()[-1])["peak_bytes_per_worker"]
+
+
+def _print_worker_peaks(config: str) -> None:
+  """--peak_of MODEL,K,M,SCHEDULE,RECOMPUTE: starts K workers that log their device
+  memory (tools/worker.py --memory_log, TensorFlow's BFC allocator on CPU, the one GPUs
+  use), runs the step twice and prints {"peak_bytes_per_worker": [...]}: everything
+  each worker held at once (weights, activations kept or stashed, gradients, hand-off
+  buffers, the batch on worker 0)."""
+  from lingvo_gpipe.runtime.local_workers import local_cluster
+  from lingvo_gpipe.runtime.memory_log import memory_log_path, read_memory_log
+
+  model_name, k, m, schedule, recompute = config.split(",")
+  with tempfile.TemporaryDirectory() as log_dir:
+    with local_cluster(int(k), memory_log_dir=log_dir) as (devices, _):
+      run = make_step(model_name, int(k), int(m), devices, schedule, recompute=recompute)
+      run()
+      time.sleep(1.5)  # the workers poll their allocators every 0.5 s
+      peaks = [read_memory_log(memory_log_path(log_dir, task))["peak_bytes_in_use"]
+               for task in range(int(k))]
+  print(json.dumps({"peak_bytes_per_worker": peaks}))
+
+
 def _groups(spec: str, m: int) -> list[int]:
   """--weight_gradient_groups ('1,M': per micro-batch, and all M at once) at M=m."""
   groups = [m if g.strip() == "M" else min(int(g), m) for g in spec.split(",")]
@@ -246,7 +290,14 @@ def main() -> None:
                       help="schedules of the K>1 runs")
   parser.add_argument("--recompute", default="always,never",
                       help="recompute policies of the K>1 runs")
+  parser.add_argument("--peak_schedules", default="1f1b,zbv",
+                      help="schedules (of --schedules) whose workers' peaks are measured, "
+                      "each K>1, M and recompute policy in fresh workers; empty: none")
+  parser.add_argument("--peak_of", help=argparse.SUPPRESS)  # MODEL,K,M,SCHEDULE,RECOMPUTE
   args = parser.parse_args()
+  if args.peak_of:
+    _print_worker_peaks(args.peak_of)
+    return
   micro_batches = [int(m) for m in args.micro_batches.split(",")]
   worker_counts = [k for k in (2, 4, 8) if k <= args.max_workers]
   policies = args.recompute.split(",")
@@ -337,6 +388,21 @@ def main() -> None:
                 f"vs best single ({best_name}) {single[best_name] / step_k:.2f}  "
                 f"bubble {bubble:.3f} (plan {planned:.3f}, GPipe theory "
                 f"{(k - 1) / (m + k - 1):.3f})", flush=True)
+    # Each worker's peak, per schedule of --peak_schedules (fresh workers each: a
+    # worker's peak counts from its start).
+    peak_schedules = [s for s in args.peak_schedules.split(",")
+                      if s and s in args.schedules.split(",")]
+    for model_name in args.models.split(","):
+      for m in micro_batches:
+        for k in worker_counts:
+          for policy in policies:
+            for schedule in peak_schedules:
+              name = _config_name(model_name, k, m, schedule, 1, policy)
+              results[name]["peak_bytes_per_worker"] = worker_peaks(
+                  model_name, k, m, schedule, policy)
+              print(f"{name:30s} peak per worker "
+                    + " ".join(f"{b / 2**20:.1f}" for b in results[name][
+                        "peak_bytes_per_worker"]) + " MiB", flush=True)
     summary = {
         "bench": "pipeline_speedup",
         "machine": f"{platform.machine()} {os.cpu_count()} cores, TF {tf.__version__}",
@@ -371,6 +437,19 @@ def main() -> None:
                 and name.replace("_zbv", "_zb_h1") in results]
       if ratios:
         summary[f"zbv_bubble_vs_zb_h1_{model_name}"] = round(max(ratios), 3)
+      # Each schedule's peak against 1f1b's, same K, M and recompute: the highest ratio
+      # over the workers and the configurations run (issue 50's target for zbv: <= 1.05).
+      for schedule in peak_schedules:
+        ratios = [max(a / b for a, b in zip(result["peak_bytes_per_worker"],
+                                            results[name.replace(f"_{schedule}", "_1f1b")][
+                                                "peak_bytes_per_worker"]))
+                  for name, result in results.items()
+                  if name.startswith(f"{model_name}_k") and f"_{schedule}" in name
+                  and schedule != "1f1b" and "peak_bytes_per_worker" in result
+                  and "peak_bytes_per_worker" in results.get(
+                      name.replace(f"_{schedule}", "_1f1b"), {})]
+        if ratios:
+          summary[f"{schedule}_peak_vs_1f1b_{model_name}"] = round(max(ratios), 3)
       if f"{model_name}_k2_m8_zb_h1" in results:
         summary[f"{model_name}_weight_share"] = results[f"{model_name}_k2_m8_zb_h1"][
             "weight_share"]

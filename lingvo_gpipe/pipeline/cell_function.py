@@ -442,12 +442,45 @@ class CellFunctions:
     traced = self._traced
     grads: dict[int, tf.Tensor] = {}
     with tf.name_scope(WEIGHT_SCOPE):
+      batched = self._batched_stacks(inputs, output_grads)
+      stack_grads = {id(stack): tf.cast(tf.matmul(tf.stack([inputs[i] for i in products]),
+                                                  tf.stack([output_grads[i] for i in products]),
+                                                  transpose_a=True), stack.variable.dtype)
+                     for stack, products in batched}
+      in_batch = {i for _, products in batched for i in products}
       for i, (x, dy) in enumerate(zip(inputs, output_grads)):
+        if i in in_batch:
+          continue
         v = traced.product_variables[i]
         grad = tf.cast(tf.matmul(x, dy, transpose_a=True), traced.variables[v].dtype)
         grads[v] = grad if v not in grads else grads[v] + grad
     return _accumulate(traced.layout, sums,
-                       [grads.get(v) for v in range(len(traced.variables))])
+                       [grads.get(v) for v in range(len(traced.variables))], stack_grads)
+
+  def _batched_stacks(self, inputs: Sequence[Any], output_grads: Sequence[Any]
+                      ) -> list[tuple[stacked_variables.VariableStack, list[int]]]:
+    """The cell's stacks whose every row is the weight of exactly one deferred product,
+    all of one input and one output shape: each with its products in row order. Their
+    gradient is one batched product [n, G·b, I]ᵀ·[n, G·b, O] → [n, I, O], added to the
+    sums whole: the rows' gradients one by one into a copy of the sums
+    (`gradient_sums`' in-place path, for gradients that a backward makes one at a
+    time) cost 1.6× as much (copy, then per-row adds that run at half the bandwidth of
+    one add: docs/benchmarks.md, "Split backward's cost")."""
+    traced = self._traced
+    products_of: dict[int, list[int]] = {}
+    for i, v in enumerate(traced.product_variables):
+      products_of.setdefault(v, []).append(i)
+    positions = {id(v): k for k, v in enumerate(traced.variables)}
+    batched = []
+    for stack in self.stacks:
+      found = [products_of.get(positions.get(id(row)), []) for row in stack.rows]
+      if not all(len(p) == 1 for p in found):
+        continue
+      products = [p[0] for p in found]
+      if (len({tuple(inputs[i].shape) for i in products}) == 1
+          and len({tuple(output_grads[i].shape) for i in products}) == 1):
+        batched.append((stack, products))
+    return batched
 
   def _record_products(self, products: list[base_layer.WeightProduct]
                        ) -> list[base_layer.WeightProduct]:
