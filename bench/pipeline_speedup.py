@@ -22,8 +22,9 @@ Each K>1 runs with every schedule of --schedules (default gpipe, 1f1b, zb_h1, an
 interleaved_1f1b with V=2, i.e. 2K cells, two per worker; zbv, two cells per worker in
 a V, on request), and each
 configuration with `PipeliningLayer.weight_gradient_group` G ∈ --weight_gradient_groups
-(default 1 and M: weight gradients per micro-batch, or over all M at once; zb_h1 runs
-at G=1 only, it places one W per backward itself).
+(default 1 and M: weight gradients per micro-batch, or over all M at once; the
+split-backward schedules, zb_h1, zbv and interleaved_zb, run at G=1 only: they place
+one W per backward themselves).
 
 Each K>1 configuration runs with every recompute policy of --recompute (default
 always and never; rows without re-materialization end in `_never`).
@@ -45,9 +46,9 @@ The step is the trainer's
 JSON reports, per configuration, the measured bubble (idle share of the workers)
 beside (K−1)/(M+K−1), the plan's bubble simulated with the step's own measured call
 times (`bubble_planned`: what the schedule would give with free hand-offs), each
-cell's busy fraction, and for zb_h1 the share of backward time its W actions took
-(`weight_share`: W / (B + W), what ZB-H1 can move into the bubble); medians over the
-timed steps.
+cell's busy fraction, and for the split-backward schedules the share of backward time
+the W actions took (`weight_share`: W / (B + W), what they can move into the bubble);
+medians over the timed steps.
 
 TensorFlow's default CPU build leaves oneDNN off on CPUs without AVX-512, and its
 Eigen kernel for a matmul with a transposed right operand (every backward pass's
@@ -302,6 +303,7 @@ def main() -> None:
   worker_counts = [k for k in (2, 4, 8) if k <= args.max_workers]
   policies = args.recompute.split(",")
 
+  from lingvo_gpipe.pipeline.schedule import SPLIT_BACKWARD
   from lingvo_gpipe.runtime.local_workers import local_cluster
 
   with local_cluster(args.max_workers) as (devices, _):
@@ -325,7 +327,7 @@ def main() -> None:
               model_name, 1, m, devices, weight_gradient_group=group)
           for k in worker_counts:
             for schedule in args.schedules.split(","):
-              if schedule in ("zb_h1", "zbv") and group > 1:
+              if schedule in SPLIT_BACKWARD and group > 1:
                 continue
               for policy in policies:
                 runners[(k, schedule, group, m, policy)] = make_step(
@@ -379,7 +381,7 @@ def main() -> None:
                            "bubble_planned": round(planned, 3),
                            "bubble_theoretical": round((k - 1) / (m + k - 1), 3),
                            "busy_fractions": [round(b, 3) for b in busy]}
-          if schedule in ("zb_h1", "zbv"):
+          if schedule in SPLIT_BACKWARD:
             results[name]["weight_share"] = round(
                 statistics.median(_weight_share(s) for s in runs), 3)
           print(f"{name:30s} K=1 {base:.4f} s  K={k} {step_k:.4f} s  "
