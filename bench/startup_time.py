@@ -20,7 +20,9 @@ Configurations (synthetic data, logical CPU devices, one per cell):
 (task.pipeline.share_layer_functions=False), named <config>_apart: the engine before
 layers of one kind shared a traced function, measured in the same run. --unstacked
 does the same with one tf.Variable per weight (task.pipeline.stack_variables=False),
-named <config>_unstacked: the engine before weights were stacked per cell.
+named <config>_unstacked: the engine before weights were stacked per cell. --scan runs
+each with a cell's consecutive layers of one kind as one loop over their stacked
+weights (task.pipeline.scan_layers=True), named <config>_scan.
 
 The models are registered in a param file written to a temporary directory and
 passed with --params_path, as a user would.
@@ -72,6 +74,7 @@ PARAM_FILE = textwrap.dedent('''
       TRANSLATION = False
       SHARE = True
       STACK = True
+      SCAN = False
 
       def task(self):
         vocab = self.train_input().instantiate().vocab.size
@@ -83,7 +86,8 @@ PARAM_FILE = textwrap.dedent('''
           p.stack = transformer.lm_stack(vocab, num_layers=self.LAYERS, residual_keep_prob=0.9,
                                          **WIDTH)
         p.pipeline.set(num_cells=self.CELLS, num_micro_batches=self.MICRO_BATCHES,
-                       share_layer_functions=self.SHARE, stack_variables=self.STACK)
+                       share_layer_functions=self.SHARE, stack_variables=self.STACK,
+                       scan_layers=self.SCAN)
         p.train.optimizer = optimizers.Adam.Params().set(learning_rate=1e-3)
         p.train.set(save_interval_steps=100000, summary_interval_steps=100000,
                     log_interval_steps=1)
@@ -121,6 +125,8 @@ def configs(args) -> dict[str, dict]:
     out.update({f"{name}_apart": dict(settings, SHARE=False) for name, settings in base})
   if args.unstacked:
     out.update({f"{name}_unstacked": dict(settings, STACK=False) for name, settings in base})
+  if args.scan:
+    out.update({f"{name}_scan": dict(settings, SCAN=True) for name, settings in base})
   return out
 
 
@@ -193,6 +199,9 @@ def main() -> None:
                       help="also run each configuration with every layer traced apart")
   parser.add_argument("--unstacked", action="store_true",
                       help="also run each configuration with one tf.Variable per weight")
+  parser.add_argument("--scan", action="store_true",
+                      help="also run each configuration with each cell's runs of one kind "
+                      "of layer as one loop (task.pipeline.scan_layers=True)")
   parser.add_argument("--steps", type=int, default=6, help="steps per run (>= 4)")
   parser.add_argument("--only", default="", help="comma-separated configuration names")
   args = parser.parse_args()
@@ -221,7 +230,7 @@ def main() -> None:
   if "first_step_s_l8_m4" in summary and "first_step_s_l8_m32" in summary:
     summary["first_step_ratio_l8_m32_over_m4"] = round(
         summary["first_step_s_l8_m32"] / summary["first_step_s_l8_m4"], 3)
-  for suffix in ("", "_apart", "_unstacked"):
+  for suffix in ("", "_apart", "_unstacked", "_scan"):
     for figure, per_layer in (("first_step_s", "first_step_s_per_layer"),
                               ("peak_rss_gb", "peak_rss_gb_per_layer")):
       depth = [(d, summary[f"{figure}_depth{d}{suffix}"]) for d in args.depths

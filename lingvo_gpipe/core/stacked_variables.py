@@ -279,12 +279,17 @@ def deferring() -> bool:
   return getattr(_STATE, "deferred", False)
 
 
-def stack(rows: Sequence[RowVariable], name: str) -> list[VariableStack]:
+def stack(rows: Sequence[RowVariable], name: str, keys: Sequence[Any] | None = None
+          ) -> list[VariableStack]:
   """One VariableStack per (shape, dtype) of `rows` (in first-seen order, rows in
-  their order), created on the current device with each row's own initial value."""
+  their order), created on the current device with each row's own initial value;
+  with `keys` (one hashable per row), one per (shape, dtype, key): e.g. the weight's
+  place in its kind of layer, so that a run of layers of one kind finds each weight's
+  rows side by side in a stack of their own (pipeline/layer_function.py)."""
   groups: dict[tuple, list[RowVariable]] = {}
-  for row in rows:
-    groups.setdefault((tuple(row.shape.as_list()), row.dtype), []).append(row)
+  for i, row in enumerate(rows):
+    groups.setdefault((tuple(row.shape.as_list()), row.dtype,
+                       keys[i] if keys is not None else None), []).append(row)
   stacks = []
   for i, group in enumerate(groups.values()):
     variable = tf.Variable(lambda g=group: tf.stack([r._initial_value() for r in g]),
@@ -293,6 +298,39 @@ def stack(rows: Sequence[RowVariable], name: str) -> list[VariableStack]:
     for row in group:
       row._initial_value = None
   return stacks
+
+
+def _frame() -> dict | None:
+  """The binding frame of the graph being traced (or of a graph enclosing it)."""
+  bindings = getattr(_STATE, "bindings", None)
+  graph = tf.compat.v1.get_default_graph()
+  while bindings and graph is not None:
+    for frame_graph, frame in reversed(bindings):
+      if frame_graph is graph:
+        return frame
+    graph = getattr(graph, "outer_graph", None)
+  return None
+
+
+def whole_read(stack: VariableStack) -> tf.Tensor:
+  """Within `bound`, a read of `stack` [n, *shape] of its own, made once per binding:
+  for layers that take their rows as slices of it (a loop over a run of layers,
+  pipeline/layer_function.py). Not the read `bound` splits into rows, so a cell that
+  differentiates against both gets each use's gradient once (`whole_reads`)."""
+  frame = _frame()
+  if frame is None:
+    return stack.variable.read_value()
+  key = ("whole", id(stack))
+  if key not in frame:
+    with tf.name_scope("stack_whole"):
+      frame[key] = stack.variable.read_value()
+  return frame[key]
+
+
+def whole_reads(frame: dict) -> dict[int, tf.Tensor]:
+  """{id(VariableStack): its `whole_read`} of the binding `frame` (what `bound`
+  yielded)."""
+  return {key[1]: t for key, t in frame.items() if isinstance(key, tuple)}
 
 
 @contextlib.contextmanager

@@ -414,23 +414,30 @@ class CellFunctions:
     products = self._record_products(products.products if products else [])
     input_sources = (float_inputs if self.needs_input_grads else []) + cache
     product_outputs = [p.outputs for p in products]
-    # A stacked variable's rows are differentiated as the slices this trace read.
+    # A stacked variable's rows are differentiated as the slices this trace read, and
+    # a stack that runs of layers read whole (a loop over them) as that read too.
     rows = self._traced.rows
     sources = [rows[id(v)] if isinstance(v, stacked_variables.RowVariable) else v
                for v in variables]
+    wholes = stacked_variables.whole_reads(rows)
+    whole_stacks = [s for s in self.stacks if id(s) in wholes]
     # NONE, not ZERO: a variable reached only through deferred products gets no
     # gradient here, and its sum is passed on without adding zeros.
     grads = tape.gradient(differentiated + list(cache_out),
-                          input_sources + sources + product_outputs,
+                          input_sources + sources + product_outputs
+                          + [wholes[id(s)] for s in whole_stacks],
                           output_gradients=list(output_grads) + list(cache_grads),
                           unconnected_gradients=tf.UnconnectedGradients.NONE)
+    grads, whole_grads = grads[:len(grads) - len(whole_stacks)], \
+        grads[len(grads) - len(whole_stacks):]
     input_grads = _zeros_where_none(grads[:len(input_sources)], input_sources)
     variable_grads = grads[len(input_sources):len(input_sources) + len(variables)]
     product_grads = _zeros_where_none(grads[len(input_sources) + len(variables):],
                                     product_outputs)
     num_inputs = len(input_sources) - len(cache)
     return (input_grads[:num_inputs], input_grads[num_inputs:],
-            _accumulate(self._traced.layout, sums, variable_grads),
+            _accumulate(self._traced.layout, sums, variable_grads,
+                        {id(s): g for s, g in zip(whole_stacks, whole_grads)}),
             [p.inputs for p in products],
             product_grads)
 

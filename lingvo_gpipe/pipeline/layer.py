@@ -133,6 +133,11 @@ def check_pipeline_params(p: hyperparams.Params, path: str) -> None:
     raise bad("share_layer_functions", "True or False")
   if not isinstance(p.stack_variables, bool):
     raise bad("stack_variables", "True or False")
+  if not isinstance(p.scan_layers, bool):
+    raise bad("scan_layers", "True or False")
+  if p.scan_layers and not (p.share_layer_functions and p.stack_variables):
+    raise bad("scan_layers", "False unless share_layer_functions and stack_variables are "
+              "True (a loop calls one shared function on rows of the stacks)")
   if not schedule.is_slice_count(p.num_token_slices):
     raise bad("num_token_slices", "an int >= 1")
   lengths = p.token_slice_lengths
@@ -241,6 +246,12 @@ class PipeliningLayer(BaseLayer):
              "dropout seeds (pipeline/layer_function.py): tracing and the first step's "
              "cost grow with the kinds of layer, not their number. False: each layer is "
              "traced into its cell's functions on its own.")
+    p.define("scan_layers", False, "Within a cell, consecutive layers of one kind run as "
+             "one loop over their stacked weights (pipeline/layer_function.py "
+             "`_KindFunction.scan`): the graph holds one call per run, not one per layer. "
+             "Needs share_layer_functions and stack_variables; runs on token slices and "
+             "calls that defer weight products (zb_h1, zbv, interleaved_zb, "
+             "weight_gradient_group > 1) still call their layers one by one.")
     p.define("stack_variables", True, "A cell's trainable weights of one shape and dtype are "
              "rows of one variable, and so are their optimizer slots "
              "(core/stacked_variables.py): the step's variables grow with the cells and "
@@ -288,7 +299,7 @@ class PipeliningLayer(BaseLayer):
         token_slices.check_layers(self.layers, self.path)
       except ValueError as e:
         raise PipelineError(str(e)) from None
-    self._function_cache = _FunctionCache(p.share_layer_functions)
+    self._function_cache = _FunctionCache(p.share_layer_functions, p.scan_layers)
     self._function_cache.stacks = self._stack_variables()
     self._channel_prefix = channels.channel_prefix(self.path)
     # Made once (a schedule these cells and micro-batches cannot run fails here).
@@ -300,10 +311,19 @@ class PipeliningLayer(BaseLayer):
     them (self.variables) but does not checkpoint them: the rows are checkpointed."""
     stacks = []
     for k in range(len(self.cells)):
-      rows = [v for layer in self.cell_layers(k) for sublayer in layer.walk()
-              for v in sublayer.own_variables() if isinstance(v, stacked_variables.RowVariable)]
+      rows, keys = [], []
+      for layer in self.cell_layers(k):
+        weights = [v for sublayer in layer.walk() for v in sublayer.own_variables()]
+        kind = base_layer.params_kind(layer.params)
+        for j, v in enumerate(weights):
+          if isinstance(v, stacked_variables.RowVariable):
+            rows.append(v)
+            keys.append((kind, j))
       with tf.device(self.cell_devices[k]):
-        stacks.append(stacked_variables.stack(rows, name=f"{self.path}/cell_{k}"))
+        # With scan_layers, a stack per weight of a kind of layer: a run of that kind
+        # reads each weight's rows as one whole stack (layer_function.py).
+        stacks.append(stacked_variables.stack(
+            rows, name=f"{self.path}/cell_{k}", keys=keys if self.params.scan_layers else None))
     object.__setattr__(self, "_variable_stacks", [s.variable for cell in stacks for s in cell])
     return stacks
 
@@ -562,9 +582,9 @@ class _FunctionCache:
   share (None: not shared) and its schedule; a plain object, so that tf.Module's attribute tracking
   (checkpoints, variable collection) does not walk into it."""
 
-  def __init__(self, share_layer_functions: bool):
+  def __init__(self, share_layer_functions: bool, scan_layers: bool = False):
     self.by_head: dict[Any, list[CellFunctions]] = {}
-    self.layers = LayerFunctions() if share_layer_functions else None
+    self.layers = LayerFunctions(scan_layers) if share_layer_functions else None
     # `layers` in order on x, through the shared functions when there are some.
     self.call_layers = self.layers.call_layers if self.layers is not None else call_layers
     self.plan: schedule.PipelineSchedule | None = None

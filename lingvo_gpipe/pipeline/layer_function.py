@@ -131,6 +131,57 @@ class _KindFunction:
           variables, inputs, info, _SEEDS, None, full_length)
     return self._cache_specs_of[key]
 
+  def scan(self, layers: Sequence[BaseLayer], inputs: Any, info: tf.Tensor,
+           ctx: base_layer.StepContext) -> Any:
+    """`layers` (n ≥ 2 consecutive layers of this kind, each output the next one's
+    input) as one tf.while_loop over their weights: iteration i calls the kind's
+    traced function on layer i's weights and seeds, so the graph holds one call
+    whatever n is. Layer i's weights are row i of [n, *shape] slices of their stacks'
+    reads (`stacked_variables.whole_read`: a read of its own, so the cell's backward
+    takes the slices' gradient whole, beside the rows the other layers read), entering
+    the loop as TensorArrays, whose gradient TensorFlow accumulates per iteration and
+    stacks once. None where the layers cannot run so (a weight not a stack's row, rows
+    not evenly spaced in one stack, or outputs not shaped as the inputs): the caller
+    calls them one by one."""
+    sublayers = [list(layer.walk()) for layer in layers]
+    weights = [[v for sub in subs for v in sub.own_variables()] for subs in sublayers]
+    slices = _row_slices(weights)
+    if slices is None:
+      return None
+    first = [v.value() for v in weights[0]]
+    concrete = self.function.get_concrete_function(first, inputs, info, _SEEDS, [], 0)
+    flat_inputs = tf.nest.flatten(inputs)
+    if [(tuple(t.shape), t.dtype) for t in tf.nest.flatten(concrete.structured_outputs[0])] \
+        != [(tuple(t.shape), t.dtype) for t in flat_inputs]:
+      return None
+    n = len(layers)
+    seeds = tf.constant([[subs[i].seed_for(purpose) for i, purpose in self.layout.seeds]
+                         for subs in sublayers], tf.int64, shape=[n, len(self.layout.seeds)])
+    rows = [tf.TensorArray(t.dtype, size=n, element_shape=t.shape[1:]).unstack(t)
+            for t in slices]
+    seed_rows = tf.TensorArray(tf.int64, size=n, element_shape=seeds.shape[1:]).unstack(seeds)
+    stat_specs = [tf.TensorSpec(t.shape, t.dtype) for t in concrete.structured_outputs[1]]
+    stats = [tf.TensorArray(spec.dtype, size=n, element_shape=spec.shape)
+             for spec in stat_specs]
+
+    def body(i, flat_x, stats):
+      x = tf.nest.pack_sequence_as(inputs, flat_x)
+      outputs, flat_stats, _ = concrete([ta.read(i) for ta in rows], x, info,
+                                        seed_rows.read(i), [], 0)
+      return (i + 1, tf.nest.flatten(outputs),
+              [ta.write(i, t) for ta, t in zip(stats, flat_stats)])
+
+    _, flat_out, stats = tf.while_loop(lambda i, *_: i < n, body, (0, flat_inputs, stats),
+                                       maximum_iterations=n)
+    if ctx.layer_stats is not None and self.layout.stats:
+      per_layer = [tf.unstack(ta.stack(), num=n) for ta in stats]
+      for k, subs in enumerate(sublayers):
+        packed = tf.nest.pack_sequence_as([s for _, s in self.layout.stats],
+                                          [values[k] for values in per_layer])
+        for (i, _), layer_stats in zip(self.layout.stats, packed):
+          ctx.layer_stats.append((subs[i], layer_stats))
+    return tf.nest.pack_sequence_as(inputs, flat_out)
+
   def call(self, layer: BaseLayer, inputs: Any, info: tf.Tensor,
            ctx: base_layer.StepContext) -> Any:
     """`layer` (of this kind) on `inputs`, through the traced function. Its variables
@@ -161,30 +212,86 @@ class _KindFunction:
     return outputs
 
 
+def _row_slices(weights: list[list[Any]]) -> list[tf.Tensor] | None:
+  """weights[i][j]: layer i's j-th variable → per j, the [n, *shape] slice of its
+  stack's whole read holding the n layers' rows (rows r, r + d, …, evenly spaced in
+  one stack), or for variables that are not trained (batch norm's moving statistics:
+  not stacked, not differentiated) their n reads stacked; None where a trained
+  variable is not a stack's row or the rows are not so."""
+  slices = []
+  for j in range(len(weights[0])):
+    column = [w[j] for w in weights]
+    if not any(isinstance(v, stacked_variables.RowVariable) or v.trainable for v in column):
+      slices.append(tf.stack([v.read_value() for v in column]))
+      continue
+    if not all(isinstance(v, stacked_variables.RowVariable) for v in column):
+      return None
+    stack = column[0].stack
+    first = column[0].row
+    step = column[1].row - first
+    if step <= 0 or any(v.stack is not stack or v.row != first + i * step
+                        for i, v in enumerate(column)):
+      return None
+    whole = stacked_variables.whole_read(stack)
+    if first == 0 and step == 1 and len(column) == len(stack.rows):
+      slices.append(whole)  # (scan_layers stacks each weight of a kind apart: the rule)
+    else:
+      slices.append(whole[first:first + (len(column) - 1) * step + 1:step])
+  return slices
+
+
 class LayerFunctions:
   """The traced functions of the kinds of layer of one pipeline (all its cells, in
   training and eval)."""
 
-  def __init__(self):
+  def __init__(self, scan_layers: bool = False):
     self._functions: dict[tuple, _KindFunction] = {}
     self._kinds: dict[tuple[int, bool], tuple] = {}  # (id(layer), training) → kind
+    # Consecutive layers of one kind run as one loop (`_KindFunction.scan`) where
+    # they can: on whole sequences (not token slices), without deferred weight
+    # products, their weights rows of stacks.
+    self.scan_layers = scan_layers
+
+  def _kind(self, layer: BaseLayer, training: bool) -> tuple | None:
+    """The kind of `layer`, or None where it runs as itself (its class shares no
+    traces, or the call records deferred weight products, which must reach the
+    cell's own tape)."""
+    if not type(layer).shares_traces or base_layer.current_context().weight_products is not None:
+      return None
+    key = (id(layer), training)
+    if key not in self._kinds:
+      self._kinds[key] = kind_of(layer, training)
+    return self._kinds[key]
 
   def call_layers(self, layers: Sequence[BaseLayer], x: Any) -> Any:
     """Runs `layers` in order, each through its kind's function where it can share
-    one; a tuple output is passed on as positional arguments."""
+    one, a run of consecutive layers of one kind as one loop where it can
+    (`scan_layers`); a tuple output is passed on as positional arguments."""
     ctx = base_layer.current_context()
     info = step_info()
-    for layer in layers:
-      if not type(layer).shares_traces or ctx.weight_products is not None:
-        x = base_layer.call_with(layer, x)
+    training = bool(ctx.training)
+    kinds = [self._kind(layer, training) for layer in layers]
+    i = 0
+    while i < len(layers):
+      kind = kinds[i]
+      if kind is None:
+        x = base_layer.call_with(layers[i], x)
+        i += 1
         continue
-      key = (id(layer), bool(ctx.training))
-      if key not in self._kinds:
-        self._kinds[key] = kind_of(layer, bool(ctx.training))
-      kind = self._kinds[key]
       if kind not in self._functions:
-        self._functions[kind] = _KindFunction(layer)
-      x = self._functions[kind].call(layer, x, info, ctx)
+        self._functions[kind] = _KindFunction(layers[i])
+      function = self._functions[kind]
+      end = i + 1
+      while end < len(kinds) and kinds[end] == kind:
+        end += 1
+      if self.scan_layers and end - i >= 2 and ctx.token_slice is None:
+        scanned = function.scan(layers[i:end], x, info, ctx)
+        if scanned is not None:
+          x, i = scanned, end
+          continue
+      for layer in layers[i:end]:
+        x = function.call(layer, x, info, ctx)
+      i = end
     return x
 
   @property

@@ -1,0 +1,139 @@
+"""A cell's run of layers of one kind as one loop over their stacked weights
+(`scan_layers`, pipeline/layer_function.py `_KindFunction.scan`).
+
+References: the same pipeline calling its layers one by one (scan_layers=False),
+which the equivalence grid (gpipe_test.py) checks against the unpartitioned model;
+and the traced step of the same cells at another depth.
+"""
+
+import collections
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from lingvo_gpipe import train_step
+from lingvo_gpipe.core import base_layer, layers, stacked_variables
+from lingvo_gpipe.pipeline.layer import PipelineError, PipeliningLayer
+
+DIM = 8
+BATCH = 8
+
+
+def block(name: str, keep_prob: float = 0.8):
+  """A layer with sublayers: Linear, batch norm (statistics) and dropout (seeds)."""
+  return layers.Sequential.Params().set(name=name, layers=[
+      layers.Linear.Params().set(name="fc", input_dim=DIM, output_dim=DIM, activation="TANH"),
+      layers.BatchNorm.Params().set(name="bn", dim=DIM),
+      layers.Dropout.Params().set(name="drop", keep_prob=keep_prob)])
+
+
+def build(num_blocks: int, scan: bool, devices, recompute: str = "always",
+          schedule: str = "gpipe", num_cells: int = 2, batch_norm: bool = True):
+  """num_blocks blocks, then one Linear of another kind: each cell holds a run of
+  blocks (the last cell's ends in a run of length 1)."""
+  stack = [block(f"block{i}") for i in range(num_blocks)]
+  if not batch_norm:  # (its moving statistics are read once per layer)
+    for b in stack:
+      b.layers = [p for p in b.layers if p.name != "bn"]
+  stack.append(layers.Linear.Params().set(name="out", input_dim=DIM, output_dim=DIM))
+  model = PipeliningLayer.Params().set(
+      name="stack", layers=stack, num_cells=num_cells, num_micro_batches=3,
+      devices=devices[:num_cells], recompute=recompute, schedule=schedule,
+      scan_layers=scan, random_seed=5).instantiate()
+  wrapped = train_step.StackWithLoss(model, lambda out, h: {
+      "loss": (tf.reduce_mean(tf.square(out - h["y"])), tf.cast(tf.shape(out)[0], tf.float32))})
+  return model, wrapped
+
+
+def step_function(model, wrapped):
+  """The traced step: (loss, gradients, each batch norm's reported statistics)."""
+  rng = np.random.RandomState(1)
+  data = {"inputs": tf.constant(rng.randn(BATCH, DIM), tf.float32),
+          "y": tf.constant(rng.randn(BATCH, DIM), tf.float32)}
+
+  @tf.function
+  def step():
+    stats = []
+    with base_layer.step_context(training=True, step=tf.constant(7, tf.int64),
+                                 layer_stats=stats):
+      metrics, grads = train_step.loss_and_gradients(wrapped, data,
+                                                      model.trainable_variables)
+    return metrics["loss"][0], grads, [(layer.path, s) for layer, s in stats]
+
+  return step
+
+
+def per_weight(model, grads) -> dict[str, np.ndarray]:
+  """Each weight's gradient by name (the stacks differ between the two settings)."""
+  variables = model.trainable_variables
+  weights = stacked_variables.weights_of(variables)
+  return {w.name: np.asarray(g) for w, g in zip(
+      weights, stacked_variables.per_weight(weights, variables,
+                                            [tf.convert_to_tensor(g) for g in grads]))}
+
+
+@pytest.mark.parametrize("schedule, recompute", [
+    ("gpipe", "always"), ("1f1b", "never"), ("1f1b", "except_last"), ("zb_h1", "always")])
+def test_a_loop_over_a_run_gives_what_calls_one_by_one_give(cpu_devices, schedule, recompute):
+  """Bit for bit: the loop runs the same traced function on the same rows and seeds,
+  and TensorFlow's gradient of the loop adds the same per-layer products."""
+  results = []
+  for scan in (True, False):
+    model, wrapped = build(7, scan, cpu_devices, recompute, schedule)
+    loss, grads, stats = step_function(model, wrapped)()
+    results.append((loss.numpy(), per_weight(model, grads),
+                    [(path, {k: v.numpy() for k, v in s.items()}) for path, s in stats]))
+  (loss, grads, stats), (want_loss, want_grads, want_stats) = results
+  assert loss == want_loss
+  assert grads.keys() == want_grads.keys()
+  for name in want_grads:
+    np.testing.assert_array_equal(grads[name], want_grads[name], err_msg=name)
+  # Each batch norm reports its own statistics, for its own path, once per micro-batch.
+  assert [p for p, _ in stats] == [p for p, _ in want_stats]
+  for (path, s), (_, want) in zip(stats, want_stats):
+    for key in want:
+      np.testing.assert_array_equal(s[key], want[key], err_msg=f"{path} {key}")
+
+
+def test_runs_become_loops_and_calls_that_defer_weight_products_stay_calls(cpu_devices):
+  """Per cell body (2 cells × 2 micro-batch shapes: 8 examples in 3), its loops: a
+  forward runs its run of blocks as one loop, a re-materialized backward as two (the
+  recomputed forward and its gradient); under zb_h1 the backward records each weight
+  product for its W, so it calls its layers one by one (its forward still loops)."""
+  def loops(schedule: str) -> dict[str, list[int]]:
+    model, wrapped = build(7, True, cpu_devices, schedule=schedule)
+    graph = step_function(model, wrapped).get_concrete_function().graph.as_graph_def()
+    out = collections.defaultdict(list)
+    for f in graph.library.function:
+      for body in ("_forward_body", "_backward_body"):
+        if body in f.signature.name:
+          out[body].append(sum(n.op in ("While", "StatelessWhile") for n in f.node_def))
+    return dict(out)
+  assert loops("gpipe") == {"_forward_body": [1] * 4, "_backward_body": [2] * 4}
+  assert loops("zb_h1") == {"_forward_body": [1] * 4, "_backward_body": [0] * 4}
+
+
+def op_counts(num_blocks: int, devices) -> collections.Counter:
+  model, wrapped = build(num_blocks, True, devices, recompute="always", batch_norm=False)
+  graph = step_function(model, wrapped).get_concrete_function().graph.as_graph_def()
+  counts = collections.Counter(n.op for n in graph.node)
+  for f in graph.library.function:
+    counts.update(n.op for n in f.node_def)
+  return counts
+
+
+def test_the_traced_step_does_not_grow_with_depth(cpu_devices):
+  """The same cells (a run of blocks, then a Linear) at L = 8 and L = 512 blocks: the
+  same ops, one by one (tracing, the function library, Grappler and the first call's
+  instantiation are then constant in depth). Without batch norm: its moving
+  statistics, variables of their own, are read once per layer."""
+  assert op_counts(512, cpu_devices) == op_counts(8, cpu_devices)
+
+
+def test_scan_needs_shared_functions_and_stacks(cpu_devices):
+  params = PipeliningLayer.Params().set(
+      name="stack", layers=[block("b0"), block("b1")], num_cells=1, devices=cpu_devices[:1],
+      scan_layers=True, share_layer_functions=False)
+  with pytest.raises(PipelineError, match="scan_layers must be False unless"):
+    params.instantiate()
