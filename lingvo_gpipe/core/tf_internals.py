@@ -273,8 +273,11 @@ class ForwardBackwardPair:
 def forward_backward_pair(concrete: Any) -> ForwardBackwardPair:
   """TensorFlow's forward (with intermediates) and backward of `concrete`, a
   ConcreteFunction whose outputs are a flat list of tensors (item 5 above)."""
-  graph_outputs = list(concrete.graph.outputs)
-  num_outputs = len(graph_outputs)
+  # The function's own outputs: once a gradient of it was taken (a pair made before,
+  # or TensorFlow's gradient of a call), the graph's outputs also hold the kept ones.
+  num_outputs = sum(isinstance(t, tf.Tensor) for t in tf.nest.flatten(
+      concrete.structured_outputs, expand_composites=True))
+  graph_outputs = list(concrete.graph.outputs)[:num_outputs]
   trainable = [i for i, t in enumerate(graph_outputs) if t.dtype.is_floating]
   forward, backward = concrete._delayed_rewrite_functions.forward_backward()  # noqa: SLF001
   outputs = {id(t): i for i, t in enumerate(concrete.graph.outputs)}  # now with the kept ones

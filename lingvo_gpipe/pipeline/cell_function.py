@@ -58,6 +58,7 @@ listed, with the tests that pin them, in `tf_internals.py`):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -72,7 +73,7 @@ from lingvo_gpipe.core import (
 )
 from lingvo_gpipe.core.base_layer import BaseLayer
 from lingvo_gpipe.core.tf_internals import NOT_INLINED
-from lingvo_gpipe.pipeline import gradient_sums
+from lingvo_gpipe.pipeline import gradient_sums, layer_function
 
 # Head(outputs of the last cell, head inputs of the micro-batch) → metrics
 # {name: (value, weight)}; metrics["loss"][0] is the mean loss over the weight.
@@ -351,7 +352,10 @@ class CellFunctions:
 
   def _forward_body(self, flat_inputs, flat_head_inputs, step, call_info, cache, full_length):
     stats: list = []
-    with tf.GradientTape() as tape, tf.name_scope(FORWARD_SCOPE):
+    # Re-materialized, nothing differentiates this forward; otherwise TensorFlow's pair
+    # does (`_kept_backward`).
+    with tf.GradientTape() as tape, tf.name_scope(FORWARD_SCOPE), \
+        layer_function.forward_only() if self.recompute else contextlib.nullcontext():
       # (the tape only learns which variables the cell reads)
       outputs, cache_out = self._run(flat_inputs, flat_head_inputs, step, call_info, stats,
                                      cache=cache, full_length=full_length)

@@ -77,9 +77,7 @@ class StackedLayout:
             for positions, shape, dtype, _ in self._groups]
 
   def zeros(self) -> list[tf.Tensor]:
-    # A Fill whatever the size (tf.zeros makes a constant below 1000 elements): the
-    # traced step is the same ops at any depth (tests/scan_layers_test.py).
-    return [tf.fill(spec.shape, tf.constant(0, spec.dtype)) for spec in self.specs()]
+    return [tf.zeros(spec.shape, spec.dtype) for spec in self.specs()]
 
   def add(self, stacked: Sequence[tf.Tensor], tensors: Sequence[Any],
           stack_tensors: dict[int, tf.Tensor] | None = None) -> list[tf.Tensor]:

@@ -41,15 +41,31 @@ own tape. Nor are layers of a class with `shares_traces = False`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import tensorflow as tf
 
-from lingvo_gpipe.core import base_layer, stacked_variables, token_slices
+from lingvo_gpipe.core import base_layer, stacked_variables, tf_internals, token_slices
 from lingvo_gpipe.core.base_layer import BaseLayer
 from lingvo_gpipe.core.tf_internals import NOT_INLINED
+
+_STATE = threading.local()
+
+
+@contextlib.contextmanager
+def forward_only() -> Iterator[None]:
+  """Within (this thread), nothing differentiates the layers run: a loop over a run of
+  layers keeps nothing for a backward (a re-materialized cell's forward action)."""
+  previous = getattr(_STATE, "forward_only", False)
+  _STATE.forward_only = True
+  try:
+    yield
+  finally:
+    _STATE.forward_only = previous
 
 _SEEDS = tf.TensorSpec([None], tf.int64)
 
@@ -164,17 +180,22 @@ class _KindFunction:
     stats = [tf.TensorArray(spec.dtype, size=n, element_shape=spec.shape)
              for spec in stat_specs]
 
-    def body(i, flat_x, stats):
-      x = tf.nest.pack_sequence_as(inputs, flat_x)
-      outputs, flat_stats, _ = concrete([ta.read(i) for ta in rows], x, info,
-                                        seed_rows.read(i), [], 0)
-      return (i + 1, tf.nest.flatten(outputs),
-              [ta.write(i, t) for ta, t in zip(stats, flat_stats)])
+    if getattr(_STATE, "forward_only", False):
+      def body(i, flat_x, stats):
+        x = tf.nest.pack_sequence_as(inputs, flat_x)
+        outputs, flat_stats, _ = concrete([ta.read(i) for ta in rows], x, info,
+                                          seed_rows.read(i), [], 0)
+        return (i + 1, tf.nest.flatten(outputs),
+                [ta.write(i, t) for ta, t in zip(stats, flat_stats)])
 
-    _, flat_out, stats = tf.while_loop(lambda i, *_: i < n, body, (0, flat_inputs, stats),
-                                       maximum_iterations=n)
+      _, flat_out, stats = tf.while_loop(lambda i, *_: i < n, body, (0, flat_inputs, stats),
+                                         maximum_iterations=n)
+      stacked_stats = [ta.stack() for ta in stats]
+    else:
+      flat_out, stacked_stats = _differentiable_loop(concrete, slices, seeds, flat_inputs,
+                                                     info, len(stat_specs))
     if ctx.layer_stats is not None and self.layout.stats:
-      per_layer = [tf.unstack(ta.stack(), num=n) for ta in stats]
+      per_layer = [tf.unstack(t, num=n) for t in stacked_stats]
       for k, subs in enumerate(sublayers):
         packed = tf.nest.pack_sequence_as([s for _, s in self.layout.stats],
                                           [values[k] for values in per_layer])
@@ -210,6 +231,92 @@ class _KindFunction:
       for (i, _), stats in zip(self.layout.stats, packed):
         ctx.layer_stats.append((sublayers[i], stats))
     return outputs
+
+
+def _differentiable_loop(concrete: Any, slices: list[tf.Tensor], seeds: tf.Tensor,
+                         flat_x: list[tf.Tensor], info: tf.Tensor, num_stats: int
+                         ) -> tuple[list[tf.Tensor], list[tf.Tensor]]:
+  """The loop of `_KindFunction.scan` with a gradient of its own: → (flat outputs,
+  statistics [n, ...] per flat statistic).
+
+  Forward: iteration i runs TensorFlow's forward of `concrete` that also returns the
+  intermediates its backward needs (`tf_internals.forward_backward_pair`) and pushes
+  them onto one list per dtype (TensorFlow's own gradient of a loop keeps one list
+  per intermediate, each a loop variable: 95 for a Transformer layer, and it was the
+  loop's cost). Backward: the loop in reverse pops them, runs the pair's backward
+  and writes row i of each weight's gradient in place (one list per weight, stacked
+  once: TensorFlow's own adds an n-long list per row read, O(n) per iteration)."""
+  pair = tf_internals.forward_backward_pair(concrete)
+  kept_specs = [tf.TensorSpec(concrete.graph.outputs[i].shape, concrete.graph.outputs[i].dtype)
+                for i in pair.kept_positions]
+  dtypes = sorted({spec.dtype for spec in kept_specs}, key=lambda d: d.name)
+  n = int(seeds.shape[0])
+  num_rows, num_x = len(slices), len(flat_x)
+  outputs_specs = [tf.TensorSpec(t.shape, t.dtype)
+                   for t in concrete.graph.outputs[:pair.num_outputs]]
+
+  @tf.custom_gradient
+  def loop(*args):
+    rows = [tf.TensorArray(t.dtype, size=n, element_shape=t.shape[1:]).unstack(t)
+            for t in args[:num_rows]]
+    seed_rows = tf.TensorArray(tf.int64, size=n, element_shape=seeds.shape[1:]).unstack(seeds)
+    stats = [tf.TensorArray(spec.dtype, size=n, element_shape=spec.shape)
+             for spec in outputs_specs[num_x:num_x + num_stats]]
+    kept_lists = [tf.raw_ops.EmptyTensorList(element_shape=tf.constant(-1, tf.int32),
+                                             max_num_elements=-1, element_dtype=d)
+                  for d in dtypes]
+
+    def body(i, x, kept_lists, stats):
+      results, kept = pair.forward([ta.read(i) for ta in rows] + list(x)
+                                   + [info, seed_rows.read(i)])
+      kept_lists = list(kept_lists)
+      for t, spec in zip(kept, kept_specs):
+        d = dtypes.index(spec.dtype)
+        kept_lists[d] = tf.raw_ops.TensorListPushBack(input_handle=kept_lists[d], tensor=t)
+      return (i + 1, results[:num_x], kept_lists,
+              [ta.write(i, t) for ta, t in zip(stats, results[num_x:num_x + num_stats])])
+
+    _, out, kept_lists, stats = tf.while_loop(
+        lambda i, *_: i < n, body, (0, list(args[num_rows:]), kept_lists, stats),
+        maximum_iterations=n)
+
+    def gradient(*output_grads):
+      dy = [g if g is not None else tf.zeros(t.shape, t.dtype)
+            for g, t in zip(output_grads[:num_x], out)]
+      row_grads = [tf.TensorArray(t.dtype, size=n, element_shape=t.shape[1:])
+                   for t in args[:num_rows]]
+
+      def back(j, dy, kept_lists, row_grads):
+        i = n - 1 - j
+        kept_lists = list(kept_lists)
+        kept: list[Any] = [None] * len(kept_specs)
+        for k in reversed(range(len(kept_specs))):
+          spec = kept_specs[k]
+          d = dtypes.index(spec.dtype)
+          kept_lists[d], t = tf.raw_ops.TensorListPopBack(
+              input_handle=kept_lists[d], element_shape=tf.constant(-1, tf.int32),
+              element_dtype=spec.dtype)
+          t.set_shape(spec.shape)
+          kept[k] = t
+        seeds_out = [tf.zeros(spec.shape, spec.dtype) for spec in outputs_specs]
+        seeds_out[:num_x] = dy
+        grads = pair.backward([seeds_out[t] for t in pair.trainable_outputs], kept)
+        dx = [g if g is not None else tf.zeros(t.shape, t.dtype)
+              for g, t in zip(grads[num_rows:num_rows + num_x], dy)]
+        return (j + 1, dx, kept_lists,
+                [ta.write(i, g if g is not None else tf.zeros(ta.element_shape, ta.dtype))
+                 for ta, g in zip(row_grads, grads[:num_rows])])
+
+      _, dx, _, row_grads = tf.while_loop(lambda j, *_: j < n, back,
+                                          (0, dy, kept_lists, row_grads),
+                                          maximum_iterations=n)
+      return [ta.stack() for ta in row_grads] + [
+          g if t.dtype.is_floating else None for g, t in zip(dx, args[num_rows:])]
+
+    return list(out) + [ta.stack() for ta in stats], gradient
+
+  results = loop(*slices, *flat_x)
+  return list(results[:num_x]), list(results[num_x:])
 
 
 def _row_slices(weights: list[list[Any]]) -> list[tf.Tensor] | None:
