@@ -37,6 +37,11 @@ three functions per kind (`tests/layer_function_test.py`).
 Calls that record deferred weight products (`StepContext.weight_products`, with
 `weight_gradient_group` > 1) are not shared: their products must reach the cell's
 own tape. Nor are layers of a class with `shares_traces = False`.
+
+With `scan_layers` (PipeliningLayer's param), a run of consecutive layers of one kind
+in a cell is one loop over their stacked weights instead of one call per layer
+(`_KindFunction.scan`, `_differentiable_loop`): the traced step is then the same ops
+at any depth (`tests/scan_layers_test.py`).
 """
 
 from __future__ import annotations
@@ -155,10 +160,11 @@ class _KindFunction:
     whatever n is. Layer i's weights are row i of [n, *shape] slices of their stacks'
     reads (`stacked_variables.whole_read`: a read of its own, so the cell's backward
     takes the slices' gradient whole, beside the rows the other layers read), entering
-    the loop as TensorArrays, whose gradient TensorFlow accumulates per iteration and
-    stacks once. None where the layers cannot run so (a weight not a stack's row, rows
-    not evenly spaced in one stack, or outputs not shaped as the inputs): the caller
-    calls them one by one."""
+    the loop as TensorArrays. Where nothing differentiates the call (`forward_only`: a
+    re-materialized cell's forward action) the loop keeps nothing; otherwise it is
+    `_differentiable_loop`, with a gradient of its own. None where the layers cannot
+    run so (a weight not a stack's row, rows not evenly spaced in one stack, or outputs
+    not shaped as the inputs): the caller calls them one by one."""
     sublayers = [list(layer.walk()) for layer in layers]
     weights = [[v for sub in subs for v in sub.own_variables()] for subs in sublayers]
     slices = _row_slices(weights)
