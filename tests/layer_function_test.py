@@ -11,22 +11,14 @@ import collections
 import numpy as np
 import pytest
 import tensorflow as tf
+from layer_blocks import DIM, block
 from numerics import assert_close
 
 from lingvo_gpipe import train_step
 from lingvo_gpipe.core import base_layer, layers
 from lingvo_gpipe.pipeline.layer import PipeliningLayer
 
-DIM = 8
 BATCH = 8
-
-
-def block(name: str, keep_prob: float = 0.8):
-  """A layer with sublayers: Linear, batch norm (statistics) and dropout (seeds)."""
-  return layers.Sequential.Params().set(name=name, layers=[
-      layers.Linear.Params().set(name="fc", input_dim=DIM, output_dim=DIM, activation="TANH"),
-      layers.BatchNorm.Params().set(name="bn", dim=DIM),
-      layers.Dropout.Params().set(name="drop", keep_prob=keep_prob)])
 
 
 def build(keep_probs, share: bool = True, recompute: str = "always", num_micro_batches=2):

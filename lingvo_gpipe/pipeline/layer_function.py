@@ -72,6 +72,7 @@ def forward_only() -> Iterator[None]:
   finally:
     _STATE.forward_only = previous
 
+
 _SEEDS = tf.TensorSpec([None], tf.int64)
 
 
