@@ -138,3 +138,14 @@ def test_scan_needs_shared_functions_and_stacks(cpu_devices):
       scan_layers=True, share_layer_functions=False)
   with pytest.raises(PipelineError, match="scan_layers must be False unless"):
     params.instantiate()
+
+
+def test_eval_loops_over_runs_too(cpu_devices):
+  """Eval (batch norm's moving averages, no dropout) through the loop, which keeps
+  nothing for a backward there: the outputs of the calls one by one, bit for bit."""
+  data = tf.constant(np.random.RandomState(2).randn(BATCH, DIM), tf.float32)
+  outputs = []
+  for scan in (True, False):
+    model, _ = build(7, scan, cpu_devices)
+    outputs.append(tf.function(model)(data).numpy())
+  np.testing.assert_array_equal(outputs[0], outputs[1])

@@ -162,7 +162,7 @@ class _KindFunction:
     reads (`stacked_variables.whole_read`: a read of its own, so the cell's backward
     takes the slices' gradient whole, beside the rows the other layers read), entering
     the loop as TensorArrays. Where nothing differentiates the call (`forward_only`: a
-    re-materialized cell's forward action) the loop keeps nothing; otherwise it is
+    re-materialized cell's forward action; eval) the loop keeps nothing; otherwise it is
     `_differentiable_loop`, with a gradient of its own. None where the layers cannot
     run so (a weight not a stack's row, rows not evenly spaced in one stack, or outputs
     not shaped as the inputs): the caller calls them one by one."""
@@ -187,7 +187,7 @@ class _KindFunction:
     stats = [tf.TensorArray(spec.dtype, size=n, element_shape=spec.shape)
              for spec in stat_specs]
 
-    if getattr(_STATE, "forward_only", False):
+    if getattr(_STATE, "forward_only", False) or not ctx.training:
       def body(i, flat_x, stats):
         x = tf.nest.pack_sequence_as(inputs, flat_x)
         outputs, flat_stats, _ = concrete([ta.read(i) for ta in rows], x, info,
