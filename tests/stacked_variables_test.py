@@ -121,13 +121,15 @@ def test_a_row_refuses_what_a_variable_refuses(cpu_devices):
     iter(w)
 
 
-@pytest.mark.parametrize("num_cells", [1, 2, 4])
+@pytest.mark.parametrize("num_cells, scan", [(1, False), (2, False), (4, False), (2, True)])
 def test_a_checkpoint_of_unstacked_variables_restores_bit_for_bit(tmp_path, cpu_devices,
-                                                                  num_cells):
+                                                                  num_cells, scan):
   """The checkpoint written by the engine before stacking (K=2, Adam after two steps)
-  restores into K ∈ {1, 2, 4} with every weight and slot equal to the bit, and the
-  restored model saves under the same keys the same tensors."""
-  model, opt, _, _ = build(num_cells=num_cells, devices=cpu_devices[:num_cells])
+  restores into K ∈ {1, 2, 4}, and with scan_layers (a stack per weight of a kind of
+  layer), with every weight and slot equal to the bit, and the restored model saves
+  under the same keys the same tensors."""
+  model, opt, _, _ = build(num_cells=num_cells, devices=cpu_devices[:num_cells],
+                           scan_layers=scan)
   tf.train.Checkpoint(model=model, optimizer=opt).read(str(LEGACY)).assert_consumed()
   saved = tf.train.Checkpoint(model=model, optimizer=opt).write(str(tmp_path / "again"))
   got, want = checkpoint_tensors(saved), checkpoint_tensors(str(LEGACY))

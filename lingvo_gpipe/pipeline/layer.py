@@ -311,19 +311,20 @@ class PipeliningLayer(BaseLayer):
     them (self.variables) but does not checkpoint them: the rows are checkpointed."""
     stacks = []
     for k in range(len(self.cells)):
+      # With scan_layers, a stack per weight of a kind of layer: a run of that kind
+      # reads each weight's rows as one whole stack (layer_function.py).
+      scan = self.params.scan_layers
       rows, keys = [], []
       for layer in self.cell_layers(k):
+        kind = base_layer.params_kind(layer.params) if scan else None
         weights = [v for sublayer in layer.walk() for v in sublayer.own_variables()]
-        kind = base_layer.params_kind(layer.params)
         for j, v in enumerate(weights):
           if isinstance(v, stacked_variables.RowVariable):
             rows.append(v)
             keys.append((kind, j))
       with tf.device(self.cell_devices[k]):
-        # With scan_layers, a stack per weight of a kind of layer: a run of that kind
-        # reads each weight's rows as one whole stack (layer_function.py).
-        stacks.append(stacked_variables.stack(
-            rows, name=f"{self.path}/cell_{k}", keys=keys if self.params.scan_layers else None))
+        stacks.append(stacked_variables.stack(rows, name=f"{self.path}/cell_{k}",
+                                              keys=keys if scan else None))
     object.__setattr__(self, "_variable_stacks", [s.variable for cell in stacks for s in cell])
     return stacks
 
