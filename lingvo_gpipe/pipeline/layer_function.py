@@ -180,14 +180,14 @@ class _KindFunction:
     n = len(layers)
     seeds = tf.constant([[subs[i].seed_for(purpose) for i, purpose in self.layout.seeds]
                          for subs in sublayers], tf.int64, shape=[n, len(self.layout.seeds)])
-    rows = [tf.TensorArray(t.dtype, size=n, element_shape=t.shape[1:]).unstack(t)
-            for t in slices]
-    seed_rows = tf.TensorArray(tf.int64, size=n, element_shape=seeds.shape[1:]).unstack(seeds)
-    stat_specs = [tf.TensorSpec(t.shape, t.dtype) for t in concrete.structured_outputs[1]]
-    stats = [tf.TensorArray(spec.dtype, size=n, element_shape=spec.shape)
-             for spec in stat_specs]
-
+    num_stats = len(concrete.structured_outputs[1])
     if getattr(_STATE, "forward_only", False) or not ctx.training:
+      rows = [tf.TensorArray(t.dtype, size=n, element_shape=t.shape[1:]).unstack(t)
+              for t in slices]
+      seed_rows = tf.TensorArray(tf.int64, size=n, element_shape=seeds.shape[1:]).unstack(seeds)
+      stats = [tf.TensorArray(t.dtype, size=n, element_shape=t.shape)
+               for t in concrete.structured_outputs[1]]
+
       def body(i, flat_x, stats):
         x = tf.nest.pack_sequence_as(inputs, flat_x)
         outputs, flat_stats, _ = concrete([ta.read(i) for ta in rows], x, info,
@@ -200,7 +200,7 @@ class _KindFunction:
       stacked_stats = [ta.stack() for ta in stats]
     else:
       flat_out, stacked_stats = _differentiable_loop(concrete, slices, seeds, flat_inputs,
-                                                     info, len(stat_specs))
+                                                     info, num_stats)
     if ctx.layer_stats is not None and self.layout.stats:
       per_layer = [tf.unstack(t, num=n) for t in stacked_stats]
       for k, subs in enumerate(sublayers):
