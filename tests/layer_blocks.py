@@ -1,9 +1,14 @@
-"""A small composite layer for tests of how a pipeline runs its layers
-(layer_function_test.py, scan_layers_test.py)."""
+"""A small composite layer, a batch and a training step for tests of how a pipeline
+runs its layers (layer_function_test.py, scan_layers_test.py)."""
 
-from lingvo_gpipe.core import layers
+import numpy as np
+import tensorflow as tf
+
+from lingvo_gpipe import train_step
+from lingvo_gpipe.core import base_layer, layers
 
 DIM = 8
+BATCH = 8
 
 
 def block(name: str, keep_prob: float = 0.8):
@@ -13,3 +18,27 @@ def block(name: str, keep_prob: float = 0.8):
       layers.Linear.Params().set(name="fc", input_dim=DIM, output_dim=DIM, activation="TANH"),
       layers.BatchNorm.Params().set(name="bn", dim=DIM),
       layers.Dropout.Params().set(name="drop", keep_prob=keep_prob)])
+
+
+def batch() -> dict[str, tf.Tensor]:
+  """{"inputs": [BATCH, DIM], "y": [BATCH, DIM]}, the same each call."""
+  rng = np.random.RandomState(1)
+  return {"inputs": tf.constant(rng.randn(BATCH, DIM), tf.float32),
+          "y": tf.constant(rng.randn(BATCH, DIM), tf.float32)}
+
+
+def step_function(model, wrapped):
+  """The traced training step of `model` (wrapped with its loss) on `batch()`:
+  → (loss, gradients, each batch norm's reported statistics as (path, stats))."""
+  data = batch()
+
+  @tf.function
+  def step():
+    stats = []
+    with base_layer.step_context(training=True, step=tf.constant(7, tf.int64),
+                                 layer_stats=stats):
+      metrics, grads = train_step.loss_and_gradients(wrapped, data,
+                                                      model.trainable_variables)
+    return metrics["loss"][0], grads, [(layer.path, s) for layer, s in stats]
+
+  return step

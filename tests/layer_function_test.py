@@ -8,17 +8,14 @@ that differ only in their number of layers.
 
 import collections
 
-import numpy as np
 import pytest
 import tensorflow as tf
-from layer_blocks import DIM, block
+from layer_blocks import DIM, batch, block, step_function
 from numerics import assert_close
 
 from lingvo_gpipe import train_step
-from lingvo_gpipe.core import base_layer, layers
+from lingvo_gpipe.core import layers
 from lingvo_gpipe.pipeline.layer import PipeliningLayer
-
-BATCH = 8
 
 
 def build(keep_probs, share: bool = True, recompute: str = "always", num_micro_batches=2):
@@ -29,28 +26,6 @@ def build(keep_probs, share: bool = True, recompute: str = "always", num_micro_b
   wrapped = train_step.StackWithLoss(model, lambda out, h: {
       "loss": (tf.reduce_mean(tf.square(out - h["y"])), tf.cast(tf.shape(out)[0], tf.float32))})
   return model, wrapped
-
-
-def batch():
-  rng = np.random.RandomState(1)
-  return {"inputs": tf.constant(rng.randn(BATCH, DIM), tf.float32),
-          "y": tf.constant(rng.randn(BATCH, DIM), tf.float32)}
-
-
-def step_function(model, wrapped):
-  """A training step: (loss, gradients, each batch norm's reported statistics)."""
-  data = batch()
-
-  @tf.function
-  def step():
-    stats = []
-    with base_layer.step_context(training=True, step=tf.constant(7, tf.int64),
-                                 layer_stats=stats):
-      metrics, grads = train_step.loss_and_gradients(wrapped, data,
-                                                      model.trainable_variables)
-    return metrics["loss"][0], grads, [(layer.path, s) for layer, s in stats]
-
-  return step
 
 
 def shared(model):

@@ -11,13 +11,12 @@ import collections
 import numpy as np
 import pytest
 import tensorflow as tf
-from layer_blocks import DIM, block
+from layer_blocks import BATCH, DIM, block, step_function
+from numerics import assert_close
 
 from lingvo_gpipe import train_step
-from lingvo_gpipe.core import base_layer, layers, stacked_variables
+from lingvo_gpipe.core import layers, stacked_variables
 from lingvo_gpipe.pipeline.layer import PipelineError, PipeliningLayer
-
-BATCH = 8
 
 
 def build(num_blocks: int, scan: bool, devices, recompute: str = "always",
@@ -40,24 +39,6 @@ def build(num_blocks: int, scan: bool, devices, recompute: str = "always",
   return model, wrapped
 
 
-def step_function(model, wrapped):
-  """The traced step: (loss, gradients, each batch norm's reported statistics)."""
-  rng = np.random.RandomState(1)
-  data = {"inputs": tf.constant(rng.randn(BATCH, DIM), tf.float32),
-          "y": tf.constant(rng.randn(BATCH, DIM), tf.float32)}
-
-  @tf.function
-  def step():
-    stats = []
-    with base_layer.step_context(training=True, step=tf.constant(7, tf.int64),
-                                 layer_stats=stats):
-      metrics, grads = train_step.loss_and_gradients(wrapped, data,
-                                                      model.trainable_variables)
-    return metrics["loss"][0], grads, [(layer.path, s) for layer, s in stats]
-
-  return step
-
-
 def per_weight(model, grads) -> dict[str, np.ndarray]:
   """Each weight's gradient by name (the stacks differ between the two settings)."""
   variables = model.trainable_variables
@@ -73,7 +54,8 @@ def per_weight(model, grads) -> dict[str, np.ndarray]:
 def test_a_loop_over_a_run_gives_what_calls_one_by_one_give(cpu_devices, schedule, recompute,
                                                             dtype):
   """Bit for bit: the loop runs each layer through the same traced function (and its
-  gradient through TensorFlow's same pair) on the same rows and seeds."""
+  gradient through TensorFlow's same pair) on the same rows and seeds (zb_h1's weight
+  gradients: to float32's rounding, see below)."""
   results = []
   for scan in (True, False):
     model, wrapped = build(7, scan, cpu_devices, recompute, schedule, dtype=dtype)
@@ -84,7 +66,14 @@ def test_a_loop_over_a_run_gives_what_calls_one_by_one_give(cpu_devices, schedul
   assert loss == want_loss
   assert grads.keys() == want_grads.keys()
   for name in want_grads:
-    np.testing.assert_array_equal(grads[name], want_grads[name], err_msg=name)
+    if schedule == "zb_h1":
+      # Its W actions compute a stack's weight gradients as one batched product, and
+      # the two settings stack the weights apart (a stack per weight of a kind, or
+      # per shape): batches of other sizes, which Eigen (oneDNN off) may sum in
+      # another order.
+      assert_close(grads[name], want_grads[name], err_msg=name)
+    else:
+      np.testing.assert_array_equal(grads[name], want_grads[name], err_msg=name)
   # Each batch norm reports its own statistics, for its own path, once per micro-batch.
   assert [p for p, _ in stats] == [p for p, _ in want_stats]
   for (path, s), (_, want) in zip(stats, want_stats):
