@@ -172,3 +172,24 @@ def test_a_host_device_inside_a_loop_body_is_ignored_but_a_call_keeps_it(cpu_dev
   assert [(e.op_type, e.device) for e in in_body.without_kernel] == [("Timestamp", "GPU:0")]
   in_call = report(call=True)
   assert in_call.clean and [e.op_type for e in in_call.on_host] == ["Timestamp"]
+
+
+def test_the_loops_slice_no_int32_batch(cpu_devices):
+  """A GPU runs an int32 Slice with a host kernel. The LM's int32 token batch sliced
+  inside a GPU's loop reached it in the GPU's memory and crashed every step on an H200;
+  the loops slice it as int64 (device_loop._int32_as_int64) and cast each micro-batch
+  back. Walks the traced step of the tiny LM (int32 ids and labels) for Slice ops of
+  int32 made in device_loop.py: none, while the step's int64 slices are found there
+  (the walk sees the loops)."""
+  from lingvo_gpipe import model_registry
+  from lingvo_gpipe.tools import gpu_audit
+
+  model_registry.load_param_files([])
+  graph = gpu_audit.trace_step(gpu_audit.Config("lm.TransformerTiny", "1f1b", "always",
+                                                "float32"))
+
+  report = placement_audit.audit(graph, lambda spec: 0,
+                                 lambda node_def: node_def.op != "Slice")  # Slices only
+  loop_slices = {e.dtypes for e in report.without_kernel if "device_loop.py" in e.frame}
+  assert loop_slices, "the walk found none of the loops' slices"
+  assert not [d for d in loop_slices if "T=int32" in d], loop_slices

@@ -8,6 +8,8 @@
 #
 # Stages, in order (each writes <stage>.json or .log/.xml under OUT_DIR, with the device):
 #   info          TensorFlow, its CUDA build, the GPUs TensorFlow sees, nvidia-smi
+#   smoke         tools/gpu_smoke.py: each feature a step uses, one at a time, then a
+#                 training step on one and on two logical GPUs (a crash names its feature)
 #   audit         tools/gpu_audit.py --quick: every GPU op has a kernel (no GPU needed)
 #   tests         the pipeline tests on 4 logical GPUs of one GPU (LINGVO_GPIPE_TEST_DEVICES):
 #                 the equivalence grid (K = 1, 2, 4; every schedule, recompute, dtype),
@@ -31,18 +33,18 @@ cd "$(dirname "$0")/.."
 OUT_DIR=${1:-${OUT:-gpu_check_out}}
 mkdir -p "$OUT_DIR"
 OUT_DIR=$(cd "$OUT_DIR" && pwd)
-STAGES=${STAGES:-info audit tests train dtypes plans amoeba token_slices}
+STAGES=${STAGES:-info smoke audit tests train dtypes plans amoeba token_slices}
 PYTHON=${PYTHON:-python3}
 export TF_CPP_MIN_LOG_LEVEL=2 PYTHONUNBUFFERED=1
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 
 if [[ -n "${REHEARSAL:-}" ]]; then
-  KIND=cpu; GPU4="cpu:4"; GPU2="cpu:2"; SPLIT="cpu:{n}"; AMOEBA_DEVICES="cpu:{k}"
+  KIND=cpu; GPU4="cpu:4"; GPU2="cpu:2"; SMOKE="cpu:2"; SPLIT="cpu:{n}"; AMOEBA_DEVICES="cpu:{k}"
   AMOEBA_ARGS="--sizes 3x8,3x16 --image_size 32 --batch 8 --modes naive,pipeline-2"
   STEPS=3; TRAIN_STEPS=2; SLICE_ARGS="--workers 2 --slices 1,2 --length 64 --steps 2 --weight_gradient_group S"
 else
-  KIND=gpu; GPU4="gpu:4:${TEST_GPU_MB:-4096}"; GPU2="gpu:2:8192"; SPLIT="gpu:{n}:8192"
+  KIND=gpu; GPU4="gpu:4:${TEST_GPU_MB:-4096}"; GPU2="gpu:2:8192"; SMOKE="gpu:2:2048"; SPLIT="gpu:{n}:8192"
   AMOEBA_DEVICES="gpu:{k}:8192"; AMOEBA_ARGS="--modes naive,pipeline-1,pipeline-2,pipeline-4"
   STEPS=30; TRAIN_STEPS=100; SLICE_ARGS="--workers 4 --slices 1,4 --weight_gradient_group S"
 fi
@@ -129,7 +131,12 @@ tests() {
   LINGVO_GPIPE_TEST_DEVICES=$GPU4 "$PYTHON" -m pytest -q -p no:cacheprovider \
     --junitxml="$OUT_DIR/tests.xml" tests/gpipe_test.py tests/pipeline_placement_test.py \
     tests/mixed_precision_test.py tests/token_slices_test.py tests/hybrid_test.py \
-    tests/tf_internals_test.py tests/placement_audit_test.py
+    tests/tf_internals_test.py tests/placement_audit_test.py ${PYTEST_ARGS:-}
+}
+
+smoke() {
+  "$PYTHON" tools/gpu_smoke.py --devices="$SMOKE" \
+    && last_json "$OUT_DIR/smoke.log" "$OUT_DIR/smoke.json"
 }
 
 train() {
@@ -162,6 +169,7 @@ token_slices() {
 }
 
 stage info info
+stage smoke smoke
 stage audit audit
 stage tests tests
 stage train train

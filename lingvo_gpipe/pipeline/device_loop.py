@@ -298,13 +298,27 @@ def action_table(plan: PipelineSchedule, d: int, shape_class: Sequence[int],
                      receives, np.array(keys, np.float64).reshape(-1, 3))
 
 
+def _int32_as_int64(flat: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+  """Each int32 tensor of `flat` as int64 (the others as they are): what the loops slice.
+
+  A GPU has no device kernel for an int32 Slice: TensorFlow runs it on the host's memory
+  (as for most int32 ops on a GPU). An int32 batch captured into a device's While and its
+  Case branches on a GPU reaches the Slice in the GPU's memory, and the host kernel read
+  it as a host pointer: a segmentation fault in every training step (an H200,
+  docs/benchmarks.md, "GPU readiness"). An int64 Slice is a GPU kernel; `_slice` casts the
+  micro-batch back, so the cells see the dtypes they were given.
+  """
+  return [tf.cast(t, tf.int64) if t.dtype == tf.int32 else t for t in flat]
+
+
 def _slice(flat: Sequence[tf.Tensor], offset: tf.Tensor, size: int,
-           token_offset: tf.Tensor | None = None, length: int = 0) -> list[tf.Tensor]:
+           token_offset: tf.Tensor | None = None, length: int = 0,
+           dtypes: Sequence[tf.DType] | None = None) -> list[tf.Tensor]:
   """Rows offset..offset+size of each tensor (a micro-batch of static size); with a
   `length`, only its tokens token_offset..token_offset+length along axis 1 (a token
-  slice)."""
+  slice). `dtypes`: each slice's dtype (a cast where it differs from its tensor's)."""
   out = []
-  for t in flat:
+  for n, t in enumerate(flat):
     rank = t.shape.rank
     start = [tf.cast(offset, tf.int64)]
     size_of = [size]
@@ -312,7 +326,8 @@ def _slice(flat: Sequence[tf.Tensor], offset: tf.Tensor, size: int,
       start.append(tf.cast(token_offset, tf.int64))
       size_of.append(length)
     begin = tf.concat([tf.stack(start), tf.zeros([rank - len(start)], tf.int64)], 0)
-    out.append(tf.slice(t, begin, tf.constant(size_of + [-1] * (rank - len(start)), tf.int64)))
+    piece = tf.slice(t, begin, tf.constant(size_of + [-1] * (rank - len(start)), tf.int64))
+    out.append(piece if dtypes is None or dtypes[n] == t.dtype else tf.cast(piece, dtypes[n]))
   return out
 
 
@@ -387,7 +402,9 @@ class StepInputs:
   """What the actions read of the step besides the loop state.
 
   inputs: the pipeline's flat batch [B, ...] (cell 0 slices its micro-batches from
-  it); head_inputs: the head's flat batch [B, ...] (the last cell's); step: the
+  it); head_inputs: the head's flat batch [B, ...] (the last cell's); both with int32
+  tensors as int64 (`_int32_as_int64`), `input_dtypes` and `head_dtypes` saying which
+  dtypes the cells take; step: the
   global step, int64 []; base_offset: the batch's first example's position (r·B on
   replica r; it keys dropout with each micro-batch's offset); loss_scale: S, float32
   [] (the last cell seeds each backward with S·w_m), or None (1).
@@ -397,6 +414,15 @@ class StepInputs:
   step: tf.Tensor
   base_offset: Any
   loss_scale: tf.Tensor | None = None
+  input_dtypes: Sequence[tf.DType] | None = None
+  head_dtypes: Sequence[tf.DType] | None = None
+
+  @classmethod
+  def of(cls, inputs: Sequence[tf.Tensor], head_inputs: Sequence[tf.Tensor],
+         step: tf.Tensor, base_offset: Any, loss_scale: tf.Tensor | None) -> StepInputs:
+    """The step's inputs as the loops slice them (int32 carried as int64)."""
+    return cls(_int32_as_int64(inputs), _int32_as_int64(head_inputs), step, base_offset,
+               loss_scale, [t.dtype for t in inputs], [t.dtype for t in head_inputs])
 
 
 class CellState(NamedTuple):
@@ -537,11 +563,12 @@ class CellLoop:
     sig, row = self.signatures[c], args.row
     rows, tokens = self.sizes[c]
     if self.previous is None:
-      flat = _slice(self.step_inputs.inputs, row.offset, rows, row.token_offset, tokens)
+      flat = _slice(self.step_inputs.inputs, row.offset, rows, row.token_offset, tokens,
+                    self.step_inputs.input_dtypes)
     else:
       flat = list(args.received)
-    head = (_slice(self.step_inputs.head_inputs, row.offset, rows, row.token_offset, tokens)
-            if self.cell.head else [])
+    head = (_slice(self.step_inputs.head_inputs, row.offset, rows, row.token_offset, tokens,
+                   self.step_inputs.head_dtypes) if self.cell.head else [])
     cache = self._cache_entries(state.cache, row, sig.cache, row.token_slice > 0)
     outputs, stats, saved, cache = self.cell.forward(sig, flat, head, self.step_inputs.step,
                                                      self._call_info(row), cache)
@@ -782,8 +809,8 @@ def run(cells: Sequence[CellFunctions], plan: PipelineSchedule, inputs: Any, hea
   class_sizes, shape_class = _shape_classes(units.shapes)
   signatures = _trace(cells, inputs, head_inputs, class_sizes, units.full_length)
   links = channels.links(link_prefix, [cell.device for cell in cells])
-  step_inputs = StepInputs(tf.nest.flatten(inputs), tf.nest.flatten(head_inputs), step,
-                           ctx.example_offset, ctx.loss_scale)
+  step_inputs = StepInputs.of(tf.nest.flatten(inputs), tf.nest.flatten(head_inputs), step,
+                              ctx.example_offset, ctx.loss_scale)
   finals: dict[int, CellState] = {}
   for d in range(len(plan.device_orders)):
     table = action_table(plan, d, shape_class, units.offsets, len(class_sizes),
