@@ -31,7 +31,9 @@ passed with --params_path, as a user would.
   python bench/startup_time.py --only l8_m4,l8_m32
 
 The last line printed is one JSON object: first_step_s_<config>, steady_step_s_<config>,
-peak_rss_gb_<config> (the trainer process's peak resident memory), model_built_s_<config>
+peak_rss_gb_<config> (the trainer process's peak resident memory), first_save_s_<config>
+(from the last step's line to "Saved": the run's one checkpoint, written at its end, with
+Adam's slots), model_built_s_<config>
 and step_traced_s_<config> (when the trainer began and finished tracing the step) for
 each, first_step_ratio_l8_m32_over_m4, and first_step_s_per_layer and
 peak_rss_gb_per_layer: the least-squares slopes of the depth sweep's first-step times and
@@ -158,7 +160,7 @@ def run_one(name: str, settings: dict, param_dir: Path, steps: int) -> dict:
   start = time.perf_counter()
   proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                           env=env, cwd=REPO)
-  first_step = built = model_built = None
+  first_step = built = model_built = saved = None
   phase_rss: dict[str, float] = {}  # the trainer's resident GB as each phase ends
   step_times = []
   for line in proc.stdout:
@@ -174,6 +176,8 @@ def run_one(name: str, settings: dict, param_dir: Path, steps: int) -> dict:
       phase_rss["first_step"] = resident_gb(proc.pid)
     elif line.startswith("step "):
       step_times.append(now)
+    elif line.startswith("Saved ") and step_times:
+      saved = now - step_times[-1]
   stderr = proc.stderr.read()
   _, status, usage = os.wait4(proc.pid, 0)  # this child's own peak resident memory
   code = os.waitstatus_to_exitcode(status)
@@ -184,7 +188,8 @@ def run_one(name: str, settings: dict, param_dir: Path, steps: int) -> dict:
   return {"first_step_s": round(first_step, 1), "built_s": round(built, 1),
           "model_built_s": round(model_built, 1), "rss_gb_at": phase_rss,
           "steady_step_s": round(statistics.median(intervals), 4) if intervals else None,
-          "peak_rss_gb": round(usage.ru_maxrss / 2**20, 2)}  # ru_maxrss: KiB on Linux
+          "peak_rss_gb": round(usage.ru_maxrss / 2**20, 2),  # ru_maxrss: KiB on Linux
+          "first_save_s": round(saved, 2) if saved is not None else None}
 
 
 def main() -> None:
@@ -220,13 +225,15 @@ def main() -> None:
     result = run_one(name, all_configs[name], param_dir, args.steps)
     print(f"{name:18s} first step {result['first_step_s']:7.1f} s  (model built at "
           f"{result['model_built_s']:.1f} s, step traced at {result['built_s']:.1f} s)  "
-          f"steady step {result['steady_step_s']} s  peak {result['peak_rss_gb']} GB  "
+          f"steady step {result['steady_step_s']} s  first save {result['first_save_s']} s  "
+          f"peak {result['peak_rss_gb']} GB  "
           f"resident at each phase's end {result['rss_gb_at']}", flush=True)
     summary[f"first_step_s_{name}"] = result["first_step_s"]
     summary[f"peak_rss_gb_{name}"] = result["peak_rss_gb"]
     summary[f"steady_step_s_{name}"] = result["steady_step_s"]
     summary[f"model_built_s_{name}"] = result["model_built_s"]
     summary[f"step_traced_s_{name}"] = result["built_s"]
+    summary[f"first_save_s_{name}"] = result["first_save_s"]
   if "first_step_s_l8_m4" in summary and "first_step_s_l8_m32" in summary:
     summary["first_step_ratio_l8_m32_over_m4"] = round(
         summary["first_step_s_l8_m32"] / summary["first_step_s_l8_m4"], 3)

@@ -19,7 +19,7 @@ import numpy as np
 import tensorflow as tf
 
 from lingvo_gpipe import train_step
-from lingvo_gpipe.core import layers, optimizers, variable_chunks
+from lingvo_gpipe.core import layers, optimizers, stacked_variables, variable_chunks
 from lingvo_gpipe.pipeline import layer_profiler, step_model
 from lingvo_gpipe.pipeline.layer import PipeliningLayer
 
@@ -175,9 +175,12 @@ def step_memory(device: str | None, layer_params: Sequence[Any], input_specs: An
       copies[num_micro_batches] = max(copies[num_micro_batches],
                                       (at_small - slope * act_small) / weights)
     checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer)
+
+    def write(path: str) -> None:  # as the trainer saves (checkpoints.CheckpointStore)
+      with stacked_variables.whole_stack_io():
+        checkpoint.write(path)
     with tempfile.TemporaryDirectory() as folder:
-      save = max(peak_beyond(lambda: checkpoint.write(os.path.join(folder, "c")))
-                 for _ in range(2))
+      save = max(peak_beyond(lambda: write(os.path.join(folder, "c"))) for _ in range(2))
   except tf.errors.ResourceExhaustedError:
     return StepMemory()
   return StepMemory(copies[1], copies[4], factor, save / weights)

@@ -328,7 +328,8 @@ class CheckpointStore:
     prefix = os.path.join(self.directory, f"{CHECKPOINT_NAME}-{step}")
     before = set(_names(self.directory))
     try:
-      return self._manager.save(checkpoint_number=step, options=self.options)
+      with stacked_variables.whole_stack_io():  # one read per stack, not per row
+        return self._manager.save(checkpoint_number=step, options=self.options)
     except (tf.errors.OpError, OSError) as e:
       for name in set(_names(self.directory)) - before:
         if name.startswith(os.path.basename(prefix)):

@@ -29,6 +29,7 @@ from typing import Any
 import tensorflow as tf
 
 from lingvo_gpipe import checkpoints
+from lingvo_gpipe.core import stacked_variables
 from lingvo_gpipe.core.hyperparams import Params
 from lingvo_gpipe.tasks import serving
 
@@ -92,7 +93,9 @@ def restore_for_inference(params: Params, logdir: str, checkpoint: str | None,
     if differences:
       raise _Mismatch(f"checkpoint {prefix} does not match model: {'; '.join(differences[:3])}"
                       + (f" (and {len(differences) - 3} more)" if len(differences) > 3 else ""))
-    restorable.restore(prefix).expect_partial().assert_existing_objects_matched()
+    with stacked_variables.whole_stack_io():  # one write per stack, not per row
+      status = restorable.restore(prefix)
+    status.expect_partial().assert_existing_objects_matched()
 
   train_dir = os.path.join(logdir, "train")
   try:

@@ -41,7 +41,7 @@ import numpy as np
 import tensorflow as tf
 
 from lingvo_gpipe import checkpoints, logdirs, train_step
-from lingvo_gpipe.core import base_layer, loss_scale, tf_internals
+from lingvo_gpipe.core import base_layer, loss_scale, stacked_variables, tf_internals
 from lingvo_gpipe.core.hyperparams import Params
 from lingvo_gpipe.pipeline import hybrid, schedule_chart, timeline
 from lingvo_gpipe.pipeline.layer import requested_cells
@@ -194,7 +194,8 @@ class Trainer:
     """Restores `path`, raising CheckpointMismatchError if it is not this model's."""
     status = None
     try:
-      status = self.checkpoint.restore(path, options=self.checkpoint_options)
+      with stacked_variables.whole_stack_io():  # one write per stack, not per row
+        status = self.checkpoint.restore(path, options=self.checkpoint_options)
       status.assert_consumed()
     except (ValueError, AssertionError) as e:
       if status is not None:

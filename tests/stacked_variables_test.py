@@ -139,6 +139,57 @@ def test_a_checkpoint_of_unstacked_variables_restores_bit_for_bit(tmp_path, cpu_
     np.testing.assert_array_equal(got[key], want[key], err_msg=key)
 
 
+def test_whole_stack_io_saves_and_restores_what_rows_one_by_one_do(tmp_path, cpu_devices):
+  """Saved within `whole_stack_io` (one read per stack), the legacy checkpoint's every
+  key and tensor come out as saved row by row; restored within it (one write per
+  stack, at the block's end), into a freshly built model, every weight and slot is the
+  legacy checkpoint's to the bit; a restore that holds only some rows of a stack writes
+  those rows and leaves the others."""
+  model, opt, _, _ = build(num_cells=2, devices=cpu_devices[:2])
+  with stacked_variables.whole_stack_io():
+    status = tf.train.Checkpoint(model=model, optimizer=opt).read(str(LEGACY))
+    untouched = [w.numpy() for w in stacked_variables.trainable_weights(model)]
+  status.assert_consumed()
+  fresh, _, _, _ = build(num_cells=2, devices=cpu_devices[:2])
+  for a, b in zip(untouched, stacked_variables.trainable_weights(fresh)):
+    np.testing.assert_array_equal(a, b.numpy())  # rows read as before until the end
+  with stacked_variables.whole_stack_io():
+    saved = tf.train.Checkpoint(model=model, optimizer=opt).write(str(tmp_path / "io"))
+  got, want = checkpoint_tensors(saved), checkpoint_tensors(str(LEGACY))
+  assert sorted(got) == sorted(want)
+  for key in want:
+    np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+
+  # One block's weights only: of a stack of four rows, one row restored.
+  weights = stacked_variables.trainable_weights(model)
+  row = next(w for w in weights if w.stack is not None and len(w.stack.rows) > 1)
+  others = [r for r in row.stack.rows if r is not row]
+  before = [r.numpy() for r in others]
+  path = tf.train.Checkpoint(w=row).write(str(tmp_path / "one"))
+  row.assign(tf.zeros_like(row))
+  with stacked_variables.whole_stack_io():
+    tf.train.Checkpoint(w=row).read(path).assert_consumed()
+  np.testing.assert_array_equal(row.numpy(), checkpoint_tensors(path)["w/.ATTRIBUTES/"
+                                                                     "VARIABLE_VALUE"])
+  for r, value in zip(others, before):
+    np.testing.assert_array_equal(r.numpy(), value)
+
+
+def test_whole_stack_io_reads_a_row_written_within_it_afresh(tmp_path, cpu_devices):
+  """A row assigned between two saves in one block is saved with its new value."""
+  model, _, _, _ = build(num_cells=1, devices=cpu_devices[:1])
+  row = stacked_variables.trainable_weights(model)[0]
+  checkpoint = tf.train.Checkpoint(w=row)
+  with stacked_variables.whole_stack_io():
+    first = checkpoint.write(str(tmp_path / "first"))
+    row.assign(row + 1.0)
+    second = checkpoint.write(str(tmp_path / "second"))
+  key = "w/.ATTRIBUTES/VARIABLE_VALUE"
+  np.testing.assert_array_equal(checkpoint_tensors(second)[key],
+                                checkpoint_tensors(first)[key] + 1.0)
+  np.testing.assert_array_equal(checkpoint_tensors(second)[key], row.numpy())
+
+
 def assert_same_weights_and_slots(saved, restored) -> None:
   """(model, optimizer) pairs: every weight and its optimizer slots bit for bit equal."""
   (model, opt), (again, again_opt) = saved, restored

@@ -32,6 +32,7 @@ each row's gradient is added into its row of the cell's running sums
   stack(rows, name)                   → [VariableStack], one per (shape, dtype)
   with bound(stacks): trace a cell    → rows read as slices of one read per stack
   stack_of(variable)                  → the VariableStack a tf.Variable holds, or None
+  with whole_stack_io(): save/restore → one read / one write per stack, not per row
 """
 
 from __future__ import annotations
@@ -129,6 +130,9 @@ class RowVariable(trackable.Trackable):
   def _update(self, method: str, value: Any, read_value: bool) -> Any:
     """stack.<method>(value as this row) (scatter_update / _add / _sub); then the row
     as it is after, or the update op."""
+    io = _whole_stack_io()
+    if io is not None:
+      io.forget(self.stack)
     value = tf.convert_to_tensor(value, self._dtype)
     if not value.shape.is_compatible_with(self._shape):
       raise ValueError(f"{self._name}: cannot assign a value of shape {value.shape} to a "
@@ -160,10 +164,17 @@ class RowVariable(trackable.Trackable):
   # -- checkpoints: saved and restored under the layer's own key ----------------------
 
   def _serialize_to_tensors(self) -> dict[str, tf.Tensor]:
+    io = _whole_stack_io()
+    if io is not None:
+      return {trackable.VARIABLE_VALUE_KEY: io.row_value(self)}
     return {trackable.VARIABLE_VALUE_KEY: self.value()}
 
   def _restore_from_tensors(self, restored_tensors: dict[str, tf.Tensor]) -> Any:
-    return self.assign(restored_tensors[trackable.VARIABLE_VALUE_KEY], read_value=False)
+    value = restored_tensors[trackable.VARIABLE_VALUE_KEY]
+    io = _whole_stack_io()
+    if io is not None:
+      return io.defer_restore(self, value)
+    return self.assign(value, read_value=False)
 
   # -- used as a tensor: every operator a tf.Tensor overloads, on the row's value
   # (as tf.Variable; == and != stay identity, so a row is its own hashable key) -------
@@ -298,6 +309,72 @@ def stack(rows: Sequence[RowVariable], name: str, keys: Sequence[Any] | None = N
     for row in group:
       row._initial_value = None
   return stacks
+
+
+class _WholeStackIO:
+  """Checkpoint reads and writes of rows, one op per stack (`whole_stack_io`)."""
+
+  def __init__(self):
+    self._rows: dict[int, list[tf.Tensor]] = {}  # id(stack) → its rows, read once
+    self._restores: dict[int, tuple[VariableStack, dict[int, tf.Tensor]]] = {}
+
+  def row_value(self, row: RowVariable) -> tf.Tensor:
+    stack = row.stack
+    if id(stack) not in self._rows:
+      self._rows[id(stack)] = tf.unstack(stack.variable.read_value())
+    return self._rows[id(stack)][row.row]
+
+  def forget(self, stack: VariableStack) -> None:
+    """`stack` was written: its rows are read again when next asked."""
+    self._rows.pop(id(stack), None)
+
+  def defer_restore(self, row: RowVariable, value: Any) -> None:
+    _, values = self._restores.setdefault(id(row.stack), (row.stack, {}))
+    values[row.row] = tf.convert_to_tensor(value, row.dtype)
+    self.forget(row.stack)
+
+  def apply_restores(self) -> None:
+    """Each stack written once: whole if every row was restored, else its restored
+    rows by one scatter."""
+    for stack, values in self._restores.values():
+      rows = sorted(values)
+      update = tf.stack([values[i] for i in rows])
+      if len(rows) == len(stack.rows):
+        stack.variable.assign(update)
+      else:
+        stack.variable.scatter_update(tf.IndexedSlices(update, tf.constant(rows)))
+    self._restores.clear()
+
+
+def _whole_stack_io() -> _WholeStackIO | None:
+  """The active `whole_stack_io`, when executing eagerly (a traced save or restore
+  makes graph ops per row, which cost nothing per call)."""
+  io = getattr(_STATE, "whole_stack_io", None)
+  return io if io is not None and tf.executing_eagerly() else None
+
+
+@contextlib.contextmanager
+def whole_stack_io() -> Iterator[None]:
+  """Within, an eager checkpoint save reads each stack once (one unstack, each row's
+  key given its slice) and a restore writes each stack once, when the block ends.
+
+  Outside, a row is read (saved) by a gather of its own and written (restored) by a
+  scatter of its own: one eager op per row, which at 24,576 rows (512 layers of 16
+  weights, with Adam's two slots) costs seconds per save and restore (docs/
+  benchmarks.md). Each row keeps its own checkpoint key either way. Within the block a
+  row reads as before its restore until the block ends.
+  """
+  outer = getattr(_STATE, "whole_stack_io", None)
+  if outer is not None:
+    yield
+    return
+  io = _WholeStackIO()
+  _STATE.whole_stack_io = io
+  try:
+    yield
+  finally:
+    _STATE.whole_stack_io = None
+    io.apply_restores()
 
 
 def _frame() -> dict | None:
