@@ -14,7 +14,9 @@ Configurations (synthetic data, logical CPU devices, one per cell):
   multilingual128   mt.Multilingual128L6B's shape: 64 encoder + 64 decoder layers, K=16,
                     M=64 (64 wide, batch 64);
   l1663             lm.TransformerL1663's shape: 1663 layers, K=128, M=512, batch 512 (not
-                    run unless named in --only).
+                    run unless named in --only);
+  l1663_w16         the same 16 wide (hidden 64), so that the step's own compute is small
+                    (not run unless named in --only).
 
 --apart runs each configuration a second time with every layer traced on its own
 (task.pipeline.share_layer_functions=False), named <config>_apart: the engine before
@@ -68,7 +70,8 @@ PARAM_FILE = textwrap.dedent('''
     from lingvo_gpipe.tasks.language_model import LanguageModelTask
     from lingvo_gpipe.tasks.translation import TranslationTask
 
-    WIDTH = dict(model_dim=64, hidden_dim=256, num_heads=4, logits_abs_max=30.0)
+    def _width(dim):
+      return dict(model_dim=dim, hidden_dim=4 * dim, num_heads=4, logits_abs_max=30.0)
 
 
     class _Shape(SingleTaskModelParams):
@@ -77,16 +80,18 @@ PARAM_FILE = textwrap.dedent('''
       SHARE = True
       STACK = True
       SCAN = False
+      DIM = 64
 
       def task(self):
         vocab = self.train_input().instantiate().vocab.size
         if self.TRANSLATION:
           p = TranslationTask.Params().set(name="startup")
-          p.stack = transformer.encoder_decoder_stack(vocab, num_layers=self.LAYERS, **WIDTH)
+          p.stack = transformer.encoder_decoder_stack(vocab, num_layers=self.LAYERS,
+                                                      **_width(self.DIM))
         else:
           p = LanguageModelTask.Params().set(name="startup")
           p.stack = transformer.lm_stack(vocab, num_layers=self.LAYERS, residual_keep_prob=0.9,
-                                         **WIDTH)
+                                         **_width(self.DIM))
         p.pipeline.set(num_cells=self.CELLS, num_micro_batches=self.MICRO_BATCHES,
                        share_layer_functions=self.SHARE, stack_variables=self.STACK,
                        scan_layers=self.SCAN)
@@ -120,8 +125,11 @@ def configs(args) -> dict[str, dict]:
   out["transformer48"] = dict(LAYERS=48, CELLS=8, MICRO_BATCHES=32, BATCH=32)
   out["multilingual128"] = dict(LAYERS=64, CELLS=16, MICRO_BATCHES=64, BATCH=64,
                                 TRANSLATION=True)
-  if "l1663" in args.only.split(","):
+  only = args.only.split(",")
+  if any(n.startswith("l1663") and "_w16" not in n for n in only):
     out["l1663"] = dict(LAYERS=1663, CELLS=128, MICRO_BATCHES=512, BATCH=512)
+  if any(n.startswith("l1663_w16") for n in only):  # the step's own compute small
+    out["l1663_w16"] = dict(LAYERS=1663, CELLS=128, MICRO_BATCHES=512, BATCH=512, DIM=16)
   base = list(out.items())
   if args.apart:
     out.update({f"{name}_apart": dict(settings, SHARE=False) for name, settings in base})
@@ -207,7 +215,8 @@ def main() -> None:
   parser.add_argument("--scan", action="store_true",
                       help="also run each configuration with each cell's runs of one kind "
                       "of layer as one loop (task.pipeline.scan_layers=True)")
-  parser.add_argument("--steps", type=int, default=6, help="steps per run (>= 4)")
+  parser.add_argument("--steps", type=int, default=6,
+                      help="steps per run (>= 4 for a steady step; 1: the first step only)")
   parser.add_argument("--only", default="", help="comma-separated configuration names")
   args = parser.parse_args()
   all_configs = configs(args)

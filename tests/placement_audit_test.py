@@ -193,3 +193,23 @@ def test_the_loops_slice_no_int32_batch(cpu_devices):
   loop_slices = {e.dtypes for e in report.without_kernel if "device_loop.py" in e.frame}
   assert loop_slices, "the walk found none of the loops' slices"
   assert not [d for d in loop_slices if "T=int32" in d], loop_slices
+
+
+@pytest.mark.parametrize("schedule, slices", [("1f1b", 1), ("zb_h1", 1), ("1f1b", 2)])
+def test_no_int32_crosses_a_branch_of_the_loops(cpu_devices, schedule, slices):
+  """On a GPU an int32 passed into (or out of) a Case arrives in the GPU's memory where
+  the branch takes it for host memory (placement_audit's docstring; a segmentation
+  fault in TensorListSetItem on an H200). The tiny LM's traced step, every op counted as
+  on a GPU (and with two token slices, whose cache reads sit in a cond): no Case or If
+  takes or gives an int32, while the walk sees the loops' Cases."""
+  from lingvo_gpipe import model_registry
+  from lingvo_gpipe.tools import gpu_audit
+
+  model_registry.load_param_files([])
+  graph = gpu_audit.trace_step(gpu_audit.Config("lm.TransformerTiny", schedule, "always",
+                                                "float32", token_slices=slices))
+  cases = placement_audit.audit(graph, lambda spec: 0,
+                                lambda node_def: node_def.op not in ("Case", "StatelessCase"))
+  assert cases.without_kernel, "the walk found none of the loops' Cases"
+  report = placement_audit.audit(graph, lambda spec: 0, lambda node_def: True)
+  assert not report.int32_across_branches, placement_audit.table(report.int32_across_branches)

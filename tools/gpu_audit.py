@@ -14,8 +14,9 @@ build: the full `tensorflow` wheel (not `tensorflow-cpu`); no GPU is needed.
 
 Prints each configuration, then the ops without a GPU kernel (with the frame that
 made each), the ops on the host on purpose (with the reason the code gives), and a
-JSON line last. Exit 0: clean; 1: an op meant for a GPU has no kernel, or a host op
-does not say why; 2: bad flags or a TensorFlow without GPU kernels.
+JSON line last. Exit 0: clean; 1: an op meant for a GPU has no kernel, an int32 crosses
+a Case or If on a GPU, or a host op does not say why; 2: bad flags or a TensorFlow
+without GPU kernels.
 """
 
 from __future__ import annotations
@@ -169,13 +170,15 @@ def main(argv: list[str]) -> int:
             "unexplained_host": sum(total.unexplained_host.values()),
             "deliberate_host": sum(total.on_host.values()),
             "unplaced_host": sum(total.unplaced_host.values()),
+            "int32_across_branches": sum(total.int32_across_branches.values()),
             "unreadable_functions": len(total.unreadable_functions),
             "clean": total.clean, "seconds": round(time.perf_counter() - start, 1),
             "tensorflow": tf.__version__}
   if FLAGS.json_out:
     with open(FLAGS.json_out, "w") as f:
       json.dump(dict(result, findings=[dataclasses.asdict(e) | {"count": n} for e, n in
-                                       (total.without_kernel + total.unexplained_host).items()],
+                                       (total.without_kernel + total.unexplained_host
+                                        + total.int32_across_branches).items()],
                      refused=refused), f, indent=1)
   print(json.dumps(result))
   return 0 if total.clean else 1
@@ -188,6 +191,8 @@ def print_report(report, traced: int, refused: list[tuple[str, str]]) -> None:
         f"{report.gpu_ops} op placements on GPUs checked.")
   sections = [("Ops meant for a GPU without a GPU kernel", report.without_kernel, False),
               ("Ops on the host without a stated reason", report.unexplained_host, False),
+              ("Case / If on a GPU taking or giving int32 (placement_audit)",
+               report.int32_across_branches, False),
               ("Ops on the host on purpose", report.on_host, True),
               ("Ops no device scope reaches and no GPU kernel admits (the placer puts them "
                "on the host)", report.unplaced_host, False)]

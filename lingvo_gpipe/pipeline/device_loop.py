@@ -114,7 +114,8 @@ def _weighted_mean(values: tf.Tensor, weights: tf.Tensor) -> tuple[tf.Tensor, tf
 
 class TableRow(NamedTuple):
   """One action of a device's table: a row of `ActionTable.rows` (Python ints there;
-  int32 scalars in the loop, where `ActionArgs` hands them to the action).
+  int64 scalars in the loop body, int32 in the action's Case branch, where `ActionArgs`
+  hands them to the action).
 
   branch: its Case branch (`Branches`: which cell, which action, which shape class or
   W group size); unit: u, the schedule's unit (a micro-batch, or slice (m, j) of one,
@@ -302,9 +303,9 @@ def _int32_as_int64(flat: Sequence[tf.Tensor]) -> list[tf.Tensor]:
   """Each int32 tensor of `flat` as int64 (the others as they are): what the loops slice.
 
   A GPU has no device kernel for an int32 Slice: TensorFlow runs it on the host's memory
-  (as for most int32 ops on a GPU). An int32 batch captured into a device's While and its
-  Case branches on a GPU reaches the Slice in the GPU's memory, and the host kernel read
-  it as a host pointer: a segmentation fault in every training step (an H200,
+  (as for most int32 ops on a GPU). The int32 batch captured into a device's While and
+  its Case branches on a GPU reached that Slice in the GPU's memory, and the host kernel
+  read it as a host pointer: a segmentation fault in every training step (an H200,
   docs/benchmarks.md, "GPU readiness"). An int64 Slice is a GPU kernel; `_slice` casts the
   micro-batch back, so the cells see the dtypes they were given.
   """
@@ -402,12 +403,12 @@ class StepInputs:
   """What the actions read of the step besides the loop state.
 
   inputs: the pipeline's flat batch [B, ...] (cell 0 slices its micro-batches from
-  it); head_inputs: the head's flat batch [B, ...] (the last cell's); both with int32
-  tensors as int64 (`_int32_as_int64`), `input_dtypes` and `head_dtypes` saying which
-  dtypes the cells take; step: the
+  it); head_inputs: the head's flat batch [B, ...] (the last cell's); step: the
   global step, int64 []; base_offset: the batch's first example's position (r·B on
   replica r; it keys dropout with each micro-batch's offset); loss_scale: S, float32
-  [] (the last cell seeds each backward with S·w_m), or None (1).
+  [] (the last cell seeds each backward with S·w_m), or None (1); input_dtypes,
+  head_dtypes: the dtypes the cells take (`of` carries int32 inputs as int64,
+  `_int32_as_int64`).
   """
   inputs: list[tf.Tensor]
   head_inputs: list[tf.Tensor]
@@ -535,13 +536,17 @@ class CellLoop:
                      specs: Sequence[tf.TensorSpec], filled: tf.Tensor) -> list[tf.Tensor]:
     """The entries in the row's cache slot of `slots`, where `filled` (a bool scalar),
     else zeros (shaped as `specs`, its shape class's)."""
-    def read(ta: tf.TensorArray, spec: tf.TensorSpec) -> tf.Tensor:
-      value = ta.read(row.cache_slot)
+    def read(ta: tf.TensorArray, spec: tf.TensorSpec, slot: tf.Tensor) -> tf.Tensor:
+      value = ta.read(slot)
       value.set_shape(spec.shape)
       return value
     if filled is True:
-      return [read(ta, spec) for ta, spec in zip(slots, specs)]
-    return [tf.cond(filled, lambda ta=ta, spec=spec: read(ta, spec),
+      return [read(ta, spec, row.cache_slot) for ta, spec in zip(slots, specs)]
+    # The slot crosses into the cond's branch as int64: an int32 would arrive there in
+    # a GPU's memory taken for the host's (placement_audit).
+    slot = tf.cast(row.cache_slot, tf.int64)
+    return [tf.cond(filled,
+                    lambda ta=ta, spec=spec: read(ta, spec, tf.cast(slot, tf.int32)),
                     lambda spec=spec: tf.zeros(spec.shape, spec.dtype))
             for ta, spec in zip(slots, specs)]
 
@@ -663,9 +668,11 @@ class DeviceLoop:
     """The loop, under tf.device(device): each cell's final state, and the
     timestamps of its actions ([A, 2], in table order)."""
     rows = self.table.rows
-    # One more row, receiving nothing, for the look-ahead of the last iteration.
+    # One more row, receiving nothing, for the look-ahead of the last iteration. int64:
+    # a row crosses into the Case's branches, where an int32 would arrive in a GPU's
+    # memory taken for the host's (placement_audit); `_step` casts it inside.
     table = tf.constant(np.concatenate([rows, np.full([1, rows.shape[1]], NO_RECEIVE,
-                                                      np.int32)]))
+                                                      np.int32)]).astype(np.int64))
     order = sorted(self.cells)
     position = {kind: q for q, kind in enumerate(self.table.receives)}
 
@@ -683,10 +690,12 @@ class DeviceLoop:
       start = _timestamp(self.device, tf.nest.flatten(state.inbox) + [i])
       with tf.control_dependencies([start]):
         cells = tf_internals.unlowered(
-            lambda: tf.switch_case(row.branch, [branches[b] for b in range(len(branches))]))
+            lambda: tf.switch_case(tf.cast(row.branch, tf.int32),
+                                   [branches[b] for b in range(len(branches))]))
       end = _timestamp(self.device, _flows(cells))
       times = state.times.write(i, tf.stack([start, end]))
-      inbox = self._prefetch(state.inbox, tf.gather(table, i + 1)[COLUMNS.receive])
+      inbox = self._prefetch(state.inbox,
+                             tf.cast(tf.gather(table, i + 1)[COLUMNS.receive], tf.int32))
       return i + 1, LoopState(cells, times, inbox)
 
     num_actions = len(rows)
@@ -710,7 +719,8 @@ class DeviceLoop:
             run: Callable[[CellState, ActionArgs], ActionResult], args: ActionArgs
             ) -> list[CellState]:
     """A Case branch: the action of the device's j-th cell → every cell's state (j's
-    updated)."""
+    updated). The row comes in as int64 and is cast to int32 here, inside the branch."""
+    args = args._replace(row=TableRow(*(tf.cast(f, tf.int32) for f in args.row)))
     cells = list(state.cells)
     cells[j] = run(state.cells[j], args)
     return cells

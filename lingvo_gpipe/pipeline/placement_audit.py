@@ -17,7 +17,17 @@ traced step alone, before any GPU is there:
       against the kernel registry as it would be on that GPU (its type, its dtypes);
       host ops are sorted into deliberate ones (made within `on_host`, which states
       why on the op itself) and unexplained ones; ops no device reaches are listed
-      where the placer would have to put them on the host (no GPU kernel).
+      where the placer would have to put them on the host (no GPU kernel); and every
+      Case or If on a GPU that takes or returns an int32 (below).
+
+An int32 must not cross a Case's or If's boundary on a GPU. TensorFlow treats int32
+tensors as host memory at a function's arguments and results (`_Arg`, `_Retval`) and at
+a While's, but as device memory at a Case's or If's inputs and outputs (their GPU
+kernels mark only the branch index host memory; memory_types.cc lists While, not Case,
+among the function calls whose int32 stay on the host). A branch then receives a GPU
+buffer it takes for a host one, and the first int32 host kernel in it (a Slice, a
+TensorList's index) reads it on the CPU: a segmentation fault, seen on an H200
+(docs/benchmarks.md, "GPU readiness"). Carry int64 across, and cast inside.
 
 `gpu_index` lets a step traced on logical CPU devices stand in for GPUs (the tool
 `tools/gpu_audit.py` traces with cells on CPU:1..N standing for GPU:0..N-1, CPU:0 the
@@ -91,19 +101,24 @@ class AuditReport:
   unexplained_host: collections.Counter = dataclasses.field(
       default_factory=collections.Counter)
   unplaced_host: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+  int32_across_branches: collections.Counter = dataclasses.field(
+      default_factory=collections.Counter)  # Case / If on a GPU taking or giving int32
   unreadable_functions: set = dataclasses.field(default_factory=set)
 
   @property
   def clean(self) -> bool:
-    """No op meant for a GPU lacks a kernel, and every host op says why."""
-    return not (self.without_kernel or self.unexplained_host or self.unreadable_functions)
+    """No op meant for a GPU lacks a kernel, no int32 crosses a GPU's Case or If, and
+    every host op says why."""
+    return not (self.without_kernel or self.unexplained_host or self.int32_across_branches
+                or self.unreadable_functions)
 
   def merge(self, other: AuditReport) -> None:
     self.gpu_ops += other.gpu_ops
     for mine, theirs in ((self.without_kernel, other.without_kernel),
                          (self.on_host, other.on_host),
                          (self.unexplained_host, other.unexplained_host),
-                         (self.unplaced_host, other.unplaced_host)):
+                         (self.unplaced_host, other.unplaced_host),
+                         (self.int32_across_branches, other.int32_across_branches)):
       mine.update(theirs)
     self.unreadable_functions |= other.unreadable_functions
 
@@ -132,6 +147,16 @@ def audit(graph: Any, gpu_index: Callable[[tf.DeviceSpec], int | None],
 # its ops name.
 _SINGLE_DEVICE_BODIES = ("While", "StatelessWhile", "Case", "StatelessCase", "If",
                          "StatelessIf")
+
+
+_BRANCHES = ("Case", "StatelessCase", "If", "StatelessIf")
+
+
+def _passes_int32(node_def: Any) -> bool:
+  """Whether a Case or If takes (besides its branch index or condition) or returns an
+  int32."""
+  return any(tf.dtypes.as_dtype(t) == tf.int32
+             for key in ("Tin", "Tout") for t in node_def.attr[key].list.type)
 
 
 class _Walker:
@@ -181,6 +206,8 @@ class _Walker:
       self.report.gpu_ops += 1
       if not self._kernel(node_def, gpu):
         self.report.without_kernel[self._entry(op, node_def, f"GPU:{gpu}")] += 1
+      if op.type in _BRANCHES and _passes_int32(node_def):
+        self.report.int32_across_branches[self._entry(op, node_def, f"GPU:{gpu}")] += 1
       return
     if named and placed.device_type == "CPU":
       if reason:
