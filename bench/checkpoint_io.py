@@ -34,6 +34,7 @@ sys.path.insert(0, str(REPO / "bench"))
 def build_trainer(layers: int, logdir: str):
   """The depth sweep's model (bench/startup_time.py's depth<L>) in a Trainer."""
   import startup_time
+
   from lingvo_gpipe import model_registry
   from lingvo_gpipe import trainer as trainer_lib
 
@@ -55,6 +56,7 @@ def main() -> None:
   configure_devices("cpu:4")
   import numpy as np
   import tensorflow as tf
+
   from lingvo_gpipe.core import stacked_variables
 
   summary: dict[str, object] = {"machine": platform.processor() or platform.machine(),

@@ -181,8 +181,9 @@ def test_the_loops_slice_no_int32_batch(cpu_devices):
   back. Walks the traced step of the tiny LM (int32 ids and labels) for Slice ops of
   int32 made in device_loop.py: none, while the step's int64 slices are found there
   (the walk sees the loops)."""
-  from lingvo_gpipe import model_registry
   from lingvo_gpipe.tools import gpu_audit
+
+  from lingvo_gpipe import model_registry
 
   model_registry.load_param_files([])
   graph = gpu_audit.trace_step(gpu_audit.Config("lm.TransformerTiny", "1f1b", "always",
@@ -202,8 +203,9 @@ def test_no_int32_crosses_a_branch_of_the_loops(cpu_devices, schedule, slices):
   fault in TensorListSetItem on an H200). The tiny LM's traced step, every op counted as
   on a GPU (and with two token slices, whose cache reads sit in a cond): no Case or If
   takes or gives an int32, while the walk sees the loops' Cases."""
-  from lingvo_gpipe import model_registry
   from lingvo_gpipe.tools import gpu_audit
+
+  from lingvo_gpipe import model_registry
 
   model_registry.load_param_files([])
   graph = gpu_audit.trace_step(gpu_audit.Config("lm.TransformerTiny", schedule, "always",

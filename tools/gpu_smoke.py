@@ -52,6 +52,7 @@ def main(argv) -> int:
   del argv
   faulthandler.enable()
   import tensorflow as tf
+
   from lingvo_gpipe.runtime.devices import configure_devices
 
   names = configure_devices(FLAGS.devices)
