@@ -432,8 +432,8 @@ class CellFunctions:
                           + [wholes[id(s)] for s in whole_stacks],
                           output_gradients=list(output_grads) + list(cache_grads),
                           unconnected_gradients=tf.UnconnectedGradients.NONE)
-    grads, whole_grads = grads[:len(grads) - len(whole_stacks)], \
-        grads[len(grads) - len(whole_stacks):]
+    split = len(grads) - len(whole_stacks)
+    grads, whole_grads = grads[:split], grads[split:]
     input_grads = _zeros_where_none(grads[:len(input_sources)], input_sources)
     variable_grads = grads[len(input_sources):len(input_sources) + len(variables)]
     product_grads = _zeros_where_none(grads[len(input_sources) + len(variables):],

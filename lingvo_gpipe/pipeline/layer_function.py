@@ -182,11 +182,7 @@ class _KindFunction:
                          for subs in sublayers], tf.int64, shape=[n, len(self.layout.seeds)])
     num_stats = len(concrete.structured_outputs[1])
     if getattr(_STATE, "forward_only", False) or not ctx.training:
-      rows = [tf.TensorArray(t.dtype, size=n, element_shape=t.shape[1:]).unstack(t)
-              for t in slices]
-      seed_rows = tf.TensorArray(tf.int64, size=n, element_shape=seeds.shape[1:]).unstack(seeds)
-      stats = [tf.TensorArray(t.dtype, size=n, element_shape=t.shape)
-               for t in concrete.structured_outputs[1]]
+      rows, seed_rows, stats = _iteration_arrays(slices, seeds, concrete.structured_outputs[1])
 
       def body(i, flat_x, stats):
         x = tf.nest.pack_sequence_as(inputs, flat_x)
@@ -264,11 +260,8 @@ def _differentiable_loop(concrete: Any, slices: list[tf.Tensor], seeds: tf.Tenso
 
   @tf.custom_gradient
   def loop(*args):
-    rows = [tf.TensorArray(t.dtype, size=n, element_shape=t.shape[1:]).unstack(t)
-            for t in args[:num_rows]]
-    seed_rows = tf.TensorArray(tf.int64, size=n, element_shape=seeds.shape[1:]).unstack(seeds)
-    stats = [tf.TensorArray(spec.dtype, size=n, element_shape=spec.shape)
-             for spec in outputs_specs[num_x:num_x + num_stats]]
+    rows, seed_rows, stats = _iteration_arrays(args[:num_rows], seeds,
+                                               outputs_specs[num_x:num_x + num_stats])
     kept_lists = [tf.raw_ops.EmptyTensorList(element_shape=tf.constant(-1, tf.int32),
                                              max_num_elements=-1, element_dtype=d)
                   for d in dtypes]
@@ -324,6 +317,20 @@ def _differentiable_loop(concrete: Any, slices: list[tf.Tensor], seeds: tf.Tenso
 
   results = loop(*slices, *flat_x)
   return list(results[:num_x]), list(results[num_x:])
+
+
+def _iteration_arrays(slices: Sequence[tf.Tensor], seeds: tf.Tensor,
+                      stat_specs: Sequence[Any]
+                      ) -> tuple[list[tf.TensorArray], tf.TensorArray, list[tf.TensorArray]]:
+  """A scan loop's TensorArrays, n = seeds' rows: each weight's [n, *shape] slice and
+  the seeds [n, S] as arrays that iteration i reads row i of, and one empty array of n
+  per statistic (each spec's shape) that iteration i writes."""
+  n = int(seeds.shape[0])
+  rows = [tf.TensorArray(t.dtype, size=n, element_shape=t.shape[1:]).unstack(t)
+          for t in slices]
+  seed_rows = tf.TensorArray(seeds.dtype, size=n, element_shape=seeds.shape[1:]).unstack(seeds)
+  stats = [tf.TensorArray(spec.dtype, size=n, element_shape=spec.shape) for spec in stat_specs]
+  return rows, seed_rows, stats
 
 
 def _row_slices(weights: list[list[Any]]) -> list[tf.Tensor] | None:
