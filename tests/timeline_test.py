@@ -143,13 +143,15 @@ def test_a_step_stamps_every_action_in_the_loop_of_its_device(cpu_devices, sched
   assert sorted((k.cell, k.unit, k.phase) for k in measured.keys) == sorted(
       (k, m, phase) for k in range(num_cells) for m in range(num_micro)
       for phase in (FORWARD, BACKWARD))
-  # The stamps follow the hand-offs: cell 1 ends F_m only after cell 0 ended it (its input
-  # comes from there), and cell 0 ends B_m only after cell 1 ended B_m (its output
-  # gradient). (A span starts when the action starts, wait for the hand-off included.)
+  # The stamps follow the hand-offs. A span starts once its input is in the inbox, and a
+  # cell sends its output inside its Case, after its own start: so cell 1 starts F_m only
+  # after cell 0 started it, and cell 0 starts B_m only after cell 1 started B_m (its
+  # output gradient). The ends have no such order: the receiver can finish a small action
+  # before the sender's Case returns and its end is stamped (seen on CI: 0.3 ms earlier).
   span = {(k.cell, k.unit, k.phase): t for t, k in zip(measured.times, measured.keys)}
   for m in range(num_micro):
-    assert span[1, m, FORWARD][1] >= span[0, m, FORWARD][1]
-    assert span[0, m, BACKWARD][1] >= span[1, m, BACKWARD][1]
+    assert span[1, m, FORWARD][0] >= span[0, m, FORWARD][0]
+    assert span[0, m, BACKWARD][0] >= span[1, m, BACKWARD][0]
   # Each device ran its calls one at a time, in the order the schedule lists.
   assert measured.followed(model.plan()) == [True] * num_cells
   summary = measured.summary(model.plan())
