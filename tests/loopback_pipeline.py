@@ -10,6 +10,7 @@ hand-offs between the processes), and worker 1's device memory
 is created there.
 """
 
+import gc
 import json
 import os
 import tempfile
@@ -22,7 +23,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 def main() -> None:
   from lingvo_gpipe.runtime.local_workers import local_cluster
-  from lingvo_gpipe.runtime.memory_log import memory_log_path, read_memory_log
+  from lingvo_gpipe.runtime.memory_log import memory_log_path
 
   log_dir = tempfile.mkdtemp(prefix="loopback_memory_")
   with local_cluster(2, single_thread=False, memory_log_dir=log_dir) as (devices, _):
@@ -78,17 +79,37 @@ def main() -> None:
     worst["1f1b/token_slices"] = token_slices_difference(devices)
     # Worker 1's memory log sees a 4 MiB variable created there.
     log = memory_log_path(log_dir, 1)
-    time.sleep(1.0)
-    before = read_memory_log(log)
+    gc.collect()  # remote tensors of the models above, freed now rather than between reads
+    before = settled_record(log, lambda _: True)
     with tf.device(devices[1]):
       block = tf.Variable(tf.zeros([1024, 1024]))
-    time.sleep(1.5)
-    after = read_memory_log(log)
+    block_bytes = int(tf.size(block)) * 4
+    after = settled_record(
+        log, lambda r: r["bytes_in_use"] - before["bytes_in_use"] >= block_bytes)
     print(json.dumps({"devices": remote.cell_devices, "variable_devices":
                       [v.device for v in stacked_variables.trainable_weights(remote)],
                       "max_relative_difference": worst,
                       "memory_before": before, "memory_after": after,
-                      "block_bytes": int(tf.size(block)) * 4}))
+                      "block_bytes": block_bytes}))
+
+
+def settled_record(log: str, wanted, stable_s: float = 1.5, deadline_s: float = 60.0) -> dict:
+  """The memory log's last record once it is `wanted` and has not changed for `stable_s`
+  (three of the worker's 0.5 s polls: what was being freed or allocated is done), or
+  the last record at the deadline (the caller's bounds then fail, naming it). Polled, not
+  slept for a fixed time: the worker's process may be starved on a loaded machine."""
+  from lingvo_gpipe.runtime.memory_log import read_memory_log
+
+  end = time.monotonic() + deadline_s
+  record, since = read_memory_log(log), time.monotonic()
+  while time.monotonic() < end:
+    time.sleep(0.1)
+    latest = read_memory_log(log)
+    if latest != record:
+      record, since = latest, time.monotonic()
+    elif wanted(record) and time.monotonic() - since >= stable_s:
+      break
+  return record
 
 
 def token_slices_difference(devices) -> float:
