@@ -4,8 +4,10 @@ Logical CPUs by default; LINGVO_GPIPE_TEST_DEVICES=gpu:4:MEMORY_MB runs the test
 take `cpu_devices` on four logical GPUs instead (tools/gpu_check.sh).
 """
 
+import gc
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -117,13 +119,23 @@ def tiny_lm_cost_cache(tmp_path_factory) -> Path:
 
 
 @pytest.fixture
-def cpu_allocator_stats() -> None:
+def cpu_allocator_stats() -> Iterator[None]:
   """Skips a test that reads the CPU allocator's statistics where this TensorFlow keeps
   none (oneDNN off, TF_ENABLE_ONEDNN_OPTS=0, without TF_CPU_ALLOCATOR_USE_BFC=true):
   there the planner falls back to its formula (layer_profiler.measure_layer_memory
-  returns None)."""
+  returns None). Runs the test without automatic garbage collection (after one): the
+  counts are process-wide, and a collection of what earlier tests left, between two
+  reads, would move them by what this test did not do."""
   try:
     tf.config.experimental.get_memory_info("CPU:0")
   except ValueError as e:
     pytest.skip(f"the CPU allocator keeps no statistics here ({e}); set "
                 "TF_CPU_ALLOCATOR_USE_BFC=true to run this test")
+  gc.collect()
+  was_enabled = gc.isenabled()
+  gc.disable()
+  try:
+    yield
+  finally:
+    if was_enabled:
+      gc.enable()

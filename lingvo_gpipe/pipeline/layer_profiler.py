@@ -19,12 +19,14 @@ them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import hashlib
 import json
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -443,7 +445,7 @@ def measure_layer_memory(layer_params: Sequence[Any], input_specs: Any,
   except (ValueError, tf.errors.OpError):
     return None
   found = []
-  with tf.device(device):
+  with tf.device(device), _without_garbage_collection():
     inputs = tf.nest.map_structure(random_like, input_specs)
     for p in layer_params:
       layer = p.copy().instantiate()
@@ -456,6 +458,21 @@ def measure_layer_memory(layer_params: Sequence[Any], input_specs: Any,
       outputs, _ = pair.forward(list(flat))
       inputs = tf.nest.pack_sequence_as(structure["out"], list(outputs))
   return found
+
+
+@contextlib.contextmanager
+def _without_garbage_collection() -> Iterator[None]:
+  """One collection, then none until the block ends: the allocator's counts are the
+  process's, and a collection between two reads would free what others left (tensors
+  in reference cycles) and count it against the layer measured."""
+  gc.collect()
+  was_enabled = gc.isenabled()
+  gc.disable()
+  try:
+    yield
+  finally:
+    if was_enabled:
+      gc.enable()
 
 
 def _memory_of_one_run(pair: Any, flat: Sequence[tf.Tensor], allocator: str
