@@ -51,6 +51,12 @@ def test_two_worker_processes_give_the_unpartitioned_gradients():
   assert report["block_bytes"] <= grown <= report["block_bytes"] + 64 * 1024, grown
 
 
+def test_free_ports_are_distinct_and_free():
+  ports = cluster.free_ports(16)
+  assert len(set(ports)) == 16, ports
+  assert [cluster.port_in_use(p) for p in ports] == [None] * 16
+
+
 def test_cluster_specs_parse_and_bad_ones_are_named(monkeypatch):
   assert cluster.parse_cluster_spec("worker=h1:2222,h2:2223;ps=h3:1") == {
       "worker": ["h1:2222", "h2:2223"], "ps": ["h3:1"]}
@@ -261,7 +267,7 @@ def test_checkpoints_of_workers_without_the_trainers_disk_are_written_and_read_o
   resumes, and the worker's disk stays empty."""
   shared = tmp_path / "shared"
   shared.mkdir()
-  spec = "worker=" + ",".join(f"localhost:{cluster.free_port()}" for _ in range(2))
+  spec = "worker=" + ",".join(f"localhost:{port}" for port in cluster.free_ports(2))
   workers = [start_local_worker(spec, 0, single_thread=False),
              _start_worker_on_its_own_disk(spec, 1, shared)]
   logdir = shared / "run"

@@ -8,6 +8,7 @@ one prints.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -96,9 +97,18 @@ def port_in_use(port: int) -> str | None:
 
 
 def free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("localhost", 0))
-    return s.getsockname()[1]
+  """A loopback port no socket holds now (free until someone binds it)."""
+  return free_ports(1)[0]
+
+
+def free_ports(count: int) -> list[int]:
+  """`count` distinct loopback ports no socket holds now: each probe stays bound until
+  all are chosen (a probe closed before the next may be handed out again)."""
+  with contextlib.ExitStack() as probes:
+    sockets = [probes.enter_context(socket.socket()) for _ in range(count)]
+    for s in sockets:
+      s.bind(("localhost", 0))
+    return [s.getsockname()[1] for s in sockets]
 
 
 def connect_to_cluster(spec: dict[str, list[str]], worker_job: str = "worker",

@@ -10,7 +10,7 @@ from contextlib import contextmanager
 
 from lingvo_gpipe.runtime.cluster import (
   connect_to_cluster,
-  free_port,
+  free_ports,
   parse_cluster_spec,
   wait_for_servers,
 )
@@ -48,7 +48,7 @@ def start_local_workers(num_workers: int, single_thread: bool = True,
   caller kills them. With memory_log_dir, task k logs its device memory to
   `memory_log_path(memory_log_dir, k)`.
   """
-  spec = "worker=" + ",".join(f"localhost:{free_port()}" for _ in range(num_workers))
+  spec = "worker=" + ",".join(f"localhost:{port}" for port in free_ports(num_workers))
   return spec, [start_local_worker(spec, task, single_thread,
                                    memory_log_path(memory_log_dir, task) if memory_log_dir
                                    else None)
