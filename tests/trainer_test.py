@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
@@ -565,6 +566,15 @@ def test_ctrl_c_stops_after_the_step_in_flight_flushing_its_summaries(tmp_path):
     for line in trainer.stdout:  # ends early only if the trainer exits
       if line.startswith("step 20/"):
         break
+    # Step 20's line comes before its save: the signal goes once the save is done (the
+    # checkpoint state names it), so what is asserted below never depends on whether a
+    # save outlasts the handler's 2 s on a loaded machine.
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and trainer.poll() is None:
+      latest = tf.train.latest_checkpoint(str(logdir / "train"))
+      if latest and int(latest.rsplit("-", 1)[1]) >= 20:
+        break
+      time.sleep(0.05)
     trainer.send_signal(signal.SIGINT)
     _, stderr = trainer.communicate(timeout=60)
   finally:
