@@ -2,6 +2,13 @@
 
 Logical CPUs by default; LINGVO_GPIPE_TEST_DEVICES=gpu:4:MEMORY_MB runs the tests that
 take `cpu_devices` on four logical GPUs instead (tools/gpu_check.sh).
+
+Clocks and memory counts in tests (CI is a loaded 2-core machine; float tolerances are
+tests/numerics.py's): assert only the orders causality fixes (a receiver starts an
+action after its sender started it; one device's spans never overlap), never one
+between two devices' ends or between a measured and a simulated time; wait for an event
+by polling under a generous deadline, not by a fixed sleep; read the process-wide
+allocator counts with no garbage collection between the reads (`cpu_allocator_stats`).
 """
 
 import gc
