@@ -190,7 +190,11 @@ def _wait_for_checkpoint_after(logdir: Path, step: int, trainer: subprocess.Pope
     if latest is not None and int(latest.rsplit("-", 1)[1]) > step:
       return
     time.sleep(0.2)
-  raise AssertionError(f"no checkpoint after step {step} within 180 s: {trainer.poll()}")
+  if trainer.poll() is None:
+    raise AssertionError(f"no checkpoint after step {step} within 180 s")
+  _, stderr = trainer.communicate()
+  raise AssertionError(f"the trainer exited ({trainer.returncode}) before a checkpoint after "
+                       f"step {step}:\n{stderr[-5000:]}")
 
 
 def test_a_frozen_worker_is_named_within_30_s_and_ctrl_c_is_heard_while_it_hangs(tmp_path):
