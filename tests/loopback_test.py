@@ -176,9 +176,12 @@ def test_a_dead_worker_stops_training_in_bounded_time_and_a_restart_resumes(tmp_
 
 
 def _start_trainer(logdir: Path, spec: str, model: list[str]) -> subprocess.Popen:
+  # (-X faulthandler: a crash prints every thread's Python stack to the stderr a failure
+  # reports; once on a loaded machine the trainer aborted before its first checkpoint)
   return subprocess.Popen(
-      [sys.executable, str(REPO / "tools" / "trainer.py"), *model, f"--logdir={logdir}",
-       f"--cluster_spec={spec}", "--max_steps=1000000"], stdout=subprocess.PIPE,
+      [sys.executable, "-X", "faulthandler", str(REPO / "tools" / "trainer.py"), *model,
+       f"--logdir={logdir}", f"--cluster_spec={spec}", "--max_steps=1000000"],
+      stdout=subprocess.PIPE,
       stderr=subprocess.PIPE, text=True, cwd=REPO, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
       preexec_fn=sigint_as_default)  # (a Ctrl-C test signals it)
 
