@@ -28,6 +28,13 @@ from lingvo_gpipe.runtime.devices import configure_devices
 REPO = Path(__file__).resolve().parent.parent
 NUM_TEST_DEVICES = 4
 TEST_DEVICES = os.environ.get("LINGVO_GPIPE_TEST_DEVICES", f"cpu:{NUM_TEST_DEVICES}")
+if TEST_DEVICES.startswith("gpu"):
+  # float32 products in float32, not TF32 (TensorFlow's default on Ampere and later: a
+  # 10-bit mantissa, 3e-4 relative error measured on an H200): the tolerances of
+  # tests/numerics.py are float32's. The variable reaches cuBLAS and cuDNN in the trainer
+  # processes tests start too; the call below covers this one.
+  os.environ.setdefault("NVIDIA_TF32_OVERRIDE", "0")
+  tf.config.experimental.enable_tensor_float_32_execution(False)
 
 TEST_DEVICE_NAMES = configure_devices(TEST_DEVICES)
 if len(TEST_DEVICE_NAMES) != NUM_TEST_DEVICES:
