@@ -11,7 +11,6 @@ by polling under a generous deadline, not by a fixed sleep; read the process-wid
 allocator counts with no garbage collection between the reads (`cpu_allocator_stats`).
 """
 
-import gc
 import os
 import sys
 from collections.abc import Iterator
@@ -145,11 +144,7 @@ def cpu_allocator_stats() -> Iterator[None]:
   except ValueError as e:
     pytest.skip(f"the CPU allocator keeps no statistics here ({e}); set "
                 "TF_CPU_ALLOCATOR_USE_BFC=true to run this test")
-  gc.collect()
-  was_enabled = gc.isenabled()
-  gc.disable()
-  try:
+  from lingvo_gpipe.pipeline.layer_profiler import without_garbage_collection
+
+  with without_garbage_collection():
     yield
-  finally:
-    if was_enabled:
-      gc.enable()

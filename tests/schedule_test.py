@@ -1,12 +1,12 @@
 """Pipeline schedules as data, against rules checked by brute force and the paper's bubble."""
 
-import gc
 import itertools
 import sys
 
 import pytest
 
 from lingvo_gpipe.pipeline import schedule
+from lingvo_gpipe.pipeline.layer_profiler import without_garbage_collection
 from lingvo_gpipe.pipeline.schedule import BACKWARD, FORWARD, WEIGHT_GRADIENT, ScheduleError
 
 SIZES = list(itertools.product([1, 2, 3, 4, 8], [1, 2, 3, 4, 16]))
@@ -136,14 +136,12 @@ def _python_calls(fn) -> int:
 
   # A garbage collection inside fn() would count the finalizers it runs (of whatever
   # earlier tests left): collect first, and none during the count.
-  gc.collect()
-  gc.disable()
-  sys.setprofile(profile)
-  try:
-    fn()
-  finally:
-    sys.setprofile(None)
-    gc.enable()
+  with without_garbage_collection():
+    sys.setprofile(profile)
+    try:
+      fn()
+    finally:
+      sys.setprofile(None)
   return count
 
 

@@ -445,7 +445,7 @@ def measure_layer_memory(layer_params: Sequence[Any], input_specs: Any,
   except (ValueError, tf.errors.OpError):
     return None
   found = []
-  with tf.device(device), _without_garbage_collection():
+  with tf.device(device), without_garbage_collection():
     inputs = tf.nest.map_structure(random_like, input_specs)
     for p in layer_params:
       layer = p.copy().instantiate()
@@ -461,10 +461,11 @@ def measure_layer_memory(layer_params: Sequence[Any], input_specs: Any,
 
 
 @contextlib.contextmanager
-def _without_garbage_collection() -> Iterator[None]:
+def without_garbage_collection() -> Iterator[None]:
   """One collection, then none until the block ends: the allocator's counts are the
   process's, and a collection between two reads would free what others left (tensors
-  in reference cycles) and count it against the layer measured."""
+  in reference cycles) and count it against what is measured (here a layer; also the
+  tests that read the counts)."""
   gc.collect()
   was_enabled = gc.isenabled()
   gc.disable()
