@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import gc
 import os
 import threading
 import time
@@ -42,27 +41,12 @@ import tensorflow as tf
 
 from lingvo_gpipe import checkpoints, logdirs, train_step
 from lingvo_gpipe.core import base_layer, loss_scale, stacked_variables, tf_internals
+from lingvo_gpipe.core.gc_pause import cyclic_gc_paused
 from lingvo_gpipe.core.hyperparams import Params
 from lingvo_gpipe.pipeline import hybrid, schedule_chart, timeline
 from lingvo_gpipe.pipeline.layer import requested_cells
 from lingvo_gpipe.preflight import check_batch_splits
 from lingvo_gpipe.tasks import base_task
-
-
-@contextlib.contextmanager
-def cyclic_gc_paused():
-  """Python's cyclic garbage collector off within (then on as it was): building a deep
-  model and tracing its step make millions of objects that all live on, and each
-  collection walks them again (5% of a 512-layer model's start; docs/benchmarks.md).
-  Reference counting still frees what is dropped."""
-  was_enabled = gc.isenabled()
-  gc.disable()
-  try:
-    yield
-  finally:
-    if was_enabled:
-      gc.enable()
-
 
 # The checkpoint key of the dynamic loss scale's variables (saved only where a layer
 # computes in float16): the one difference a restore lets through.

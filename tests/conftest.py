@@ -22,6 +22,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
+from lingvo_gpipe.core.gc_pause import cyclic_gc_paused
 from lingvo_gpipe.runtime.devices import configure_devices
 
 REPO = Path(__file__).resolve().parent.parent
@@ -144,7 +145,5 @@ def cpu_allocator_stats() -> Iterator[None]:
   except ValueError as e:
     pytest.skip(f"the CPU allocator keeps no statistics here ({e}); set "
                 "TF_CPU_ALLOCATOR_USE_BFC=true to run this test")
-  from lingvo_gpipe.pipeline.layer_profiler import without_garbage_collection
-
-  with without_garbage_collection():
+  with cyclic_gc_paused(collect_first=True):
     yield

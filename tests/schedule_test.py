@@ -5,8 +5,8 @@ import sys
 
 import pytest
 
+from lingvo_gpipe.core.gc_pause import cyclic_gc_paused
 from lingvo_gpipe.pipeline import schedule
-from lingvo_gpipe.pipeline.layer_profiler import without_garbage_collection
 from lingvo_gpipe.pipeline.schedule import BACKWARD, FORWARD, WEIGHT_GRADIENT, ScheduleError
 
 SIZES = list(itertools.product([1, 2, 3, 4, 8], [1, 2, 3, 4, 16]))
@@ -136,7 +136,7 @@ def _python_calls(fn) -> int:
 
   # A garbage collection inside fn() would count the finalizers it runs (of whatever
   # earlier tests left): collect first, and none during the count.
-  with without_garbage_collection():
+  with cyclic_gc_paused(collect_first=True):
     sys.setprofile(profile)
     try:
       fn()

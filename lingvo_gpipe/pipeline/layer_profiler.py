@@ -19,20 +19,19 @@ them.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import gc
 import hashlib
 import json
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import tensorflow as tf
 
 from lingvo_gpipe.core import base_layer, token_slices
+from lingvo_gpipe.core.gc_pause import cyclic_gc_paused
 from lingvo_gpipe.core.hyperparams import ParamsError
 
 
@@ -445,7 +444,7 @@ def measure_layer_memory(layer_params: Sequence[Any], input_specs: Any,
   except (ValueError, tf.errors.OpError):
     return None
   found = []
-  with tf.device(device), without_garbage_collection():
+  with tf.device(device), cyclic_gc_paused(collect_first=True):
     inputs = tf.nest.map_structure(random_like, input_specs)
     for p in layer_params:
       layer = p.copy().instantiate()
@@ -458,22 +457,6 @@ def measure_layer_memory(layer_params: Sequence[Any], input_specs: Any,
       outputs, _ = pair.forward(list(flat))
       inputs = tf.nest.pack_sequence_as(structure["out"], list(outputs))
   return found
-
-
-@contextlib.contextmanager
-def without_garbage_collection() -> Iterator[None]:
-  """One collection, then none until the block ends: the allocator's counts are the
-  process's, and a collection between two reads would free what others left (tensors
-  in reference cycles) and count it against what is measured (here a layer; also the
-  tests that read the counts)."""
-  gc.collect()
-  was_enabled = gc.isenabled()
-  gc.disable()
-  try:
-    yield
-  finally:
-    if was_enabled:
-      gc.enable()
 
 
 def _memory_of_one_run(pair: Any, flat: Sequence[tf.Tensor], allocator: str
