@@ -122,7 +122,8 @@ def restore_for_inference(params: Params, logdir: str, checkpoint: str | None,
 
 def export(params: Params, logdir: str, *, model_name: str = "", checkpoint: str | None = None,
            devices: list[str] | None = None, options: serving.ServingOptions | None = None,
-           overwrite: bool = False, log: Callable[[str], None] = print) -> str:
+           overwrite: bool = False, params_changed: list[dict] | None = None,
+           log: Callable[[str], None] = print) -> str:
   """Writes <logdir>/export/<step>/ (see the module's docstring) and returns its path.
 
   Args:
@@ -133,6 +134,8 @@ def export(params: Params, logdir: str, *, model_name: str = "", checkpoint: str
     devices: None: the whole task on one device; else the devices its cells go to.
     options: dtype and generate's cache length.
     overwrite: replace an export of the same step (else ExportError).
+    params_changed: what serving changed of the trained params ([{key, trained,
+      served}], run_params.apply_serving_overrides), recorded in version.json.
     log: hears what is done.
   """
   options = options or serving.ServingOptions()
@@ -155,7 +158,8 @@ def export(params: Params, logdir: str, *, model_name: str = "", checkpoint: str
            "checkpoint": path, "step": step, "dtype": options.dtype,
            "devices": list(devices) if devices else None,
            "max_decode_length": options.max_decode_length,
-           "signatures": sorted(model.functions)}
+           "signatures": sorted(model.functions),
+           "params_changed_from_training": list(params_changed or [])}
   os.makedirs(os.path.dirname(target), exist_ok=True)
   staging = tempfile.mkdtemp(prefix=f".{step}.partial-", dir=os.path.dirname(target))
   umask = os.umask(0)

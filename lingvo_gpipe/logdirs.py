@@ -217,7 +217,7 @@ def _check_writable_dir(logdir: str, name: str) -> None:
         pass
 
 
-def _leaves(text: str, path: str = PARAMS_FILE) -> dict[str, str]:
+def params_leaves(text: str, path: str = PARAMS_FILE) -> dict[str, str]:
   """'a.b : value' lines → {'a.b': 'value'} (the value's text, compared as text).
   Raises LogdirError naming the first line that is not one (blank lines aside)."""
   leaves = {}
@@ -260,8 +260,8 @@ def compare_params(logdir: str, params: Params) -> ParamsChange | None:
   previous = read_params_text(logdir)
   if previous is None:
     return None
-  old = _leaves(previous, path)
-  new = _leaves(params.to_text())
+  old = params_leaves(previous, path)
+  new = params_leaves(params.to_text())
   _check_values(old, new, params, path)
   has_checkpoints = bool(checkpoints.find(os.path.join(logdir, "train")))
   change = ParamsChange([], has_checkpoints)
@@ -311,7 +311,7 @@ def check_resumable(logdir: str, params: Params) -> ParamsChange | None:
 
 
 def _comparable(text: str) -> dict[str, str]:
-  return {k: v for k, v in _leaves(text).items() if k not in _EXPECTED_TO_CHANGE}
+  return {k: v for k, v in params_leaves(text).items() if k not in _EXPECTED_TO_CHANGE}
 
 
 def read_params_text(logdir: str) -> str | None:

@@ -140,8 +140,13 @@ def _bad_params_are_usage_errors():
     raise UsageFailure(f"bad model params: {e}" + (f" (at {where})" if where else "")) from None
 
 
-def _model_params():
-  from lingvo_gpipe import model_registry
+def _model_params(serving: bool = False):
+  """The frozen params of --model with --params_override, --data_dir and --max_steps.
+
+  `serving` (export, decode): the params the logdir's checkpoint was trained with
+  (`_served_params`), the override limited to what serving may change.
+  """
+  from lingvo_gpipe import model_registry, run_params
   from lingvo_gpipe.core import hyperparams
 
   if not FLAGS.model:
@@ -152,8 +157,14 @@ def _model_params():
   except (model_registry.ModelNotFoundError, model_registry.ParamFileError) as e:
     raise UsageFailure(str(e)) from None
   try:
-    for key, value in hyperparams.parse_overrides(FLAGS.params_override):
-      params.set_from_text(key, value)
+    overrides = hyperparams.parse_overrides(FLAGS.params_override)
+    if serving:
+      params = _served_params(params, overrides)
+    else:
+      for key, value in overrides:
+        params.set_from_text(key, value)
+  except run_params.RunParamsError as e:
+    raise UsageFailure(str(e)) from None
   except hyperparams.ParamsError as e:
     raise UsageFailure(f"--params_override: {e}") from None
   if FLAGS.data_dir is not None:
@@ -169,6 +180,48 @@ def _model_params():
       raise UsageFailure(f"--max_steps must be >= 0, got {FLAGS.max_steps}")
     params.task.train.max_steps = FLAGS.max_steps
   return params.freeze()
+
+
+def _served_params(registered, overrides: list[tuple[str, str]]):
+  """--mode=export or decode: the registered params with the logdir's params text of the
+  checkpoint to serve applied (run_params.trained_params), then `overrides` (only
+  SERVING_RULES' keys). Without a params.txt, only with --checkpoint: the registered
+  params and any override, as given. What the overrides changed is left in
+  `_SERVING_CHANGES` for the export to record.
+
+  Raises:
+    UsageFailure: no --logdir or no params text to serve (and no --checkpoint).
+    hyperparams.ParamsError: a params text of another model, or a refused override.
+  """
+  from lingvo_gpipe import checkpoints, run_params
+
+  if not FLAGS.logdir or not os.path.isdir(FLAGS.logdir):
+    return registered  # refused in _export_or_decode, with its own message
+  if FLAGS.checkpoint:
+    step = run_params.checkpoint_step(FLAGS.checkpoint)
+  else:
+    found = checkpoints.find(os.path.join(FLAGS.logdir, "train"))
+    step = found[0][0] if found else None
+  path = run_params.params_file_for_step(FLAGS.logdir, step)
+  if not os.path.exists(path):
+    if not FLAGS.checkpoint:
+      raise UsageFailure(
+          f"{path} is missing: an export serves the params the run trained with, and "
+          "this logdir does not record them; pass --checkpoint=<prefix> to serve it with "
+          f"the registered --model={FLAGS.model} (and --params_override) as given")
+    for key, value in overrides:
+      registered.set_from_text(key, value)
+    _SERVING_CHANGES[:] = [{"key": key, "served": value} for key, value in overrides]
+    return registered
+  print(f"Serving the params the checkpoint was trained with: {path}", flush=True)
+  params = run_params.trained_params(registered, path)
+  _SERVING_CHANGES[:] = run_params.apply_serving_overrides(params, overrides)
+  return params
+
+
+# What --params_override changed at export, against the trained params ([{key,
+# trained, served}]); set by _served_params, recorded in the export's version.json.
+_SERVING_CHANGES: list[dict[str, str]] = []
 
 
 def _inspect_model(params) -> None:
@@ -349,12 +402,12 @@ def _run(state: RunState) -> int:
   if FLAGS.mode == "list_models":
     _list_models()
     return 0
+  if FLAGS.mode in ("export", "decode"):
+    return _export_or_decode(_model_params(serving=True))
   params = _model_params()
   if FLAGS.mode == "inspect_params":
     print(params.to_text(), end="")
     return 0
-  if FLAGS.mode in ("export", "decode"):
-    return _export_or_decode(params)
   devices, watchdog = _devices()
   if FLAGS.mode == "inspect_model":
     with _bad_params_are_usage_errors():
@@ -403,7 +456,7 @@ def _export_or_decode(params: Params) -> int:
       if FLAGS.mode == "export":
         exporter.export(params, FLAGS.logdir, model_name=FLAGS.model,
                         checkpoint=FLAGS.checkpoint, devices=devices, options=options,
-                        overwrite=FLAGS.overwrite)
+                        overwrite=FLAGS.overwrite, params_changed=_SERVING_CHANGES)
       else:
         decoder.decode(params, FLAGS.logdir, checkpoint=FLAGS.checkpoint, devices=devices,
                        options=options)

@@ -1,0 +1,122 @@
+"""The params a logdir's checkpoints were trained with, for export and decode.
+
+An export serves the params the run trained with. The registered model is only the
+skeleton: every leaf of the run's params text (`<logdir>/params.txt`, or the
+`params.before_step_<N>.txt` a later resume set aside) that differs from it is set
+from that text, so `--params_override` given to the training run (`num_heads=8`) is
+served too, and a param file edited since the run changes nothing.
+
+Which text belongs to a checkpoint at step S: a resume that changed params at step N
+kept the old text as `params.before_step_<N>.txt`; the checkpoints up to N were written
+with it. So S takes the file of the smallest N >= S, else params.txt.
+
+`--params_override` at export may change only what serving chooses and no trained
+computation (SERVING_RULES): how the stack runs (task.pipeline.*), the compute dtype,
+the eval input (what decode reads; its batch and lengths) and where data lives. Any
+other key (a layer's width, heads, vocabulary, ...) is refused: serving it would serve
+another model than the one trained.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+from lingvo_gpipe import logdirs
+from lingvo_gpipe.core.hyperparams import Params, ParamsError
+
+# (key pattern, why an export may change it): the first match decides; no match refuses.
+SERVING_RULES = (
+    (r"task\.pipeline\..*", "how the stack runs (devices, cells, micro-batches)"),
+    (r"task(\..*)?\.fprop_dtype", "the compute dtype"),
+    (r"task\.train\..*", "the training loop's settings, which serving does not read"),
+    (r"eval_input\..*", "the eval input decode reads"),
+    (r"train_input\.data_dir", "where the prepared data lives"),
+)
+_BEFORE_STEP = re.compile(r"params\.before_step_(\d+)\.txt")
+
+
+class RunParamsError(ParamsError):
+  """A logdir whose params cannot be served (no params.txt, another model's, an
+  override that changes the trained model): the user's to fix, exit 2."""
+
+
+def params_file_for_step(logdir: str, step: int | None) -> str:
+  """The params text the checkpoint of `step` was written with (module docstring);
+  params.txt for None (the newest run's)."""
+  if step is not None:
+    kept = sorted(int(m.group(1)) for m in map(_BEFORE_STEP.fullmatch, os.listdir(logdir))
+                  if m)
+    later = [n for n in kept if n >= step]
+    if later:
+      return os.path.join(logdir, f"params.before_step_{later[0]}.txt")
+  return os.path.join(logdir, logdirs.PARAMS_FILE)
+
+
+def checkpoint_step(prefix: str) -> int | None:
+  """N of a checkpoint prefix '.../ckpt-N' (None if it is not named so)."""
+  match = re.search(r"-(\d+)$", prefix)
+  return int(match.group(1)) if match else None
+
+
+def trained_params(registered: Params, path: str) -> Params:
+  """`registered` (unfrozen, changed in place and returned) with every leaf of the
+  params text at `path` that differs from it set from that text.
+
+  Raises:
+    RunParamsError: `path` cannot be read as params text, or names a key `registered`
+      lacks, or holds a differing value that cannot be read back (the logdir was
+      trained with another model, or a param file that no longer loads so).
+  """
+  try:
+    with open(path, encoding="utf-8") as f:
+      text = f.read()
+    trained = logdirs.params_leaves(text, path)
+  except (OSError, UnicodeDecodeError, logdirs.LogdirError) as e:
+    why = e.strerror if isinstance(e, OSError) else str(e)
+    raise RunParamsError(f"{path} cannot be read as params text: {why}") from None
+  own = dict(logdirs.params_leaves(registered.to_text()))
+  for key, value in trained.items():
+    if key not in own:
+      raise RunParamsError(
+          f"{path} has '{key}', which this model lacks: the logdir was trained with "
+          "another --model (or a param file that defined it otherwise)")
+    if own[key] == value:
+      continue
+    try:
+      registered.set_from_text(key, value)
+    except (ParamsError, AttributeError, KeyError) as e:
+      raise RunParamsError(f"{path}: '{key} : {value[:80]}' cannot be set on this "
+                           f"model ({str(e).splitlines()[0]}): the logdir was trained "
+                           "with another --model") from None
+  return registered
+
+
+def serving_rule(key: str) -> str | None:
+  """Why an export may override `key` (SERVING_RULES), or None: it may not."""
+  return next((why for pattern, why in SERVING_RULES if re.fullmatch(pattern, key)), None)
+
+
+def apply_serving_overrides(params: Params, overrides: list[tuple[str, str]]
+                            ) -> list[dict[str, str]]:
+  """Sets each (key, value text) of `overrides` on `params` (unfrozen) and returns what
+  changed, [{key, trained, served}] (the export records it).
+
+  Raises:
+    RunParamsError: a key no SERVING_RULES row admits (it would serve another model).
+    ParamsError: an unknown key or a value of the wrong type (set_from_text's).
+  """
+  changed = []
+  for key, value in overrides:
+    if serving_rule(key) is None:
+      raise RunParamsError(
+          f"--params_override {key}={value}: an export serves the params the run "
+          f"trained with, and {key} is part of the trained model; only these may "
+          "change at export: task.pipeline.*, fprop_dtype, task.train.*, eval_input.*, "
+          "train_input.data_dir")
+    before = dict(params.flatten()).get(key)
+    params.set_from_text(key, value)
+    after = dict(params.flatten()).get(key)
+    if repr(before) != repr(after):
+      changed.append({"key": key, "trained": repr(before), "served": repr(after)})
+  return changed
