@@ -51,11 +51,14 @@ def preflight(params: Params, mode: str, devices: Sequence[str] = ()) -> None:
   params.check_types()
   check_dtypes(params)
   train_spec = None
+  made = {}
   if mode in TRAIN_MODES or mode == "plan":
-    train_spec = _made("train_input", params.train_input).batch_spec()
+    made["train_input"] = _made("train_input", params.train_input)
+    train_spec = made["train_input"].batch_spec()
   if mode in EVAL_MODES + SERVING_MODES and params.eval_input is not None:
-    _made("eval_input", params.eval_input)
+    made["eval_input"] = _made("eval_input", params.eval_input)
   task = params.task
+  _check_data_against_model(task, made)
   if "pipeline" in task:
     check_pipeline_params(task.pipeline, "task.pipeline")
     if train_spec is not None:
@@ -87,6 +90,23 @@ def check_dtypes(params: Params) -> None:
         pass
     raise ParamsError(f"{key}={value!r} is not a dtype; valid: a dtype's name such as "
                       "'float32', a tf.DType, or None (not a number or a bool)")
+
+
+def _check_data_against_model(task_params: Params, inputs: dict[str, Any]) -> None:
+  """Each input's ids and labels (its `id_space_size`, where it knows one) fit the
+  model's sizes (the task's `id_bounds`): a softmax smaller than the vocabulary would
+  train on labels past its logits, an embedding smaller would fail inside a cell."""
+  cls = task_params.get("cls") if "cls" in task_params else None
+  bounds = cls.id_bounds(task_params) if hasattr(cls, "id_bounds") else {}
+  for name, made in inputs.items():
+    size = made.id_space_size()
+    if size is None:
+      continue
+    for key, bound in bounds.items():
+      if bound.bound < size and key in made.batch_spec():
+        raise ParamsError(
+            f"{bound.param}={bound.bound} is smaller than {name}'s {size} ids and "
+            f"labels ({key} goes to {bound.what}); valid: {bound.param} >= {size}")
 
 
 def _made(key: str, input_params: Params) -> Any:

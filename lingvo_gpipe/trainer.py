@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -75,6 +76,30 @@ class SummaryWriteError(TrainerError):
 
 class TrainingInterrupted(TrainerError):
   pass
+
+
+class BadDataError(TrainerError):
+  """A batch with an id or label the model cannot take (base_task.check_batch_ids)."""
+
+
+def step_error_cause(error: Exception) -> str:
+  """What a TensorFlow error raised by a step says of its cause, in one line: the
+  node it was detected at and its message, without the Python stack that defined the
+  node and the `[[node]]` frames. A step on several devices that failed on one may be
+  reported by the cancelled hand-offs of the others ('[_Derived_]RecvAsync is
+  cancelled'); the line then says that the cause was on another device."""
+  text = getattr(error, "message", None) or str(error)
+  node = re.search(r"Detected at node (\S+)", text)
+  lines = [line.strip() for line in text.splitlines()]
+  causes = [line for line in lines
+            if line and not line.startswith(("File ", "[[", "Graph execution error",
+                                             "Detected at node"))]
+  cause = re.sub(r"\s*\[Op:[^\]]*\]$", "", " ".join(causes)) or type(error).__name__
+  if "_Derived_" in cause or isinstance(error, tf.errors.CancelledError):
+    return (f"{cause.replace('[_Derived_]', '')} (a cancelled hand-off: the step failed "
+            "on another device first, and TensorFlow did not report its cause; run it on "
+            "one device, --devices=cpu, to see it)")
+  return f"{cause} (at node {node.group(1)})" if node else cause
 
 
 def _format_eta(seconds: float) -> str:
@@ -143,6 +168,11 @@ class Trainer:
       self.optimizers = [train_p.optimizer.instantiate() for _ in self.replicas.replicas]
       for optimizer, variables in zip(self.optimizers, self.replicas.trainable_variables):
         optimizer.create_slots(variables)
+    # The ids and labels the model can take; every batch is checked on the host before
+    # its step (an id past an embedding would fail inside a cell's loop, where the
+    # other cells' cancelled hand-offs can hide the cause; a label past the softmax
+    # would train silently on a zero target).
+    self.id_bounds = type(self.task).id_bounds(params.task)
     self.global_step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step")
     # The dynamic loss scale where a layer computes in float16 (None otherwise): saved
     # with the run only then, so float32 and bfloat16 checkpoints are as before.
@@ -267,6 +297,7 @@ class Trainer:
     try:
       for batch in self.train_iterator:
         step = progress.step + 1  # the global step this update makes (as progress lines count)
+        self._check_batch(batch, "train_input", step)
         checked = self._run_checked_step(step_fn, batch, step, profiler)
         if checked is None:  # skipped (a loss-scaled gradient overflowed): same step again
           self._stop_if_requested(progress.step)
@@ -354,6 +385,15 @@ class Trainer:
     if not values["update_finite"]:
       self._stop_non_finite_update(step, values)
     return values, timestamps
+
+  def _check_batch(self, batch: dict, input_name: str, step: int | None = None) -> None:
+    """Raises BadDataError for an id or label outside the model's sizes (id_bounds),
+    before the step that would read it."""
+    try:
+      base_task.check_batch_ids(batch, self.id_bounds, input_name, step)
+    except base_task.BadBatchError as e:
+      raise BadDataError(f"{e}; nothing of this step was applied. Last good checkpoint: "
+                         f"{self.checkpoints.latest or 'none'}") from None
 
   def _overflow_skipped(self, step: int, values: dict) -> bool:
     """Whether a non-finite step is one dynamic loss scaling skips (said in a log
@@ -455,6 +495,7 @@ class Trainer:
     weights: dict[str, float] = {}
     with tf_internals.step_options():
       for batch in input_gen.dataset():
+        self._check_batch(batch, "eval_input")
         for name, (value, weight) in step_fn(batch).items():
           totals[name] = totals.get(name, 0.0) + float(value) * float(weight)
           weights[name] = weights.get(name, 0.0) + float(weight)

@@ -623,7 +623,9 @@ def _train_or_eval(params: Params, profile_steps: tuple[int, int] | None,
       raise trainer_lib.TrainerError(_lost_worker_message(*lost[0])) from None
     if isinstance(e, checkpoints.CheckpointError):
       raise trainer_lib.TrainerError(str(e)) from None
-    raise
+    raise trainer_lib.TrainerError(
+        f"--mode={FLAGS.mode} failed: {trainer_lib.step_error_cause(e)}; the last good "
+        f"checkpoint is {_latest_checkpoint() or 'none'}") from None
   except OSError as e:  # e.g. params.txt on a full disk
     raise trainer_lib.TrainerError(
         f"{e.strerror or e}: {e.filename}; the last good checkpoint is "

@@ -46,6 +46,12 @@ class BaseInputGenerator(Instantiable):
     ds = ds.batch(p.batch_size, drop_remainder=True)
     return ds.prefetch(p.prefetch)
 
+  def id_space_size(self) -> int | None:
+    """N where every id and label this input gives lies in [0, N) (a vocabulary's
+    size, a class count), known without reading data; None where it is not (the
+    trainer then checks each batch as it comes)."""
+    return None
+
   def batch_spec(self) -> dict[str, tf.TensorSpec]:
     """The TensorSpec of one batch, without reading any data."""
     return {k: tf.TensorSpec([self.params.batch_size, *s.shape], s.dtype)

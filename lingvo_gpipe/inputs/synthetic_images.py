@@ -82,6 +82,9 @@ class SyntheticImages(BaseInputGenerator):
     image = tf.roll(self.templates[label], shift, axis=[0, 1]) * contrast + noise
     return {"image": image, "label": label}
 
+  def id_space_size(self) -> int:
+    return self.params.num_classes
+
   def examples(self) -> tf.data.Dataset:
     return tf.data.Dataset.range(self.params.num_examples).map(
         self._example, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)

@@ -112,6 +112,9 @@ class _SyntheticText(BaseInputGenerator):
     self.vocab = self.languages.vocabulary()
     self._cached: dict[str, np.ndarray] | None = None
 
+  def id_space_size(self) -> int:
+    return self.vocab.size
+
   def _length(self) -> int:
     return self._rng.randint(self.params.min_length, self.params.max_length + 1)
 

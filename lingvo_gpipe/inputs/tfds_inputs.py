@@ -97,6 +97,9 @@ class TfdsImages(TfdsBase):
   def num_classes(self) -> int:
     return IMAGE_DATASETS[self.params.dataset]
 
+  def id_space_size(self) -> int:
+    return self.num_classes
+
   def preprocess(self, image: tf.Tensor, seed: tf.Tensor) -> tf.Tensor:
     """uint8 [H, W, 3] → float32 [S, S, 3]; `seed` [2] makes the augmentation stateless."""
     p = self.params

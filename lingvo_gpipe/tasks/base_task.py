@@ -20,8 +20,9 @@ that the weighted mean over micro-batches is the whole batch's loss.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
+import numpy as np
 import tensorflow as tf
 
 from lingvo_gpipe.core import base_layer, layers, loss_scale, optimizers
@@ -131,8 +132,69 @@ def probe_main_stack(task_params: Params, input_params: Params) -> tuple[Any, li
                    for lp in task.main_stack.params.layers]
 
 
+class IdBound(NamedTuple):
+  """Every value of a batch key must lie in [0, bound): the model's size `param`
+  (e.g. 'task.stack.layers[3].vocab_size') says so, and `what` says what it sizes."""
+  bound: int
+  param: str
+  what: str
+
+  def describe(self) -> str:
+    return f"{self.param}={self.bound} ({self.what})"
+
+
+def vocabulary_bounds(task_params: Params, input_keys: tuple[str, ...],
+                      label_keys: tuple[str, ...]) -> dict[str, IdBound]:
+  """The IdBounds of a text task: `input_keys` bounded by the first `vocab_size` of
+  its stack (the embedding), `label_keys` by the last (the softmax)."""
+  sizes = [(key, value) for key, value in task_params.flatten()
+           if key.startswith("stack.") and key.endswith(".vocab_size")
+           and isinstance(value, int) and not isinstance(value, bool)]
+  if not sizes:
+    return {}
+  (first, first_size), (last, last_size) = sizes[0], sizes[-1]
+  return {**{k: IdBound(first_size, f"task.{first}", "the embedding's rows")
+             for k in input_keys},
+          **{k: IdBound(last_size, f"task.{last}", "the softmax's classes")
+             for k in label_keys}}
+
+
+class BadBatchError(ValueError):
+  """A batch holds an id or label outside what the model can take (IdBound)."""
+
+
+def check_batch_ids(batch: dict[str, Any], bounds: dict[str, IdBound], input_name: str,
+                    step: int | None = None) -> None:
+  """Raises BadBatchError at the first key of `batch` whose values leave its IdBound,
+  naming the value, the key, the input and the model's size. Reads the batch's
+  int tensors on the host (ids and labels: [B] or [B, T], small)."""
+  for key, bound in bounds.items():
+    if key not in batch:
+      continue
+    values = np.asarray(batch[key])
+    if not values.size:
+      continue
+    low, high = int(values.min()), int(values.max())
+    if low >= 0 and high < bound.bound:
+      continue
+    bad = low if low < 0 else high
+    at = f" at step {step}" if step is not None else ""
+    raise BadBatchError(
+        f"{input_name} gave {key} {bad}{at}, outside [0, {bound.bound}) that "
+        f"{bound.describe()} can take: the model is too small for the data (or the data "
+        "is not this model's); size the model for the data's vocabulary or classes")
+
+
 class BaseTask(base_layer.BaseLayer):
   """Base class of tasks."""
+
+  @classmethod
+  def id_bounds(cls, task_params: Params) -> dict[str, IdBound]:
+    """{batch key: IdBound} of the ids and labels this task's model can take (none
+    here); the trainer checks every batch against them and pre-flight the inputs'
+    own vocabulary or class count."""
+    del task_params
+    return {}
 
   @classmethod
   def Params(cls):  # noqa: N802

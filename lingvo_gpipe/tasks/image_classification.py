@@ -7,7 +7,7 @@ import tensorflow as tf
 from lingvo_gpipe.core import layers
 from lingvo_gpipe.core.hyperparams import ParamsError
 from lingvo_gpipe.tasks import serving
-from lingvo_gpipe.tasks.base_task import BaseTask, Metrics
+from lingvo_gpipe.tasks.base_task import BaseTask, IdBound, Metrics
 
 
 class ImageClassificationTask(BaseTask):
@@ -33,6 +33,13 @@ class ImageClassificationTask(BaseTask):
     # Under pipelining the classifier sits with the last cell.
     with tf.device(self.output_device):
       self.create_child("softmax", self.params.softmax)
+
+  @classmethod
+  def id_bounds(cls, task_params) -> dict:
+    classes = task_params.softmax.num_classes
+    if not isinstance(classes, int) or isinstance(classes, bool):
+      return {}
+    return {"label": IdBound(classes, "task.softmax.num_classes", "the softmax's classes")}
 
   def stack_inputs(self, batch: dict[str, tf.Tensor]) -> tf.Tensor:
     return batch["image"]

@@ -11,7 +11,7 @@ from lingvo_gpipe.core import base_layer, layers, token_slices
 from lingvo_gpipe.core.hyperparams import ParamsError
 from lingvo_gpipe.inputs import vocabulary
 from lingvo_gpipe.tasks import serving
-from lingvo_gpipe.tasks.base_task import BaseTask, Metrics
+from lingvo_gpipe.tasks.base_task import BaseTask, Metrics, vocabulary_bounds
 
 
 def any_batch(t: tf.Tensor) -> tf.TensorShape:
@@ -62,6 +62,10 @@ class LanguageModelTask(BaseTask):
     if self.params.stack is None:
       raise ParamsError(f"{self.path}: params.stack is not set")
     self.create_stack("stack", self.params.stack)
+
+  @classmethod
+  def id_bounds(cls, task_params) -> dict:
+    return vocabulary_bounds(task_params, ("ids",), ("labels",))
 
   def stack_inputs(self, batch: dict[str, tf.Tensor]) -> tuple[tf.Tensor, tf.Tensor]:
     return batch["ids"], tf.cast(batch["paddings"], tf.float32)

@@ -17,7 +17,7 @@ import tensorflow as tf
 from lingvo_gpipe.core.hyperparams import ParamsError
 from lingvo_gpipe.inputs import vocabulary
 from lingvo_gpipe.tasks import serving
-from lingvo_gpipe.tasks.base_task import BaseTask, Metrics
+from lingvo_gpipe.tasks.base_task import BaseTask, Metrics, vocabulary_bounds
 from lingvo_gpipe.tasks.language_model import token_metrics
 
 
@@ -49,6 +49,10 @@ class TranslationTask(BaseTask):
     if self.params.stack is None:
       raise ParamsError(f"{self.path}: params.stack is not set")
     self.create_stack("stack", self.params.stack)
+
+  @classmethod
+  def id_bounds(cls, task_params) -> dict:
+    return vocabulary_bounds(task_params, ("src_ids", "tgt_ids"), ("tgt_labels",))
 
   def stack_inputs(self, batch: dict[str, tf.Tensor]) -> tuple:
     return (batch["src_ids"], tf.cast(batch["src_paddings"], tf.float32), batch["tgt_ids"],
