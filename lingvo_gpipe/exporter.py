@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -60,7 +61,8 @@ def inference_params(task_params: Params, devices: list[str] | None, dtype: str)
   its cells on `devices`; one replica, one token slice; computing in `dtype`."""
   p = task_params.copy()
   if devices is None:
-    p.pipeline.set(num_cells=0, splits=[])
+    # The training devices go too: a model trained on GPUs exports on a host without.
+    p.pipeline.set(num_cells=0, splits=[], devices=[])
   else:
     p.pipeline.devices = list(devices)
   p.pipeline.set(num_replicas=1, num_token_slices=1, token_slice_lengths=None)
@@ -161,10 +163,7 @@ def export(params: Params, logdir: str, *, model_name: str = "", checkpoint: str
            "signatures": sorted(model.functions),
            "params_changed_from_training": list(params_changed or [])}
   os.makedirs(os.path.dirname(target), exist_ok=True)
-  staging = tempfile.mkdtemp(prefix=f".{step}.partial-", dir=os.path.dirname(target))
-  umask = os.umask(0)
-  os.umask(umask)
-  os.chmod(staging, 0o777 & ~umask)  # as a plain makedirs would (mkdtemp's is 0700)
+  staging = _staging_dir(os.path.dirname(target), step)
   try:
     _save(model, staging, params.to_text(), facts, devices is not None)
     _move_into_place(staging, target)
@@ -191,6 +190,19 @@ def _save(model: serving.ServingModel, directory: str, params_text: str, facts: 
               else None)
     tf.saved_model.save(model, directory, signatures=dict(model.functions),
                         options=tf.saved_model.SaveOptions(experimental_variable_policy=policy))
+
+
+def _staging_dir(parent: str, step: int) -> str:
+  """A new hidden folder `.<step>.partial-<random>` in `parent`, its mode what a plain
+  makedirs gives (0777 less the umask, which mkdir applies itself: reading the umask
+  means setting it, and that races with other threads)."""
+  while True:
+    path = os.path.join(parent, f".{step}.partial-{secrets.token_hex(4)}")
+    try:
+      os.mkdir(path, 0o777)
+      return path
+    except FileExistsError:
+      continue
 
 
 def _move_into_place(staging: str, target: str) -> None:

@@ -64,7 +64,10 @@ def preflight(params: Params, mode: str, devices: Sequence[str] = ()) -> None:
     if train_spec is not None:
       check_batch_splits(params)
       _check_slices_against_tokens(task.pipeline, train_spec)
-    _check_cells_against_devices(task.pipeline, devices)
+    # Serving builds one replica (exporter.inference_params), whatever training ran.
+    pipeline = task.pipeline.copy().set(num_replicas=1) if mode in SERVING_MODES \
+        else task.pipeline
+    _check_cells_against_devices(pipeline, devices)
   if "train" in task and mode in TRAIN_MODES:
     check_train_params(task.train)
 

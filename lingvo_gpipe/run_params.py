@@ -12,7 +12,8 @@ with it. So S takes the file of the smallest N >= S, else params.txt.
 
 `--params_override` at export may change only what serving chooses and no trained
 computation (SERVING_RULES): how the stack runs (task.pipeline.*), the compute dtype,
-the eval input (what decode reads; its batch and lengths) and where data lives. Any
+the eval input (what decode reads; its batch and lengths) and the training input
+(which serving does not read). Any
 other key (a layer's width, heads, vocabulary, ...) is refused: serving it would serve
 another model than the one trained.
 """
@@ -21,8 +22,9 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 
-from lingvo_gpipe import logdirs
+from lingvo_gpipe import checkpoints, logdirs
 from lingvo_gpipe.core.hyperparams import Params, ParamsError
 
 # (key pattern, why an export may change it): the first match decides; no match refuses.
@@ -31,7 +33,7 @@ SERVING_RULES = (
     (r"task(\..*)?\.fprop_dtype", "the compute dtype"),
     (r"task\.train\..*", "the training loop's settings, which serving does not read"),
     (r"eval_input\..*", "the eval input decode reads"),
-    (r"train_input\.data_dir", "where the prepared data lives"),
+    (r"train_input\..*", "the training input, which serving does not read"),
 )
 _BEFORE_STEP = re.compile(r"params\.before_step_(\d+)\.txt")
 
@@ -113,10 +115,46 @@ def apply_serving_overrides(params: Params, overrides: list[tuple[str, str]]
           f"--params_override {key}={value}: an export serves the params the run "
           f"trained with, and {key} is part of the trained model; only these may "
           "change at export: task.pipeline.*, fprop_dtype, task.train.*, eval_input.*, "
-          "train_input.data_dir")
+          "train_input.*")
     before = dict(params.flatten()).get(key)
     params.set_from_text(key, value)
     after = dict(params.flatten()).get(key)
     if repr(before) != repr(after):
       changed.append({"key": key, "trained": repr(before), "served": repr(after)})
   return changed
+
+
+def served_params(registered: Params, logdir: str, checkpoint: str | None,
+                  overrides: list[tuple[str, str]], model_name: str,
+                  log: Callable[[str], None] = print) -> tuple[Params, list[dict[str, str]]]:
+  """The params to export or decode the checkpoint of `logdir` with, and what
+  `overrides` changed of the trained ones ([{key, trained, served}]).
+
+  The checkpoint is `checkpoint` or the newest of <logdir>/train; its params text
+  (`params_file_for_step`) is applied over `registered` (unfrozen; `trained_params`),
+  then `overrides` (only SERVING_RULES' keys). A logdir without that text is served
+  only with an explicit `checkpoint`: `registered` with `overrides` as given.
+
+  Raises:
+    RunParamsError: no params text and no `checkpoint`; a params text of another
+      model; an override of a trained param.
+    ParamsError: an override of an unknown key or of the wrong type.
+  """
+  if checkpoint:
+    step = checkpoint_step(checkpoint)
+  else:
+    found = checkpoints.find(os.path.join(logdir, "train"))
+    step = found[0][0] if found else None
+  path = params_file_for_step(logdir, step)
+  if not os.path.exists(path):
+    if not checkpoint:
+      raise RunParamsError(
+          f"{path} is missing: an export serves the params the run trained with, and "
+          "this logdir does not record them; pass --checkpoint=<prefix> to serve it with "
+          f"the registered --model={model_name} (and --params_override) as given")
+    for key, value in overrides:
+      registered.set_from_text(key, value)
+    return registered, [{"key": key, "served": value} for key, value in overrides]
+  log(f"Serving the params the checkpoint was trained with: {path}")
+  params = trained_params(registered, path)
+  return params, apply_serving_overrides(params, overrides)

@@ -93,7 +93,7 @@ def step_error_cause(error: Exception) -> str:
   lines = [line.strip() for line in text.splitlines()]
   causes = [line for line in lines
             if line and not line.startswith(("File ", "[[", "Graph execution error",
-                                             "Detected at node"))]
+                                             "Detected at node", "<stack traces"))]
   cause = re.sub(r"\s*\[Op:[^\]]*\]$", "", " ".join(causes)) or type(error).__name__
   if "_Derived_" in cause or isinstance(error, tf.errors.CancelledError):
     return (f"{cause.replace('[_Derived_]', '')} (a cancelled hand-off: the step failed "

@@ -91,8 +91,8 @@ flags.DEFINE_string("export_devices", None, "--mode=export and decode: the devic
                     "cells go to (cpu:N, gpu:N, as --devices): the task's cells stay on them "
                     "and inference is a forward-only pipeline over its micro-batches. "
                     "Default: the whole model on one device.")
-flags.DEFINE_enum("export_dtype", "float32", ["float32", "bfloat16"], "--mode=export and "
-                  "decode: the weights' dtype (cast once) and the compute dtype.")
+flags.DEFINE_string("export_dtype", "float32", "--mode=export and decode: the weights' "
+                    "dtype (cast once) and the compute dtype: float32, bfloat16 or float16.")
 flags.DEFINE_integer("max_decode_length", 128, "--mode=export and decode, language models: "
                      "the longest prefix + new tokens generate handles (its key/value cache "
                      "holds this many positions).")
@@ -183,39 +183,13 @@ def _model_params(serving: bool = False):
 
 
 def _served_params(registered, overrides: list[tuple[str, str]]):
-  """--mode=export or decode: the registered params with the logdir's params text of the
-  checkpoint to serve applied (run_params.trained_params), then `overrides` (only
-  SERVING_RULES' keys). Without a params.txt, only with --checkpoint: the registered
-  params and any override, as given. What the overrides changed is left in
-  `_SERVING_CHANGES` for the export to record.
+  """--mode=export or decode: run_params.served_params of --logdir and --checkpoint;
+  what the overrides changed is left in `_SERVING_CHANGES` for the export to record."""
+  from lingvo_gpipe import run_params
 
-  Raises:
-    UsageFailure: no --logdir or no params text to serve (and no --checkpoint).
-    hyperparams.ParamsError: a params text of another model, or a refused override.
-  """
-  from lingvo_gpipe import checkpoints, run_params
-
-  if not FLAGS.logdir or not os.path.isdir(FLAGS.logdir):
-    return registered  # refused in _export_or_decode, with its own message
-  if FLAGS.checkpoint:
-    step = run_params.checkpoint_step(FLAGS.checkpoint)
-  else:
-    found = checkpoints.find(os.path.join(FLAGS.logdir, "train"))
-    step = found[0][0] if found else None
-  path = run_params.params_file_for_step(FLAGS.logdir, step)
-  if not os.path.exists(path):
-    if not FLAGS.checkpoint:
-      raise UsageFailure(
-          f"{path} is missing: an export serves the params the run trained with, and "
-          "this logdir does not record them; pass --checkpoint=<prefix> to serve it with "
-          f"the registered --model={FLAGS.model} (and --params_override) as given")
-    for key, value in overrides:
-      registered.set_from_text(key, value)
-    _SERVING_CHANGES[:] = [{"key": key, "served": value} for key, value in overrides]
-    return registered
-  print(f"Serving the params the checkpoint was trained with: {path}", flush=True)
-  params = run_params.trained_params(registered, path)
-  _SERVING_CHANGES[:] = run_params.apply_serving_overrides(params, overrides)
+  params, _SERVING_CHANGES[:] = run_params.served_params(
+      registered, FLAGS.logdir, FLAGS.checkpoint, overrides, FLAGS.model,
+      log=lambda line: print(line, flush=True))
   return params
 
 
@@ -403,6 +377,7 @@ def _run(state: RunState) -> int:
     _list_models()
     return 0
   if FLAGS.mode in ("export", "decode"):
+    _check_serving_flags()
     return _export_or_decode(_model_params(serving=True))
   params = _model_params()
   if FLAGS.mode == "inspect_params":
@@ -436,12 +411,6 @@ def _export_or_decode(params: Params) -> int:
   from lingvo_gpipe.runtime.devices import DeviceSpecError, configure_devices
   from lingvo_gpipe.tasks import serving
 
-  if not FLAGS.logdir:
-    raise UsageFailure(f"--logdir is required for --mode={FLAGS.mode}")
-  if not os.path.isdir(FLAGS.logdir):
-    raise UsageFailure(f"--logdir {FLAGS.logdir} does not exist: nothing to {FLAGS.mode}")
-  if FLAGS.max_decode_length < 2:
-    raise UsageFailure(f"--max_decode_length must be >= 2, got {FLAGS.max_decode_length}")
   devices = None
   if FLAGS.export_devices:
     try:
@@ -466,6 +435,29 @@ def _export_or_decode(params: Params) -> int:
     raise trainer_lib.TrainerError(f"--mode={FLAGS.mode} could not write into "
                                    f"{FLAGS.logdir}: {checkpoints.first_line(e)}") from None
   return 0
+
+
+# generate's key/value cache holds this many positions per layer and example: beyond it
+# the cache (and an int32 position) is not what any shipped model needs.
+MAX_DECODE_LENGTH = 65536
+
+
+def _check_serving_flags() -> None:
+  """Refuses (UsageFailure) export or decode flags no run accepts, before the params
+  are read: no --logdir, a bad --export_dtype or --max_decode_length."""
+  from lingvo_gpipe.tasks import serving
+
+  if not FLAGS.logdir:
+    raise UsageFailure(f"--logdir is required for --mode={FLAGS.mode}")
+  if not os.path.isdir(FLAGS.logdir):
+    raise UsageFailure(f"--logdir {FLAGS.logdir} does not exist: nothing to {FLAGS.mode}")
+  try:
+    serving.serving_dtype(FLAGS.export_dtype)
+  except ValueError as e:
+    raise UsageFailure(f"--export_dtype: {e}") from None
+  if not 2 <= FLAGS.max_decode_length <= MAX_DECODE_LENGTH:
+    raise UsageFailure(f"--max_decode_length must be in 2..{MAX_DECODE_LENGTH} (generate's "
+                       f"cache positions), got {FLAGS.max_decode_length}")
 
 
 def _load_param_files() -> None:
@@ -741,9 +733,18 @@ def main(argv: list[str]) -> None:
   sys.exit(code)
 
 
+def _parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing, a bad flag exiting 2 (bad input) with one line, not 1."""
+  try:
+    return FLAGS(argv)
+  except flags.Error as e:
+    print(f"error: {e}; see --help", file=sys.stderr)
+    sys.exit(2)
+
+
 def run() -> None:
   """Console-script entry point (lingvo_gpipe_trainer)."""
-  app.run(main)
+  app.run(main, flags_parser=_parse_flags)
 
 
 if __name__ == "__main__":

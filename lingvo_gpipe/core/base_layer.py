@@ -183,10 +183,13 @@ class WeightProduct:
 
   inputs: [n, I], outputs: [n, O] (the 2-D matmul's operands, whatever rank the
   layer's input had); the variable's gradient is inputsᵀ · (gradient of outputs).
+  rows: the static shape the n rows were flattened from (the layer input's leading
+  dimensions, e.g. [b, T]): products of equal n have equal rows.
   """
   variable: Any
   inputs: Any
   outputs: Any
+  rows: Any = None
 
 
 class WeightProducts:
@@ -203,8 +206,9 @@ class WeightProducts:
     self.probes = None if probes is None else list(probes)
     self.products: list[WeightProduct] = []
 
-  def record(self, variable: Any, inputs: Any, outputs: Any) -> Any:
-    """Records outputs = inputs · variable; returns the outputs to go on with."""
+  def record(self, variable: Any, inputs: Any, outputs: Any, rows: Any = None) -> Any:
+    """Records outputs = inputs · variable (`rows`: WeightProduct's; inputs [n, I]
+    themselves give [n] when None); returns the outputs to go on with."""
     if self.probes is not None:
       if len(self.products) >= len(self.probes):
         raise RuntimeError(f"{len(self.probes)} probes for more weight products")
@@ -213,7 +217,8 @@ class WeightProducts:
       # Watched, so that the tape can give the outputs' gradient even where nothing
       # the product was made from is watched (a first layer's input).
       self.tape.watch(outputs)
-    self.products.append(WeightProduct(variable, inputs, outputs))
+    self.products.append(WeightProduct(variable, inputs, outputs,
+                                       inputs.shape[:-1] if rows is None else rows))
     return outputs
 
 

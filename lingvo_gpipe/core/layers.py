@@ -48,18 +48,20 @@ def shape_list(x: tf.Tensor) -> list[int | tf.Tensor]:
   return [dynamic[i] if d is None else d for i, d in enumerate(static)]
 
 
-def _matmul(inputs: tf.Tensor, weight: tf.Tensor) -> tf.Tensor:
+def _matmul(inputs: tf.Tensor, weight: tf.Tensor, rows: tf.TensorShape | None = None
+            ) -> tf.Tensor:
   """[n, I] · [I, O] in the inputs' dtype (the weight read cast to it: mixed precision
   keeps float32 master weights). Where the StepContext collects weight products (and
   the weight is a variable), the product is recorded and no gradient reaches the
   variable through it: the caller computes that part of the variable's gradient
-  (StepContext), from the recorded inputs, which are in the compute dtype."""
+  (StepContext), from the recorded inputs, which are in the compute dtype. `rows`:
+  the static shape the n rows were flattened from (WeightProduct.rows)."""
   products = base_layer.current_context().weight_products
   if (products is None or not isinstance(weight, (tf.Variable, stacked_variables.RowVariable))
       or not weight.trainable):
     return _matmul_cast(inputs, weight)
   out = _matmul_cast(inputs, tf.stop_gradient(weight.read_value()))
-  return products.record(weight, inputs, out)
+  return products.record(weight, inputs, out, rows)
 
 
 def _matmul_cast(inputs: tf.Tensor, weight: Any) -> tf.Tensor:
@@ -94,7 +96,7 @@ def project(inputs: tf.Tensor, weight: tf.Tensor) -> tf.Tensor:
   if inputs.shape.rank == 2:
     return _matmul(inputs, weight)
   dims = shape_list(inputs)
-  out = _matmul(tf.reshape(inputs, [-1, dims[-1]]), weight)
+  out = _matmul(tf.reshape(inputs, [-1, dims[-1]]), weight, rows=inputs.shape[:-1])
   out = tf.reshape(out, dims[:-1] + [weight.shape[-1]])
   if inputs.shape.is_fully_defined():
     return out
@@ -384,7 +386,8 @@ def _normalized(x: tf.Tensor, epsilon: float) -> tuple[tf.Tensor, tf.Tensor]:
 def half_layer_norm(x: tf.Tensor, scale: tf.Tensor, bias: tf.Tensor,
                     epsilon: float) -> tf.Tensor:
   """Layer norm of x [..., D] in a half dtype with float32 statistics and arithmetic;
-  scale, bias [D] float32 → [..., D] in x's dtype.
+  scale, bias [D] float32 (or half, as a half-precision export stores them: read in
+  float32 all the same) → [..., D] in x's dtype.
 
   The backward recomputes the normalized input from x instead of keeping float32
   copies (TensorFlow's own gradient of the float32 arithmetic would keep x, x − mean
@@ -397,18 +400,20 @@ def half_layer_norm(x: tf.Tensor, scale: tf.Tensor, bias: tf.Tensor,
   @tf.custom_gradient
   def norm(x, scale, bias):
     normed, _ = _normalized(x, epsilon)
+    scale32, bias32 = tf.cast(scale, tf.float32), tf.cast(bias, tf.float32)
 
     def grad(dy):
       normed, rstd = _normalized(x, epsilon)
       dy = tf.cast(dy, tf.float32)
       batch_axes = list(range(dy.shape.rank - 1))
-      dnormed = dy * scale
+      dnormed = dy * scale32
       dx = rstd * (dnormed - tf.reduce_mean(dnormed, axis=-1, keepdims=True)
                    - normed * tf.reduce_mean(dnormed * normed, axis=-1, keepdims=True))
-      return (tf.cast(dx, x.dtype), tf.reduce_sum(dy * normed, axis=batch_axes),
-              tf.reduce_sum(dy, axis=batch_axes))
+      return (tf.cast(dx, x.dtype), tf.cast(tf.reduce_sum(dy * normed, axis=batch_axes),
+                                            scale.dtype),
+              tf.cast(tf.reduce_sum(dy, axis=batch_axes), bias.dtype))
 
-    return tf.cast(normed * scale + bias, x.dtype), grad
+    return tf.cast(normed * scale32 + bias32, x.dtype), grad
 
   return norm(x, scale, bias)
 

@@ -132,6 +132,9 @@ class RowVariable(trackable.Trackable):
     as it is after, or the update op."""
     io = _whole_stack_io()
     if io is not None:
+      # A restore of this stack still pending would be written after this update,
+      # over it: it is written first.
+      io.apply_restores(self.stack)
       io.forget(self.stack)
     value = tf.convert_to_tensor(value, self._dtype)
     if not value.shape.is_compatible_with(self._shape):
@@ -333,17 +336,20 @@ class _WholeStackIO:
     values[row.row] = tf.convert_to_tensor(value, row.dtype)
     self.forget(row.stack)
 
-  def apply_restores(self) -> None:
-    """Each stack written once: whole if every row was restored, else its restored
-    rows by one scatter."""
-    for stack, values in self._restores.values():
+  def apply_restores(self, only: VariableStack | None = None) -> None:
+    """Each stack with pending restores (or only `only`) written once: whole if every
+    row was restored, else its restored rows by one scatter."""
+    keys = list(self._restores) if only is None else [id(only)]
+    for key in keys:
+      if key not in self._restores:
+        continue
+      stack, values = self._restores.pop(key)
       rows = sorted(values)
       update = tf.stack([values[i] for i in rows])
       if len(rows) == len(stack.rows):
         stack.variable.assign(update)
       else:
         stack.variable.scatter_update(tf.IndexedSlices(update, tf.constant(rows)))
-    self._restores.clear()
 
 
 def _whole_stack_io() -> _WholeStackIO | None:

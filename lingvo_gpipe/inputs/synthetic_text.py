@@ -152,7 +152,9 @@ class SyntheticTranslation(_SyntheticText):
 
   {'src_ids': [S] (<2en> + source + EOS), 'src_paddings': [S],
    'tgt_ids': [T] (BOS + target), 'tgt_labels': [T] (target + EOS), 'tgt_paddings': [T],
-   'language': [] int32 (source language index)}, S = T = sequence_length.
+   'language': [] int32 (source language index)}, S = sequence_length, T =
+  target_sequence_length (S when None). A sentence of n words is n source and n target
+  tokens, so T >= max_length + 1 (BOS or EOS beside the target).
   """
 
   @classmethod
@@ -160,11 +162,20 @@ class SyntheticTranslation(_SyntheticText):
     p = super().Params()
     p.define("language_rates", None, "Sampling weight of each source language (None: "
              "0.5^index, so the first languages are high-resource and the last low).")
+    p.define("target_sequence_length", None, "Padded length T of the target sequences "
+             "(None: sequence_length). Real translation data has S != T.")
     return p
 
   def __init__(self, params):
     super().__init__(params)
     p = self.params
+    self.target_length = (p.sequence_length if p.target_sequence_length is None
+                          else p.target_sequence_length)
+    if (not isinstance(self.target_length, int) or isinstance(self.target_length, bool)
+        or self.target_length < p.max_length + 1):
+      raise ParamsError(f"{p.name}: target_sequence_length must be an int >= max_length + 1 "
+                        f"= {p.max_length + 1} (the target and BOS or EOS), got "
+                        f"{p.target_sequence_length!r}")
     rates = p.language_rates or [0.5 ** i for i in range(p.num_languages)]
     if len(rates) != p.num_languages or min(rates) <= 0:
       raise ParamsError(f"{p.name}: language_rates must be {p.num_languages} positive "
@@ -187,8 +198,8 @@ class SyntheticTranslation(_SyntheticText):
       source = self.vocab.encode(" ".join(self.languages.translate_to_source(words, lang)))
       src, src_pad = vocabulary.pad_to([tag] + source + [vocabulary.EOS_ID],
                                        p.sequence_length)
-      tgt, tgt_pad = vocabulary.pad_to([vocabulary.BOS_ID] + target, p.sequence_length)
-      labels, _ = vocabulary.pad_to(target + [vocabulary.EOS_ID], p.sequence_length)
+      tgt, tgt_pad = vocabulary.pad_to([vocabulary.BOS_ID] + target, self.target_length)
+      labels, _ = vocabulary.pad_to(target + [vocabulary.EOS_ID], self.target_length)
       for key, value in (("src_ids", src), ("src_paddings", src_pad), ("tgt_ids", tgt),
                          ("tgt_labels", labels), ("tgt_paddings", tgt_pad),
                          ("language", np.int32(lang))):

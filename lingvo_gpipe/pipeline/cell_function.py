@@ -260,6 +260,20 @@ class _Traced:
   # Per deferred weight product (in the order the layers make them): the position of
   # its variable in `variables`.
   product_variables: list[int] | None = None
+  # Per deferred weight product: the static leading shape of its layer's input (what
+  # its rows [n] were flattened from, e.g. (None, 12) for [b, S, I]), or None where
+  # more than the micro-batch dimension is unknown (its n cannot be compared).
+  product_rows: list[tuple | None] | None = None
+
+
+def _comparable_rows(shape: tf.TensorShape) -> tuple | None:
+  """A weight product's leading input shape as a key that equal row counts share:
+  the shape itself where at most its first dimension (the micro-batch's, one for the
+  whole cell) is unknown, else None (two such products may differ at run time)."""
+  dims = shape.as_list() if shape.rank is not None else None
+  if dims is None or None in dims[1:]:
+    return None
+  return tuple(dims)
 
 
 def _differentiable(outputs: Any, has_head: bool) -> list[Any]:
@@ -471,7 +485,10 @@ class CellFunctions:
   def _batched_stacks(self, inputs: Sequence[Any], output_grads: Sequence[Any]
                       ) -> list[tuple[stacked_variables.VariableStack, list[int]]]:
     """The cell's stacks whose every row is the weight of exactly one deferred product,
-    all of one input and one output shape: each with its products in row order. Their
+    all of one input and one output shape and of inputs flattened from one static
+    leading shape (a decoder's self-attention [b, T, I] and cross-attention [b, S, I]
+    projections both give [n, I], n = b·T or b·S; `_Traced.product_rows`): each with
+    its products in row order. Their
     gradient is one batched product [n, G·b, I]ᵀ·[n, G·b, O] → [n, I, O], added to the
     sums whole: the rows' gradients one by one into a copy of the sums
     (`gradient_sums`' in-place path, for gradients that a backward makes one at a
@@ -488,7 +505,9 @@ class CellFunctions:
       if not all(len(p) == 1 for p in found):
         continue
       products = [p[0] for p in found]
-      if (len({tuple(inputs[i].shape) for i in products}) == 1
+      rows = {traced.product_rows[i] for i in products}
+      if (None not in rows and len(rows) == 1
+          and len({tuple(inputs[i].shape) for i in products}) == 1
           and len({tuple(output_grads[i].shape) for i in products}) == 1):
         batched.append((stack, products))
     return batched
@@ -501,6 +520,7 @@ class CellFunctions:
     indices = [positions[p.variable.ref()] for p in products]
     if traced.product_variables is None:
       traced.product_variables = indices
+      traced.product_rows = [_comparable_rows(p.rows) for p in products]
     elif indices != traced.product_variables:
       raise RuntimeError(f"cell {self.index}: a second trace made other weight products")
     return products

@@ -89,13 +89,15 @@ class LanguageModelTask(BaseTask):
     `generate_tokens`."""
     del model, input_generator  # no tables
     max_length = options.max_decode_length
+    vocab_size = self.id_bounds(self.params)["ids"].bound
 
     def score(ids, paddings):
-      return self.score_tokens(ids, paddings)
+      return self.score_tokens(serving.checked_ids(ids, vocab_size, "score: ids"), paddings)
 
     compiled = options.compile_generate and self.pipeline is None
 
     def generate(prefix_ids, max_new_tokens, temperature, seed):
+      prefix_ids = serving.checked_ids(prefix_ids, vocab_size, "generate: prefix_ids")
       new = self.generate_tokens(prefix_ids, max_new_tokens, temperature, seed, max_length,
                                  compiled=compiled)
       before_eos = tf.cumsum(tf.cast(tf.equal(new, vocabulary.EOS_ID), tf.int32), axis=1) == 0
@@ -145,15 +147,19 @@ class LanguageModelTask(BaseTask):
     fused kernels instead of ~750 graph nodes run one by one (docs/benchmarks.md,
     "Serving"). Only for a stack on one device.
     """
+    total = (tf.cast(tf.shape(prefix_ids)[1], tf.int64)  # int64: 2^31 - 1 tokens asked
+             + tf.cast(max_new_tokens, tf.int64))       # must not wrap past the check
     checks = [
         tf.debugging.assert_greater_equal(tf.shape(prefix_ids)[1], 1, message=(
             "generate: the prefix needs at least one token (e.g. BOS)")),
         tf.debugging.assert_non_negative(max_new_tokens, message=(
             "generate: max_new_tokens must be >= 0")),
-        tf.debugging.assert_less_equal(tf.shape(prefix_ids)[1] + max_new_tokens, max_length,
-                                       message=(
+        tf.debugging.assert_less_equal(total, tf.constant(max_length, tf.int64), message=(
             f"generate: prefix length + max_new_tokens must be <= {max_length}, the "
             "exported cache length (--max_decode_length)")),
+        tf.debugging.assert_equal(
+            tf.math.is_finite(temperature) & (temperature >= 0.0), True, message=(
+                "generate: temperature must be a finite number >= 0 (0: greedy)")),
     ]
     with tf.control_dependencies(checks):  # (outside XLA, which has no Assert)
       prefix_ids = tf.identity(prefix_ids)

@@ -1,7 +1,8 @@
 """A trained task as a `tf.Module` of serving functions, the object a SavedModel holds.
 
 `ServingModel(task, input_generator, dtype)` copies the task's weights into variables
-of its own (cast once to the serving dtype: float32, or bfloat16 for half the bytes)
+of its own (cast once to the serving dtype: float32, or bfloat16 or float16 for half the
+bytes)
 and traces the task's serving functions (`task.serving_functions`: classify; score
 and generate; translate) reading those copies (`base_layer.variables_read_as`). The
 module tracks only what the functions use: the weights, keyed by their layer paths,
@@ -26,14 +27,15 @@ import tensorflow as tf
 
 from lingvo_gpipe.core import base_layer
 
-SERVING_DTYPES = {"float32": tf.float32, "bfloat16": tf.bfloat16}
+SERVING_DTYPES = {"float32": tf.float32, "bfloat16": tf.bfloat16, "float16": tf.float16}
 
 
 @dataclasses.dataclass
 class ServingOptions:
   """How the serving functions are built.
 
-  dtype: what the weights are stored and computed in ('float32' or 'bfloat16'; outputs
+  dtype: what the weights are stored and computed in ('float32', 'bfloat16' or
+    'float16'; layer norms, softmaxes and losses keep float32 statistics; outputs
     are float32 either way).
   max_decode_length: the longest sequence (prefix + new tokens) `generate` handles: its
     key/value cache holds this many positions.
@@ -46,7 +48,7 @@ class ServingOptions:
 
 
 def serving_dtype(name: str) -> tf.DType:
-  """tf.float32 or tf.bfloat16 for 'float32' or 'bfloat16'; ValueError otherwise."""
+  """The tf.DType of a SERVING_DTYPES name; ValueError naming the valid ones otherwise."""
   if name not in SERVING_DTYPES:
     raise ValueError(f"serving dtype {name!r} is not one of {sorted(SERVING_DTYPES)}")
   return SERVING_DTYPES[name]
@@ -104,9 +106,16 @@ def traced(input_signature: dict[str, tf.TensorSpec]) -> Callable[[Callable], An
   """Decorates a serving function of keyword tensors with its input signature (a
   tf.function whose arguments are named as the signature's keys)."""
   names = list(input_signature)
+  shapes = [spec.shape for spec in input_signature.values()]
 
   def decorate(body: Callable) -> Any:
     def function(*args: tf.Tensor) -> dict[str, tf.Tensor]:
+      # A loaded signature takes a tensor of any shape; the graph was traced for its
+      # spec's, and a kernel that meets another rank may abort the process (oneDNN's
+      # "Check failed"). EnsureShape refuses it first, an InvalidArgumentError naming
+      # the input (an assert on tf.rank would be folded away by the static shape).
+      args = [tf.ensure_shape(arg, shape, name=name)
+              for arg, shape, name in zip(args, shapes, names)]
       return body(**dict(zip(names, args)))
 
     # Named parameters, so that the concrete function (and the SavedModel's signature)
@@ -118,3 +127,14 @@ def traced(input_signature: dict[str, tf.TensorSpec]) -> Callable[[Callable], An
     return tf.function(function, input_signature=specs, autograph=False)
 
   return decorate
+
+
+def checked_ids(ids: tf.Tensor, vocab_size: int, what: str) -> tf.Tensor:
+  """`ids` once every one is checked to lie in [0, vocab_size) (an InvalidArgumentError
+  naming `what` otherwise): an XLA gather clamps an id out of range, a CPU gather on
+  another device fails inside a loop; neither says what was wrong."""
+  checks = [tf.debugging.assert_non_negative(ids, message=f"{what} must be >= 0"),
+            tf.debugging.assert_less(ids, tf.cast(vocab_size, ids.dtype), message=(
+                f"{what} must be < {vocab_size}, the model's vocabulary size"))]
+  with tf.control_dependencies(checks):
+    return tf.identity(ids)

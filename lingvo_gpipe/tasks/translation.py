@@ -109,17 +109,20 @@ class TranslationTask(BaseTask):
     """translate_ids(src_ids [B, S] int32, src_paddings [B, S] float32) → ids [B, T]
     (greedy; sources as the input makes them: the target tag, the tokens, EOS); and,
     where the vocabulary maps text in the graph (`WordVocabulary`), translate(sources
-    [B] string, source text) → translations [B] string, ids [B, T]. S and T are the
-    eval input's lengths."""
+    [B] string, source text) → translations [B] string, ids [B, T], source_truncated [B]
+    bool (the source had more than S − 2 words and only its first S − 2 were
+    translated). S and T are the eval input's lengths; ids must lie in [0, V)."""
     del options
     spec = input_generator.batch_spec()
     source_length, target_length = spec["src_ids"].shape[1], spec["tgt_ids"].shape[1]
     vocab = input_generator.vocab
+    vocab_size = self.id_bounds(self.params)["src_ids"].bound
 
     def run_stack(*inputs):
       return self.serve_stack(inputs)
 
     def translate_ids(src_ids, src_paddings):
+      src_ids = serving.checked_ids(src_ids, vocab_size, "translate_ids: src_ids")
       return {"ids": self.greedy_ids(src_ids, src_paddings, target_length, run_stack)}
 
     functions = {"translate_ids": serving.traced({
@@ -131,12 +134,16 @@ class TranslationTask(BaseTask):
 
       def translate(sources):
         ids = vocab.encode_in_graph(model.vocabulary_table, sources)  # ragged [B, None]
+        # The model was trained on sources of at most S − 2 tokens (the tag and EOS
+        # take two): a longer one is cut there and says so in source_truncated.
+        truncated = ids.row_lengths() > source_length - 2
         ids = tf.concat([tf.fill([ids.nrows(), 1], tag), ids[:, :source_length - 2],
                          tf.fill([ids.nrows(), 1], vocabulary.EOS_ID)], axis=1)
         src_ids = ids.to_tensor(vocabulary.PAD_ID, shape=[None, source_length])
         src_paddings = 1.0 - tf.sequence_mask(ids.row_lengths(), source_length, tf.float32)
         hyp = self.greedy_ids(src_ids, src_paddings, target_length, run_stack)
-        return {"translations": vocab.decode_in_graph(hyp), "ids": hyp}
+        return {"translations": vocab.decode_in_graph(hyp), "ids": hyp,
+                "source_truncated": truncated}
 
       functions["translate"] = serving.traced(
           {"sources": tf.TensorSpec([None], tf.string)})(translate)
