@@ -226,8 +226,12 @@ class CheckpointStore:
 
   # -- restoring (reads only) --------------------------------------------------------
 
-  def restore_newest(self) -> Restored:
+  def restore_newest(self, writer: str | None = None) -> Restored:
     """Restores the newest checkpoint that can be read; changes nothing on disk.
+
+    `writer`: the trainer writing this directory now (a reader beside it: export,
+    decode), if any; the newest checkpoint not yet readable is then the one it is
+    writing, and is passed over with a note, not a warning that it is damaged.
 
     Raises `NoReadableCheckpointError` if checkpoints exist and none can be read (the
     run must not start from step 0 over them), and the caller's mismatch error for a
@@ -248,8 +252,12 @@ class CheckpointStore:
         raise
       except Exception as e:  # noqa: BLE001 - every other failure means "cannot be read"
         unreadable.append((prefix, first_line(e)))
-        self.log(f"warning: checkpoint {prefix} cannot be read ({first_line(e)}); "
-                 "trying the next older one")
+        if writer is not None and len(unreadable) == 1:
+          self.log(f"Checkpoint {prefix} is not readable yet: the trainer in this logdir "
+                   f"({writer}) is writing it; using the next older one")
+        else:
+          self.log(f"warning: checkpoint {prefix} cannot be read ({first_line(e)}); "
+                   "trying the next older one")
         continue
       return Restored(step, prefix, unreadable, index_names, orphaned)
     if unreadable:

@@ -13,14 +13,16 @@ weights come from the newest checkpoint of <logdir>/train that can be read (a da
 newer one is passed over with a warning, as training does), or from `checkpoint`.
 
 Nothing is written before the checkpoint is restored and the functions are traced;
-the SavedModel is written to a hidden folder beside its place and renamed into it, so
-<logdir>/export/<step> is whole or absent.
+the SavedModel is written to a hidden folder beside its place (`.<step>.partial-<pid>-
+<random>`) and renamed into it, so <logdir>/export/<step> is whole or absent; the
+hidden folders of exports that were killed are removed by the next export.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import shutil
 import tempfile
@@ -29,7 +31,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from lingvo_gpipe import checkpoints
+from lingvo_gpipe import checkpoints, logdirs
 from lingvo_gpipe.core import stacked_variables
 from lingvo_gpipe.core.hyperparams import Params
 from lingvo_gpipe.tasks import serving
@@ -111,7 +113,7 @@ def restore_for_inference(params: Params, logdir: str, checkpoint: str | None,
                           f"{checkpoints.first_line(e)}") from None
       return task, int(step.numpy()), checkpoint
     store = checkpoints.CheckpointStore(restorable, train_dir, 1, restore, _Mismatch, log)
-    found = store.restore_newest()
+    found = store.restore_newest(writer=logdirs.lock_holder(logdir))
   except _Mismatch as e:
     raise ExportError(f"{e}. Pass the --model (and --params_override) this logdir was "
                       "trained with") from None
@@ -163,6 +165,7 @@ def export(params: Params, logdir: str, *, model_name: str = "", checkpoint: str
            "signatures": sorted(model.functions),
            "params_changed_from_training": list(params_changed or [])}
   os.makedirs(os.path.dirname(target), exist_ok=True)
+  remove_stale_partials(os.path.dirname(target), log)
   staging = _staging_dir(os.path.dirname(target), step)
   try:
     _save(model, staging, params.to_text(), facts, devices is not None)
@@ -192,12 +195,36 @@ def _save(model: serving.ServingModel, directory: str, params_text: str, facts: 
                         options=tf.saved_model.SaveOptions(experimental_variable_policy=policy))
 
 
+_PARTIAL = re.compile(r"\.\d+\.partial-(\d+)-[0-9a-f]+")
+
+
+def remove_stale_partials(parent: str, log: Callable[[str], None] = print) -> None:
+  """Removes the hidden `.<step>.partial-<pid>-<random>` folders in `parent` whose
+  export process is gone (killed while it wrote); those of a live process stay."""
+  for name in os.listdir(parent):
+    match = _PARTIAL.fullmatch(name)
+    if not match or _process_alive(int(match.group(1))):
+      continue
+    shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+    log(f"Removed {os.path.join(parent, name)}, left by an export that did not finish")
+
+
+def _process_alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    return True  # another user's process
+  return True
+
+
 def _staging_dir(parent: str, step: int) -> str:
-  """A new hidden folder `.<step>.partial-<random>` in `parent`, its mode what a plain
-  makedirs gives (0777 less the umask, which mkdir applies itself: reading the umask
-  means setting it, and that races with other threads)."""
+  """A new hidden folder `.<step>.partial-<pid>-<random>` in `parent`, its mode what a
+  plain makedirs gives (0777 less the umask, which mkdir applies itself: reading the
+  umask means setting it, and that races with other threads)."""
   while True:
-    path = os.path.join(parent, f".{step}.partial-{secrets.token_hex(4)}")
+    path = os.path.join(parent, f".{step}.partial-{os.getpid()}-{secrets.token_hex(4)}")
     try:
       os.mkdir(path, 0o777)
       return path

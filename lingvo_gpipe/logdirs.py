@@ -157,6 +157,26 @@ class LogdirLock:
     self._fd = None
 
 
+def lock_holder(logdir: str) -> str | None:
+  """The description of the trainer holding `logdir`'s lock now (pid, host, start,
+  command), or None when no trainer holds it. Takes nothing: a shared probe of the
+  flock, let go at once."""
+  path = os.path.join(logdir, LOCK_FILE)
+  try:
+    fd = os.open(path, os.O_RDONLY)
+  except OSError:
+    return None
+  try:
+    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+  except BlockingIOError:
+    return os.read(fd, 4096).decode(errors="replace").strip() or "a trainer starting up"
+  else:
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    return None
+  finally:
+    os.close(fd)
+
+
 def write_atomically(path: str, text: str) -> None:
   """Replaces the file at `path` with `text` so that it is never missing nor partial:
   written to a temporary file beside it, flushed to disk, then renamed over it. A

@@ -29,6 +29,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -625,11 +626,22 @@ def _train_or_eval(params: Params, profile_steps: tuple[int, int] | None,
   return 0
 
 
+class _Terminated(Exception):
+  """SIGTERM arrived (a scheduler or `kill` stopping the run): handled as Ctrl-C is."""
+
+
+def _raise_terminated(signum: int, frame) -> None:
+  del signum, frame
+  raise _Terminated()
+
+
 def _run_interruptibly() -> int:
   """Runs _run in a thread so that Ctrl-C is heard at once (a main thread blocked in a
   TensorFlow call does not run Python's signal handler until the call returns: never,
   for a step waiting on a frozen worker). Ctrl-C asks the loop to stop after the step in
-  flight (it flushes its summaries), waits up to 2 s for it, then exits with code 130;
+  flight (it flushes its summaries), waits up to 2 s for it, then exits with code 130
+  (SIGTERM likewise, with code 143; an export or decode that has not finished by then
+  exits so without writing its result);
   an interrupted save leaves only a ckpt-N_temp/ directory, removed at the next start.
   The handler finds the trainer in the RunState this hands down to _run.
 
@@ -655,17 +667,28 @@ def _run_interruptibly() -> int:
       done.set()
 
   threading.Thread(target=target, name="trainer", daemon=True).start()
+  previous_sigterm = signal.signal(signal.SIGTERM, _raise_terminated)
   try:
     while not done.wait(0.2):
       pass
-  except KeyboardInterrupt:
+  except (KeyboardInterrupt, _Terminated) as e:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # (a second one while stopping)
+    how, code = ("SIGTERM", 143) if isinstance(e, _Terminated) else ("Ctrl-C", 130)
     state.request_stop()
     with contextlib.suppress(KeyboardInterrupt):
       done.wait(2.0)
+    if FLAGS.mode in ("export", "decode"):
+      if done.is_set() and "code" in outcome:  # it had finished: its lines say what
+        return outcome["code"]
+      _exit_now(f"interrupted ({how}) before the {FLAGS.mode} was written: nothing of it "
+                "was written (a hidden partial folder is removed by the next export); "
+                "rerun the same command", code)
     latest = _latest_checkpoint()
-    _exit_now(f"interrupted (Ctrl-C); the last checkpoint is {latest}: rerun the same "
+    _exit_now(f"interrupted ({how}); the last checkpoint is {latest}: rerun the same "
               "command to resume from it" if latest else
-              "interrupted (Ctrl-C) before the first checkpoint was written", 130)
+              f"interrupted ({how}) before the first checkpoint was written", code)
+  finally:
+    signal.signal(signal.SIGTERM, previous_sigterm)
   if "error" in outcome:
     raise outcome["error"]
   return outcome["code"]

@@ -142,11 +142,13 @@ def _value_from_text(text: str, existing: Any) -> Any:
       return ast.literal_eval(text)
     except (ValueError, SyntaxError):
       return text
+  if text == "None":
+    return None  # None is taken for every param (its default's kind says the rest)
   if isinstance(existing, bool):
     lowered = text.lower()
-    if lowered in ("true", "1"):
+    if lowered == "true":
       return True
-    if lowered in ("false", "0"):
+    if lowered == "false":
       return False
     raise ValueError(f"{text!r} is not a bool (use true or false)")
   if isinstance(existing, int):
@@ -162,7 +164,14 @@ def _value_from_text(text: str, existing: Any) -> Any:
   if isinstance(existing, str):
     if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
       return _literal(text)
-    return text
+    try:
+      literal = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+      return text  # a bare word: the string itself
+    if isinstance(literal, str):
+      return literal
+    raise ValueError(f"{text!r} is a {type(literal).__name__}, not a str (quote it, "
+                     f"'{text}', if you mean the text)")
   if isinstance(existing, tf.dtypes.DType):
     name = text[3:] if text.startswith("tf.") else text
     try:

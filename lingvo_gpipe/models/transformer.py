@@ -25,6 +25,7 @@ import tensorflow as tf
 
 from lingvo_gpipe.core import attention, layers, token_slices
 from lingvo_gpipe.core.base_layer import BaseLayer, InstantiableParams, current_context
+from lingvo_gpipe.core.hyperparams import ParamsError
 
 
 def sinusoid_positions(length: tf.Tensor | int, dim: int, offset: Any = 0) -> tf.Tensor:
@@ -151,6 +152,10 @@ class TokenEmbedding(BaseLayer):
   def __init__(self, params):
     super().__init__(params)
     p = self.params
+    for key in ("vocab_size", "embedding_dim"):
+      value = getattr(p, key)
+      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ParamsError(f"{self.path}: {key} must be an int >= 1, got {value!r}")
     self.create_child("emb", layers.Embedding.Params().set(
         vocab_size=p.vocab_size, embedding_dim=p.embedding_dim, scale_sqrt_depth=True,
         params_init=layers.weight_init("gaussian", p.embedding_dim ** -0.5)))
