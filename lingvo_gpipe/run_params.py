@@ -47,8 +47,8 @@ def params_file_for_step(logdir: str, step: int | None) -> str:
   """The params text the checkpoint of `step` was written with (module docstring);
   params.txt for None (the newest run's)."""
   if step is not None:
-    kept = sorted(int(m.group(1)) for m in map(_BEFORE_STEP.fullmatch, os.listdir(logdir))
-                  if m)
+    names = os.listdir(logdir) if os.path.isdir(logdir) else []
+    kept = sorted(int(m.group(1)) for m in map(_BEFORE_STEP.fullmatch, names) if m)
     later = [n for n in kept if n >= step]
     if later:
       return os.path.join(logdir, f"params.before_step_{later[0]}.txt")

@@ -314,13 +314,14 @@ def test_bad_exports_exit_2_with_one_line_and_write_nothing(trained, tmp_path):
   done = run_trainer("--model=lm.TransformerTiny", f"--logdir={empty}", "--mode=export")
   assert done.returncode == 2 and done.stderr.strip().count("\n") == 0, done.stderr
   assert "no checkpoint in" in done.stderr and not list(empty.iterdir())
-  # Another model's logdir: refused by the variables' names.
+  # Another model's logdir: refused by its params text, before anything is built.
   other = run_trainer("--model=mt.MultilingualTiny", f"--logdir={logdir}", "--mode=export")
-  assert other.returncode == 2 and "does not match model" in other.stderr
+  assert other.returncode == 2 and "which this model lacks" in other.stderr, other.stderr
   assert other.stderr.strip().count("\n") == 0
   # A damaged newest checkpoint: the previous one is exported, as training would resume.
   copy = tmp_path / "lm"
   shutil.copytree(os.path.join(logdir, "train"), copy / "train")
+  shutil.copy(os.path.join(logdir, "params.txt"), copy / "params.txt")
   for data in (copy / "train").glob("ckpt-3.data-*"):
     data.write_bytes(b"damaged")
   before = sorted(p.name for p in (copy / "train").iterdir())

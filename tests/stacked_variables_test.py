@@ -190,6 +190,23 @@ def test_whole_stack_io_reads_a_row_written_within_it_afresh(tmp_path, cpu_devic
   np.testing.assert_array_equal(checkpoint_tensors(second)[key], row.numpy())
 
 
+def test_whole_stack_io_keeps_an_assign_made_after_a_restore_in_the_block(tmp_path,
+                                                                          cpu_devices):
+  """Restore a row, then assign it (and a sibling row) in the same block: the assigns
+  stand after the block ends; the pending restore is written before them, not after."""
+  model, _, _, _ = build(num_cells=1, devices=cpu_devices[:1])
+  row = next(w for w in stacked_variables.trainable_weights(model)
+             if w.stack is not None and len(w.stack.rows) > 1)
+  sibling = next(r for r in row.stack.rows if r is not row)
+  path = tf.train.Checkpoint(w=row).write(str(tmp_path / "row"))
+  with stacked_variables.whole_stack_io():
+    tf.train.Checkpoint(w=row).read(path).assert_consumed()
+    row.assign(tf.fill(row.shape, 3.0))
+    sibling.assign(tf.fill(sibling.shape, 5.0))
+  np.testing.assert_array_equal(row.numpy(), np.full(row.shape, 3.0, np.float32))
+  np.testing.assert_array_equal(sibling.numpy(), np.full(sibling.shape, 5.0, np.float32))
+
+
 def assert_same_weights_and_slots(saved, restored) -> None:
   """(model, optimizer) pairs: every weight and its optimizer slots bit for bit equal."""
   (model, opt), (again, again_opt) = saved, restored
