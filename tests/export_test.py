@@ -269,6 +269,142 @@ def test_bfloat16_export_stores_half_precision_weights_and_agrees_to_its_precisi
   assert half.dtype == np.float32
 
 
+@pytest.mark.parametrize("name,dtype", [("image", "float16"), ("lm", "bfloat16"),
+                                        ("lm", "float16"), ("mt", "bfloat16"),
+                                        ("mt", "float16")])
+def test_half_precision_exports_of_every_task_agree_with_float32(trained, name, dtype):
+  """Each task's serving functions in bfloat16 and float16 (weights stored so), against
+  the float32 ones, to the half dtype's precision through a small net."""
+  params, logdir, _ = trained[name]
+  eval_input = params.eval_input.instantiate()
+
+  def model(dtype: str) -> serving.ServingModel:
+    task, _, _ = exporter.restore_for_inference(params, logdir, None, None, dtype,
+                                                log=lambda _: None)
+    return serving.ServingModel(task, eval_input, serving.ServingOptions(dtype=dtype))
+
+  half, full = model(dtype), model("float32")
+  assert {v.dtype for v in half.weights.values() if v.dtype.is_floating} == {
+      tf.as_dtype(dtype)}
+  batch = eval_batch(params)
+  # A half dtype's relative step (2^-8 bfloat16, 2^-11 float16), through a few layers.
+  tolerance = {"bfloat16": 0.1, "float16": 0.02}[dtype]
+  if name == "image":
+    got, want = (m("classify", images=batch["image"])["probabilities"] for m in (half, full))
+    np.testing.assert_allclose(got.numpy(), want.numpy(), atol=tolerance)
+  elif name == "lm":
+    got, want = (m("score", ids=batch["ids"], paddings=batch["paddings"])["token_log_probs"]
+                 for m in (half, full))
+    np.testing.assert_allclose(got.numpy(), want.numpy(), atol=tolerance * 5, rtol=tolerance)
+    generated = half("generate", prefix_ids=batch["ids"][:, :2], max_new_tokens=4,
+                     temperature=0.0, seed=1)["ids"].numpy()
+    assert generated.shape == (BATCH, 4) and generated.min() >= 0
+  else:
+    out = half("translate_ids", src_ids=batch["src_ids"],
+               src_paddings=batch["src_paddings"].astype(np.float32))["ids"].numpy()
+    want = full("translate_ids", src_ids=batch["src_ids"],
+                src_paddings=batch["src_paddings"].astype(np.float32))["ids"].numpy()
+    assert out.shape == want.shape and out.min() >= 0
+    assert out.max() < eval_input.vocab.size
+
+
+# Run in a fresh interpreter: each job sends one request to a signature of a loaded
+# SavedModel and records whether it raised (and what) or what it returned; the process
+# must outlive them all.
+BAD_REQUESTS = r"""
+import json, sys
+import numpy as np
+import tensorflow as tf
+results = []
+loaded = {}
+for job in json.load(open(sys.argv[1])):
+  model = loaded.setdefault(job["dir"], tf.saved_model.load(job["dir"]))
+  inputs = {k: tf.constant(np.asarray(v, dtype=job["dtypes"][k]))
+            for k, v in job["inputs"].items()}
+  try:
+    out = model.signatures[job["signature"]](**inputs)
+    results.append({"raised": None, "outputs": {k: v.numpy().tolist() for k, v in out.items()
+                                                if v.dtype != tf.string}})
+  except Exception as e:
+    results.append({"raised": type(e).__name__, "message": str(e)[-600:]})
+print(json.dumps(results))
+"""
+
+BIG = 2**31 - 1
+
+
+def bad_requests(trained) -> list[tuple[str, str, dict, dict, str]]:
+  """(model, signature, inputs, dtypes, a word the error must hold) of the table."""
+  vocab = trained["lm"][0].eval_input.instantiate().vocab.size
+  lm = {"prefix_ids": [[1, 5]], "max_new_tokens": 3, "temperature": 0.0, "seed": 1}
+  lm_types = {"prefix_ids": "int32", "max_new_tokens": "int32", "temperature": "float32",
+              "seed": "int64"}
+
+  def generate(word, **changed):
+    return ("lm", "generate", {**lm, **changed}, lm_types, word)
+
+  score_types = {"ids": "int32", "paddings": "float32"}
+  mt_types = {"src_ids": "int32", "src_paddings": "float32"}
+  source = [[2] + [5] * 11]
+  return [
+      ("image", "classify", {"images": np.zeros([32, 32, 3]).tolist()}, {"images": "float32"},
+       "images"),
+      ("image", "classify", {"images": np.zeros([1, 16, 16, 3]).tolist()},
+       {"images": "float32"}, "images"),
+      ("lm", "score", {"ids": [[1, -1]], "paddings": [[0, 0]]}, score_types, "ids"),
+      ("lm", "score", {"ids": [[1, vocab]], "paddings": [[0, 0]]}, score_types, "ids"),
+      ("lm", "score", {"ids": [1, 2], "paddings": [0, 0]}, score_types, "ids"),
+      generate("prefix_ids", prefix_ids=[[-7, 1]]),
+      generate("prefix_ids", prefix_ids=[[1, -1]]),
+      generate("prefix_ids", prefix_ids=[[1, vocab]]),
+      generate("prefix_ids", prefix_ids=[[1, 10**6]]),
+      generate("max_new_tokens", max_new_tokens=BIG),
+      generate("max_new_tokens", max_new_tokens=-1),
+      generate("temperature", temperature=-1.0),
+      generate("temperature", temperature=float("nan")),
+      generate("temperature", temperature=float("inf")),
+      generate("prefix", prefix_ids=np.zeros([1, 0], np.int32).tolist()),
+      ("mt", "translate_ids", {"src_ids": [[2] + [10**6] * 11], "src_paddings": [[0] * 12]},
+       mt_types, "src_ids"),
+      ("mt", "translate_ids", {"src_ids": [[-1] * 12], "src_paddings": [[0] * 12]}, mt_types,
+       "src_ids"),
+      ("mt", "translate_ids", {"src_ids": [[2, 5]], "src_paddings": [[0, 0]]}, mt_types,
+       "src_ids"),
+      ("mt", "translate_ids", {"src_ids": source, "src_paddings": [[0] * 12]},
+       {"src_ids": "int32", "src_paddings": "int32"}, ""),
+  ]
+
+
+def test_bad_requests_raise_in_the_serving_process_and_it_survives(trained, exported,
+                                                                    tmp_path):
+  """Every signature of the three tiny exports gets a table of bad requests in a child
+  process: each raises (an error naming the input where TensorFlow lets it), none
+  aborts the process, and a long source is translated with source_truncated set."""
+  table = bad_requests(trained)
+  vocab = trained["mt"][0].eval_input.instantiate().vocab
+  long_source = " ".join(vocab.decode([i]) for i in range(vocab.num_reserved,
+                                                          vocab.num_reserved + 40))
+  jobs = [{"dir": os.path.join(trained[m][1], "export", "3"), "signature": sig,
+           "inputs": inputs, "dtypes": dtypes} for m, sig, inputs, dtypes, _ in table]
+  jobs.append({"dir": os.path.join(trained["mt"][1], "export", "3"), "signature": "translate",
+               "inputs": {"sources": [long_source, vocab.decode([vocab.num_reserved])]},
+               "dtypes": {"sources": "object"}})
+  (tmp_path / "jobs.json").write_text(json.dumps(jobs))
+  (tmp_path / "bad_requests.py").write_text(BAD_REQUESTS)
+  done = subprocess.run([sys.executable, str(tmp_path / "bad_requests.py"),
+                         str(tmp_path / "jobs.json")], capture_output=True, text=True,
+                        timeout=300, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+  assert done.returncode == 0, done.stderr[-3000:]
+  results = json.loads(done.stdout.strip().splitlines()[-1])
+  for (model, signature, inputs, _, word), result in zip(table, results):
+    request = f"{model} {signature} {json.dumps(inputs)[:120]}"
+    assert result["raised"] is not None, f"{request} returned {result['outputs']}"
+    assert word in result["message"], f"{request}: {result['message']}"
+  translated = results[-1]
+  assert translated["raised"] is None, translated
+  assert translated["outputs"]["source_truncated"] == [True, False]
+
+
 def test_generate_samples_by_seed_and_stops_counting_at_eos(trained):
   params, logdir, _ = trained["lm"]
   task, _, _ = exporter.restore_for_inference(params, logdir, None, None, "float32",
