@@ -9,15 +9,18 @@ bounds over the inputs' own arrays; gpipe's losses for the split-backward schedu
 import json
 import os
 import shutil
+import signal
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import run_trainer
+from conftest import REPO, run_trainer, sigint_as_default
 from export_test import reference_token_log_probs
 from numerics import assert_close
 
-from lingvo_gpipe import exporter, model_registry, run_params
+from lingvo_gpipe import exporter, logdirs, model_registry, run_params
 from lingvo_gpipe import trainer as trainer_lib
 from lingvo_gpipe.core.hyperparams import ParamsError
 from lingvo_gpipe.preflight import preflight
@@ -244,3 +247,77 @@ def test_an_export_leaves_no_partial_folder_and_never_sets_the_umask(tmp_path, m
   monkeypatch.setattr(os, "umask", no_umask)
   staging = exporter._staging_dir(str(parent), 3)  # noqa: SLF001 - the folder's mode
   shutil.rmtree(staging)
+
+
+def test_bad_flags_and_params_exit_2_with_one_line(eight_heads_run, tmp_path):
+  logdir = tmp_path / "run"
+  for override in ("task.stack.layers[0].embedding_dim=0", "train_input.name=7",
+                   "task.pipeline.stack_variables=1"):
+    done = run_trainer("--model=lm.TransformerTiny", f"--logdir={logdir}", "--max_steps=1",
+                       f"--params_override={override}")
+    assert done.returncode == 2 and done.stderr.strip().count("\n") == 0, (override,
+                                                                          done.stderr)
+    assert override.split("=")[0].rsplit(".", 1)[-1] in done.stderr
+    assert not logdir.exists()
+  before = files_of(eight_heads_run)
+  for flag, says in (("--export_dtype=", "--export_dtype"),
+                     ("--max_decode_length=3e9", "--max_decode_length"),
+                     (f"--max_decode_length={2**31 - 1}", "--max_decode_length")):
+    done = run_trainer("--model=lm.TransformerTiny", f"--logdir={eight_heads_run}",
+                       "--mode=export", "--overwrite", flag)
+    assert done.returncode == 2 and done.stderr.strip().count("\n") == 0, (flag, done.stderr)
+    assert says in done.stderr
+  assert files_of(eight_heads_run) == before
+
+
+def test_an_interrupted_export_says_what_it_left_and_the_next_cleans_up(eight_heads_run):
+  """SIGINT while the export traces: exit 130 with nothing written (its hidden folder,
+  if any, removed by the next export), or exit 0 if it had finished; never a message
+  that disagrees with the disk."""
+  logdir = eight_heads_run
+  export = subprocess.Popen(
+      [sys.executable, str(REPO / "tools" / "trainer.py"), "--model=lm.TransformerTiny",
+       f"--logdir={logdir}", "--mode=export", "--overwrite"],
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+      env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1"),
+      preexec_fn=sigint_as_default)
+  try:
+    for line in export.stdout:
+      if "tracing the serving functions" in line:
+        break
+    export.send_signal(signal.SIGINT)
+    out, err = export.communicate(timeout=120)
+  finally:
+    export.kill()
+  if export.returncode == 130:
+    assert "before the export was written: nothing of it was written" in err, err
+  else:
+    assert export.returncode == 0 and "Exported step 1" in out, err
+  assert tf.saved_model.load(str(logdir / "export" / "1")).signatures["score"] is not None
+  # The next export removes what an interrupted one left, and leaves no folder of its own.
+  again = run_trainer("--model=lm.TransformerTiny", f"--logdir={logdir}", "--mode=export",
+                      "--overwrite")
+  assert again.returncode == 0, again.stderr
+  assert sorted(p.name for p in (logdir / "export").iterdir()) == ["1"]
+
+
+def test_a_checkpoint_being_written_by_the_trainer_is_noted_not_called_damaged(
+    eight_heads_run, tmp_path):
+  copy = tmp_path / "run"
+  shutil.copytree(eight_heads_run / "train", copy / "train")
+  shutil.copy(eight_heads_run / "params.txt", copy / "params.txt")
+  for data in (copy / "train").glob("ckpt-1.data-*"):  # the newest, as if half-written
+    data.write_bytes(b"")
+  params = registered("lm.TransformerTiny", f"{SMALL};{EIGHT_HEADS}").freeze()
+  lines = []
+  lock = logdirs.LogdirLock(str(copy))
+  lock.acquire()  # a trainer training in this logdir
+  try:
+    assert logdirs.lock_holder(str(copy)).startswith(f"pid {os.getpid()}")
+    with pytest.raises(exporter.ExportError):  # ckpt-1 is its only one
+      exporter.restore_for_inference(params, str(copy), None, None, "float32", lines.append)
+  finally:
+    lock.release()
+  assert logdirs.lock_holder(str(copy)) is None
+  assert any("is not readable yet: the trainer in this logdir" in line for line in lines)
+  assert not any(line.startswith("warning") for line in lines), lines

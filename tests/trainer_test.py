@@ -589,6 +589,33 @@ def test_ctrl_c_stops_after_the_step_in_flight_flushing_its_summaries(tmp_path):
   assert 20 in summarized and max(summarized) < 100, summarized  # (at 20, 40, ...)
 
 
+def test_sigterm_stops_like_ctrl_c_with_exit_143_naming_the_checkpoint(tmp_path):
+  """SIGTERM (a scheduler stopping the run) to a local run: exit 143 with one line
+  naming the last checkpoint, which is readable."""
+  logdir = tmp_path / "run"
+  override = FAST + ";task.train.save_interval_steps=1;task.train.log_interval_steps=1"
+  trainer = subprocess.Popen(
+      [sys.executable, str(REPO / "tools" / "trainer.py"), MODEL, f"--logdir={logdir}",
+       "--max_steps=1000000", f"--params_override={override}"],
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+      env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1"))
+  try:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and trainer.poll() is None:
+      if tf.train.latest_checkpoint(str(logdir / "train")):
+        break
+      time.sleep(0.05)
+    trainer.send_signal(signal.SIGTERM)
+    _, stderr = trainer.communicate(timeout=60)
+  finally:
+    trainer.kill()
+  assert trainer.returncode == 143, stderr
+  latest = tf.train.latest_checkpoint(str(logdir / "train"))
+  assert stderr.endswith(f"error: interrupted (SIGTERM); the last checkpoint is {latest}: "
+                         "rerun the same command to resume from it\n"), stderr
+  tf.train.load_checkpoint(latest)
+
+
 def test_resume_rules_say_which_row_each_change_falls_in(tmp_path):
   """docs/trainer.md's resume table through the binary: float32 → float16 (and K 1 → 2)
   resumes with the loss scale at its start, and back; a changed shape is refused

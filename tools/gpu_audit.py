@@ -58,6 +58,7 @@ class Config:
   dtype: str = "float32"
   token_slices: int = 1
   replicas: int = 1
+  scan_layers: bool = False
 
   def overrides(self) -> dict[str, str]:
     pipeline = {"schedule": repr(self.schedule), "recompute": repr(self.recompute)}
@@ -68,6 +69,8 @@ class Config:
                       weight_gradient_group=str(self.token_slices))
     if self.replicas > 1:
       pipeline.update(num_replicas=str(self.replicas))
+    if self.scan_layers:
+      pipeline.update(scan_layers="true")
     out = {f"task.pipeline.{k}": v for k, v in pipeline.items()}
     if self.dtype != "float32":
       out["task.fprop_dtype"] = repr(self.dtype)
@@ -75,14 +78,16 @@ class Config:
 
   def __str__(self) -> str:
     extra = (f" S={self.token_slices}" if self.token_slices > 1 else "") + \
-            (f" R={self.replicas}" if self.replicas > 1 else "")
+            (f" R={self.replicas}" if self.replicas > 1 else "") + \
+            (" scan_layers" if self.scan_layers else "")
     return f"{self.model} {self.schedule} recompute={self.recompute} {self.dtype}{extra}"
 
 
 def configs(models: list[str], quick: bool) -> list[Config]:
   """The grid: per model, schedule × recompute × dtype (quick: schedule × recompute at
   float32, and the other dtypes at gpipe and zb_h1), then token slices (the causal
-  language models) and replicas."""
+  language models), replicas, and scan_layers under every schedule (× recompute;
+  quick: always and never)."""
   out = []
   for model in models:
     if quick:
@@ -95,6 +100,10 @@ def configs(models: list[str], quick: bool) -> list[Config]:
       grid += [Config(model, s, "always", d, token_slices=2)
                for s in ("gpipe", "1f1b") for d in ("float32", "bfloat16")]
     grid += [Config(model, "1f1b", "always", d, replicas=2) for d in ("float32", "float16")]
+    # A cell's run of layers as one loop (TensorLists inside the loops' Case branches),
+    # under every schedule: its forward loops everywhere, its backward where not split.
+    grid += [Config(model, s, r, scan_layers=True)
+             for s in SCHEDULES for r in (("always", "never") if quick else RECOMPUTE)]
     out += grid
   return out
 

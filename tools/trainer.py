@@ -14,13 +14,16 @@ configuration would take (and whether it fits), last a JSON line with the best p
 --params_override. In train modes, --plan=auto trains with the best plan, --plan=check
 with the params as given; both predict the step and per-device peak, and write them
 beside the measured ones when training ends (log, TensorBoard, train/plan_check.json).
-Exit codes: 0 success; 2 bad input (unknown model, a param file that does not load,
-bad override, unwritable logdir, bad device or cluster spec, missing TFDS data, a
-checkpoint of another model, params its checkpoints cannot follow, an export that
-exists without --overwrite), reported before anything is written; 1 a run that failed
-(a non-finite loss, a worker that died, froze or became unreachable, a checkpoint that
-could not be saved; the last good checkpoint is kept and a rerun with the same logdir
-resumes); 130 interrupted (Ctrl-C).
+export and decode serve the params the run trained with (<logdir>/params.txt;
+lingvo_gpipe/run_params.py). Exit codes: 0 success; 2 bad input (a bad flag, unknown
+model, a param file that does not load, bad override, unwritable logdir, bad device or
+cluster spec, missing TFDS data, a model smaller than its data's vocabulary or classes,
+a checkpoint of another model, params its checkpoints cannot follow, an export override
+of a trained param, an export that exists without --overwrite), reported before
+anything is written; 1 a run that failed (a non-finite loss, an id the model cannot
+take, a step that failed, a worker that died, froze or became unreachable, a
+checkpoint that could not be saved; the last good checkpoint is kept and a rerun with
+the same logdir resumes); 130 interrupted (Ctrl-C); 143 terminated (SIGTERM).
 """
 
 from __future__ import annotations
