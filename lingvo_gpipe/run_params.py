@@ -133,7 +133,8 @@ def served_params(registered: Params, logdir: str, checkpoint: str | None,
   The checkpoint is `checkpoint` or the newest of <logdir>/train; its params text
   (`params_file_for_step`) is applied over `registered` (unfrozen; `trained_params`),
   then `overrides` (only SERVING_RULES' keys). A logdir without that text is served
-  only with an explicit `checkpoint`: `registered` with `overrides` as given.
+  only with an explicit `checkpoint`: `registered` with `overrides` as given (so is one
+  without any checkpoint, which the exporter then refuses as such).
 
   Raises:
     RunParamsError: no params text and no `checkpoint`; a params text of another
@@ -147,7 +148,7 @@ def served_params(registered: Params, logdir: str, checkpoint: str | None,
     step = found[0][0] if found else None
   path = params_file_for_step(logdir, step)
   if not os.path.exists(path):
-    if not checkpoint:
+    if not checkpoint and step is not None:
       raise RunParamsError(
           f"{path} is missing: an export serves the params the run trained with, and "
           "this logdir does not record them; pass --checkpoint=<prefix> to serve it with "

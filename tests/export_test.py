@@ -353,7 +353,7 @@ def bad_requests(trained) -> list[tuple[str, str, dict, dict, str]]:
        {"images": "float32"}, "images"),
       ("lm", "score", {"ids": [[1, -1]], "paddings": [[0, 0]]}, score_types, "ids"),
       ("lm", "score", {"ids": [[1, vocab]], "paddings": [[0, 0]]}, score_types, "ids"),
-      ("lm", "score", {"ids": [1, 2], "paddings": [0, 0]}, score_types, "ids"),
+      ("lm", "score", {"ids": [1, 2], "paddings": [[0, 0]]}, score_types, "ids"),
       generate("prefix_ids", prefix_ids=[[-7, 1]]),
       generate("prefix_ids", prefix_ids=[[1, -1]]),
       generate("prefix_ids", prefix_ids=[[1, vocab]]),

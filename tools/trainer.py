@@ -144,11 +144,13 @@ def _bad_params_are_usage_errors():
     raise UsageFailure(f"bad model params: {e}" + (f" (at {where})" if where else "")) from None
 
 
-def _model_params(serving: bool = False):
+def _model_params(serving_changes: list[dict[str, str]] | None = None):
   """The frozen params of --model with --params_override, --data_dir and --max_steps.
 
-  `serving` (export, decode): the params the logdir's checkpoint was trained with
-  (`_served_params`), the override limited to what serving may change.
+  With `serving_changes` (export, decode): the params the logdir's checkpoint was
+  trained with (run_params.served_params of --logdir and --checkpoint), the override
+  limited to what serving may change; what it changed is appended to the list, for the
+  export to record.
   """
   from lingvo_gpipe import model_registry, run_params
   from lingvo_gpipe.core import hyperparams
@@ -162,8 +164,11 @@ def _model_params(serving: bool = False):
     raise UsageFailure(str(e)) from None
   try:
     overrides = hyperparams.parse_overrides(FLAGS.params_override)
-    if serving:
-      params = _served_params(params, overrides)
+    if serving_changes is not None:
+      params, changes = run_params.served_params(
+          params, FLAGS.logdir, FLAGS.checkpoint, overrides, FLAGS.model,
+          log=lambda line: print(line, flush=True))
+      serving_changes.extend(changes)
     else:
       for key, value in overrides:
         params.set_from_text(key, value)
@@ -184,22 +189,6 @@ def _model_params(serving: bool = False):
       raise UsageFailure(f"--max_steps must be >= 0, got {FLAGS.max_steps}")
     params.task.train.max_steps = FLAGS.max_steps
   return params.freeze()
-
-
-def _served_params(registered, overrides: list[tuple[str, str]]):
-  """--mode=export or decode: run_params.served_params of --logdir and --checkpoint;
-  what the overrides changed is left in `_SERVING_CHANGES` for the export to record."""
-  from lingvo_gpipe import run_params
-
-  params, _SERVING_CHANGES[:] = run_params.served_params(
-      registered, FLAGS.logdir, FLAGS.checkpoint, overrides, FLAGS.model,
-      log=lambda line: print(line, flush=True))
-  return params
-
-
-# What --params_override changed at export, against the trained params ([{key,
-# trained, served}]); set by _served_params, recorded in the export's version.json.
-_SERVING_CHANGES: list[dict[str, str]] = []
 
 
 def _inspect_model(params) -> None:
@@ -382,7 +371,8 @@ def _run(state: RunState) -> int:
     return 0
   if FLAGS.mode in ("export", "decode"):
     _check_serving_flags()
-    return _export_or_decode(_model_params(serving=True))
+    changes: list[dict[str, str]] = []
+    return _export_or_decode(_model_params(serving_changes=changes), changes)
   params = _model_params()
   if FLAGS.mode == "inspect_params":
     print(params.to_text(), end="")
@@ -404,9 +394,10 @@ def _run(state: RunState) -> int:
   return _run_in_logdir(params, watchdog, state)
 
 
-def _export_or_decode(params: Params) -> int:
-  """--mode=export or decode: checks the flags, then writes the SavedModel (export) or
-  the decode records and metrics (decode) from the newest good checkpoint."""
+def _export_or_decode(params: Params, changes: list[dict[str, str]]) -> int:
+  """--mode=export or decode: writes the SavedModel (export; `changes`: what
+  --params_override changed of the trained params, recorded in it) or the decode
+  records and metrics (decode) from the newest good checkpoint."""
   import tensorflow as tf
 
   from lingvo_gpipe import checkpoints, decoder, exporter
@@ -429,7 +420,7 @@ def _export_or_decode(params: Params) -> int:
       if FLAGS.mode == "export":
         exporter.export(params, FLAGS.logdir, model_name=FLAGS.model,
                         checkpoint=FLAGS.checkpoint, devices=devices, options=options,
-                        overwrite=FLAGS.overwrite, params_changed=_SERVING_CHANGES)
+                        overwrite=FLAGS.overwrite, params_changed=changes)
       else:
         decoder.decode(params, FLAGS.logdir, checkpoint=FLAGS.checkpoint, devices=devices,
                        options=options)

@@ -246,7 +246,8 @@ def _differentiable_loop(concrete: Any, slices: list[tf.Tensor], seeds: tf.Tenso
   intermediates its backward needs (`tf_internals.forward_backward_pair`) and pushes
   them onto one list per dtype (TensorFlow's own gradient of a loop keeps one list
   per intermediate, each a loop variable: 95 for a Transformer layer, and it was the
-  loop's cost). Backward: the loop in reverse pops them, runs the pair's backward
+  loop's cost), each flat; after the loop each list is given as one dense tensor and its
+  elements' lengths. Backward: the loop in reverse pops them, runs the pair's backward
   and writes row i of each weight's gradient in place (one list per weight, stacked
   once: TensorFlow's own adds an n-long list per row read, O(n) per iteration)."""
   pair = tf_internals.forward_backward_pair(concrete)
@@ -257,6 +258,10 @@ def _differentiable_loop(concrete: Any, slices: list[tf.Tensor], seeds: tf.Tenso
   num_rows, num_x = len(slices), len(flat_x)
   outputs_specs = [tf.TensorSpec(t.shape, t.dtype)
                    for t in concrete.graph.outputs[:pair.num_outputs]]
+  # Kept tensors reshaped back from flat need at most one unknown dimension each (the
+  # micro-batch's); otherwise the lists stay list handles.
+  dense_kept = all(spec.shape.rank is not None and spec.shape.as_list().count(None) <= 1
+                   for spec in kept_specs)
 
   @tf.custom_gradient
   def loop(*args):
@@ -272,19 +277,32 @@ def _differentiable_loop(concrete: Any, slices: list[tf.Tensor], seeds: tf.Tenso
       kept_lists = list(kept_lists)
       for t, spec in zip(kept, kept_specs):
         d = dtypes.index(spec.dtype)
-        kept_lists[d] = tf.raw_ops.TensorListPushBack(input_handle=kept_lists[d], tensor=t)
+        kept_lists[d] = tf.raw_ops.TensorListPushBack(
+            input_handle=kept_lists[d], tensor=tf.reshape(t, [-1]) if dense_kept else t)
       return (i + 1, results[:num_x], kept_lists,
               [ta.write(i, t) for ta, t in zip(stats, results[num_x:num_x + num_stats])])
 
     _, out, kept_lists, stats = tf.while_loop(
         lambda i, *_: i < n, body, (0, list(args[num_rows:]), kept_lists, stats),
         maximum_iterations=n)
+    # What the backward keeps, as dense tensors rather than list handles: a cell that
+    # is not re-materialized stashes them in its device loop, and TensorArrays of
+    # DT_VARIANT have no GPU kernels (tools/gpu_audit.py found it). The elements were
+    # pushed flat; each list becomes one 1-D tensor and its elements' lengths (int64).
+    if dense_kept:
+      kept_lists = [tf.raw_ops.TensorListConcatV2(
+          input_handle=handle, element_shape=tf.constant([-1], tf.int64),
+          leading_dims=tf.constant([], tf.int64), element_dtype=d)
+          for handle, d in zip(kept_lists, dtypes)]
 
     def gradient(*output_grads):
       dy = [g if g is not None else tf.zeros(t.shape, t.dtype)
             for g, t in zip(output_grads[:num_x], out)]
       row_grads = [tf.TensorArray(t.dtype, size=n, element_shape=t.shape[1:])
                    for t in args[:num_rows]]
+      lists = ([tf.raw_ops.TensorListSplit(
+          tensor=flat, element_shape=tf.constant([-1], tf.int64), lengths=lengths)
+          for flat, lengths in kept_lists] if dense_kept else kept_lists)
 
       def back(j, dy, kept_lists, row_grads):
         i = n - 1 - j
@@ -296,6 +314,8 @@ def _differentiable_loop(concrete: Any, slices: list[tf.Tensor], seeds: tf.Tenso
           kept_lists[d], t = tf.raw_ops.TensorListPopBack(
               input_handle=kept_lists[d], element_shape=tf.constant(-1, tf.int32),
               element_dtype=spec.dtype)
+          if dense_kept:
+            t = tf.reshape(t, [-1 if dim is None else dim for dim in spec.shape.as_list()])
           t.set_shape(spec.shape)
           kept[k] = t
         seeds_out = [tf.zeros(spec.shape, spec.dtype) for spec in outputs_specs]
@@ -308,7 +328,7 @@ def _differentiable_loop(concrete: Any, slices: list[tf.Tensor], seeds: tf.Tenso
                  for ta, g in zip(row_grads, grads[:num_rows])])
 
       _, dx, _, row_grads = tf.while_loop(lambda j, *_: j < n, back,
-                                          (0, dy, kept_lists, row_grads),
+                                          (0, dy, lists, row_grads),
                                           maximum_iterations=n)
       return [ta.stack() for ta in row_grads] + [
           g if t.dtype.is_floating else None for g, t in zip(dx, args[num_rows:])]
