@@ -1,7 +1,8 @@
 """Audits the training step of each paper model for GPU kernels, without a GPU.
 
   python tools/gpu_audit.py                 # every model × schedule × recompute × dtype,
-                                            # token slices, replicas (118 steps, ~20 min)
+                                            # token slices, replicas, scan_layers
+                                            # (226 steps, ~50 min on 2 cores)
   python tools/gpu_audit.py --quick         # a covering subset (each value of each axis)
   make gpu-audit                            # installs the full TensorFlow wheel, runs it
 
