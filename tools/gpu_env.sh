@@ -10,12 +10,22 @@
 # cuSOLVER under their CUDA 12 names), and installs this project into python3 (no
 # dependencies). Not a supported configuration: CUDA 12 and CUDA 13 libraries in one
 # process; what ran on it is in docs/benchmarks.md, "GPU readiness".
+#
+# CUBLAS=machine (a hypothesis to try, docs/gpu.md): TensorFlow gets the machine's CUDA 13
+# cuBLAS under the CUDA 12 names, and the pieces c.* (the packed CUDA 12 cuBLAS) need not
+# be sent. Default: the packed one (CUBLAS=packed).
 PIECES=${1:?usage: source tools/gpu_env.sh PIECES_DIR}
 SITE=/tmp/site
+CUBLAS=${CUBLAS:-packed}
 if [[ ! -e $SITE/.unpacked ]]; then
   mkdir -p "$SITE"
   { cat "$PIECES"/a.?? | tar -xz -C "$SITE" && cat "$PIECES"/b.?? | tar -xz -C "$SITE"; } \
     || { echo "gpu_env: the pieces in $PIECES do not unpack" >&2; return 3; }
+  if [[ $CUBLAS == packed ]]; then
+    cat "$PIECES"/c.?? | tar -xz -C "$SITE" \
+      || { echo "gpu_env: no CUDA 12 cuBLAS pieces (c.*) in $PIECES; CUBLAS=machine?" >&2
+           return 3; }
+  fi
   touch "$SITE/.unpacked"
 fi
 _cuda13_lib() {  # the machine's copy of library $1 (PyTorch's wheels hold CUDA 13's)
@@ -24,6 +34,10 @@ _cuda13_lib() {  # the machine's copy of library $1 (PyTorch's wheels hold CUDA 
 mkdir -p /tmp/cuda12_names
 ln -sf "$(_cuda13_lib libcufft.so.12)" /tmp/cuda12_names/libcufft.so.11
 ln -sf "$(_cuda13_lib libcusolver.so.12)" /tmp/cuda12_names/libcusolver.so.11
+if [[ $CUBLAS == machine ]]; then  # every cuBLAS function TensorFlow calls is in 13's
+  ln -sf "$(_cuda13_lib libcublas.so.13)" /tmp/cuda12_names/libcublas.so.12
+  ln -sf "$(_cuda13_lib libcublasLt.so.13)" /tmp/cuda12_names/libcublasLt.so.12
+fi
 LD_LIBRARY_PATH=/tmp/cuda12_names
 for lib in libcudnn.so.9 libcufft.so.12 libcusolver.so.12 libcusparse.so.12 libcublasLt.so.13 \
            libnvJitLink.so.13 libnccl.so.2 libcupti.so.13; do
