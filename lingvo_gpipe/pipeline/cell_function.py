@@ -11,7 +11,8 @@ head) in `tf.function`s:
   weight_gradients(sums, inputs [n, I] and output gradients [n, O] of each projection)
       → sums + the projections' weight gradients, one product each (a cell that
         defers them: with weight_gradient_group G > 1 each re-materialized cell, under
-        the zb_h1 schedule every cell, re-materialized or not; the backward then
+        the split-backward schedules (zb_h1, zbv, interleaved_zb) every cell,
+        re-materialized or not; the backward then
         leaves them out)
 
 `sums` are the cell's running gradient sums as a few stacked tensors, one per shape
@@ -41,7 +42,7 @@ A cell that is not re-materialized (`recompute=False`) is differentiated by
 TensorFlow's own pair for its forward function (`tf_internals.forward_backward_pair`):
 a forward that also returns the intermediates the gradient needs, which the loop
 keeps per micro-batch in flight, and a backward that takes them. Such a cell defers
-its weight gradients (zb_h1) through probes: its forward is traced once more with
+its weight gradients (schedule.SPLIT_BACKWARD) through probes: its forward is traced once more with
 each product x·W made as x·stop_gradient(W) + probe (a zero input [n, O]) and x
 returned (as bits, sharing its buffer), so TensorFlow's backward gives each
 product's output gradient as the probe's gradient and W gets x.
@@ -323,7 +324,7 @@ class CellFunctions:
     self.needs_input_grads = needs_input_grads
     # The projections' weight gradients are left out of the backward call and
     # computed by `weight_gradients` in the schedule's W actions (over G micro-batches
-    # at once, or one at a time in the bubble: zb_h1).
+    # at once, or one at a time in the bubble: schedule.SPLIT_BACKWARD).
     self.defers_weight_gradients = defer_weight_gradients
     self._traced = _Traced()
     self._forward_fn = tf.function(self._forward_body, experimental_attributes=NOT_INLINED,

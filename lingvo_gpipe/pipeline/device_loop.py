@@ -453,8 +453,8 @@ class ActionArgs(NamedTuple):
   received: list[tf.Tensor] | None
 
 
-# An action: (the cell's state, its arguments) → (the state updated, its start and
-# end timestamps).
+# An action: (the cell's state, its arguments) → the state updated (the timestamps
+# around it are taken by the loop, `_host_clock`).
 ActionResult = CellState
 
 
@@ -470,8 +470,8 @@ class Handler(NamedTuple):
 class CellLoop:
   """What cell k's actions need in its device's loop: the cell, its call signatures
   per unit shape, its slots, the hand-offs to its neighbours and the step's
-  inputs. Each action takes the cell's part of the loop state and returns it updated,
-  with its start and end timestamps."""
+  inputs. Each action takes the cell's part of the loop state and returns it
+  updated."""
   cell: CellFunctions
   k: int
   signatures: list[CallSignature]   # per shape class

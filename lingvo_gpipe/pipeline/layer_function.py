@@ -14,8 +14,8 @@ docs/benchmarks.md). Here the layers of a pipeline that are of one *kind* share 
   order; a stacked variable's row as the tensor its cell read) enter as arguments.
   tf.function traces once for variables of equal shapes and dtypes, and the
   gradient of a call reaches the variables passed to it.
-- info: int64 [4], the StepContext's (global step, micro-batch, example offset,
-  token offset).
+- info: int64 [3], the StepContext's (global step, example offset, token offset)
+  (`step_info`).
 - seeds: int64 [S], this layer's dropout seeds (`base_layer.seed_tensor`), in the
   order the trace asked for them; so layers sharing a trace still draw exactly the
   masks of unpartitioned training.
@@ -35,8 +35,9 @@ backward over any number of identical layers hold one call op per layer and shar
 three functions per kind (`tests/layer_function_test.py`).
 
 Calls that record deferred weight products (`StepContext.weight_products`, with
-`weight_gradient_group` > 1) are not shared: their products must reach the cell's
-own tape. Nor are layers of a class with `shares_traces = False`.
+`weight_gradient_group` > 1, or a schedule of schedule.SPLIT_BACKWARD) are not
+shared: their products must reach the cell's own tape. Nor are layers of a class
+with `shares_traces = False`.
 
 With `scan_layers` (PipeliningLayer's param), a run of consecutive layers of one kind
 in a cell is one loop over their stacked weights instead of one call per layer

@@ -303,7 +303,8 @@ WEIGHT_GRADIENT_GROUPS = (1, 2, 4)
 def _weight_gradient_groups(name: str, recompute: str, units: int, slices: int
                             ) -> list[int]:
   """The G to try: 1, and where a cell can defer its weight gradients (a
-  re-materialized cell under any schedule but zb_h1 and zbv, which place one W per
+  re-materialized cell under any schedule but SPLIT_BACKWARD's (zb_h1, zbv,
+  interleaved_zb), which place one W per
   backward themselves) WEIGHT_GRADIENT_GROUPS and S (a micro-batch's slices in one
   product) up to the units M·S. G trades a larger product's speed (the fitted
   line's fixed part paid once per group) for the projections' inputs held until it."""

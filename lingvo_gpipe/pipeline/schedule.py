@@ -4,7 +4,8 @@ An action is the forward (F) or the backward (B, recompute included) of one unit
 (a micro-batch; with token slices, a slice of one) on one cell, or (W) the deferred
 weight gradients of the backwards the cell ran since its previous W, up to the unit
 it names (only in cells that
-defer them: `with_weight_gradients`, zb_h1). Cell k runs on device `device_of[k]`;
+defer them: `with_weight_gradients`; every cell under the split-backward schedules,
+SPLIT_BACKWARD: zb_h1, zbv, interleaved_zb). Cell k runs on device `device_of[k]`;
 each device runs its cells' actions in one order (`device_orders`), as one loop
 (device_loop.py). The dependencies between cells are fixed by the data:
 
@@ -850,9 +851,9 @@ def placement(name: str, num_cells: int, virtual_stages: int = 1) -> tuple[int, 
 
 def deferring_cells(name: str, num_cells: int, weight_gradient_group: int,
                     recomputed: Sequence[bool]) -> list[int]:
-  """The cells that run their weight gradients as W actions: every cell under zb_h1
-  and zbv (SPLIT_BACKWARD); with weight_gradient_group G > 1, the re-materialized ones
-  (`recomputed[k]`)."""
+  """The cells that run their weight gradients as W actions: every cell under the
+  split-backward schedules (SPLIT_BACKWARD: zb_h1, zbv, interleaved_zb); with
+  weight_gradient_group G > 1, the re-materialized ones (`recomputed[k]`)."""
   if name in SPLIT_BACKWARD:
     return list(range(num_cells))
   if weight_gradient_group > 1:
@@ -870,7 +871,8 @@ def build(name: str, num_cells: int, num_micro_batches: int, *, virtual_stages: 
           ) -> PipelineSchedule:
   """The schedule a pipeline runs (`PipeliningLayer.plan`; the planner predicts with
   the same): `make`'s, with the W actions of the cells that defer their weight
-  gradients (`deferring_cells`: every cell under zb_h1, which places them itself;
+  gradients (`deferring_cells`: every cell under SPLIT_BACKWARD's schedules, which
+  place them themselves;
   with weight_gradient_group G > 1 the re-materialized ones, `recomputed[k]`, after
   every G-th backward and the last), on the devices `device_of` (default: cell k on
   device k mod K/V). Kept: a search asks for the same ones many times.

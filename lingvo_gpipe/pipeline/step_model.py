@@ -181,8 +181,8 @@ class PlanShape:
                     for key, value in self.pipeline_fields().items())
 
   def make_schedule(self) -> schedule.PipelineSchedule:
-    """The schedule the pipeline layer runs for this shape (schedule.build, cell k
-    on device k mod D)."""
+    """The schedule the pipeline layer runs for this shape (schedule.build, its
+    cells on the devices the schedule's own placement gives: k mod D, or zbv's V)."""
     return schedule.build(self.schedule, self.num_cells, self.num_micro_batches,
                           virtual_stages=self.virtual_stages,
                           weight_gradient_group=self.weight_gradient_group,
