@@ -11,7 +11,9 @@ forward, backward, SGD update) at a fixed global batch:
 
 for M in --micro_batches, on (a) an 8-layer 1024-wide ReLU MLP at batch 256 and (b) a
 stack of 8 Transformer language-model layers (causal self-attention with 8 heads, then
-feed-forward; model dim 512, hidden 2048) at 16×64 tokens. K=1 and K=k steps
+feed-forward; model dim 512, hidden 2048) at 16×64 tokens; and, with --models=tiny,
+(c) 8 × Linear 64→64 at batch 64, whose compute is next to nothing (the engine's own
+cost per action). K=1 and K=k steps
 alternate, so that machine noise hits both alike; the figures are medians. The
 fill-drain bubble bounds the K=2 speedup by 2·M/(M+1).
 

@@ -10,7 +10,8 @@ Two processes (gloo on loopback), each with one intra-op and one inter-op thread
 bench/pipeline_speedup.py's two one-thread TensorFlow workers. Each trains the models
 of that bench with `torch.distributed.pipelining` (same shapes: an 8-layer 1024-wide
 ReLU MLP at batch 256, and 8 pre-norm causal Transformer LM layers, model dim 512,
-8 heads, hidden 2048, 16×64 tokens; loss mean(out²), plain SGD) under each schedule of
+8 heads, hidden 2048, 16×64 tokens; --models tiny: 8 × Linear 64→64 at batch 64; loss
+mean(out²), plain SGD) under each schedule of
 --schedules: gpipe, 1f1b (one stage per rank), interleaved_1f1b, interleaved_zb (two
 stages per rank, round-robin) and zbv (two per rank in a V). The plain model runs on
 rank 0 alone (one thread; the other rank waits) as the baseline, and every
