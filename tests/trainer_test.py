@@ -556,30 +556,11 @@ def test_ctrl_c_stops_after_the_step_in_flight_flushing_its_summaries(tmp_path):
   logdir = tmp_path / "run"
   override = (FAST + ";task.train.summary_interval_steps=20;task.train.log_interval_steps=20;"
               "task.train.save_interval_steps=10")
-  trainer = subprocess.Popen(
-      [sys.executable, str(REPO / "tools" / "trainer.py"), MODEL, f"--logdir={logdir}",
-       "--max_steps=1000000", f"--params_override={override}"],
-      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
-      env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1"),
-      preexec_fn=sigint_as_default)
-  try:
-    for line in trainer.stdout:  # ends early only if the trainer exits
-      if line.startswith("step 20/"):
-        break
-    # Step 20's line comes before its save: the signal goes once the save is done (the
-    # checkpoint state names it), so what is asserted below never depends on whether a
-    # save outlasts the handler's 2 s on a loaded machine.
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and trainer.poll() is None:
-      latest = tf.train.latest_checkpoint(str(logdir / "train"))
-      if latest and int(latest.rsplit("-", 1)[1]) >= 20:
-        break
-      time.sleep(0.05)
-    trainer.send_signal(signal.SIGINT)
-    _, stderr = trainer.communicate(timeout=60)
-  finally:
-    trainer.kill()
-  assert trainer.returncode == 130, stderr
+  # Step 20's line comes before its save: the signal goes once the save is done (the
+  # checkpoint state names it), so what is asserted below never depends on whether a
+  # save outlasts the handler's 2 s on a loaded machine.
+  returncode, stderr = signal_after_checkpoint(logdir, override, signal.SIGINT, 20)
+  assert returncode == 130, stderr
   latest = tf.train.latest_checkpoint(str(logdir / "train"))
   assert int(latest.rsplit("-", 1)[1]) >= 20, latest
   assert stderr.endswith(f"error: interrupted (Ctrl-C); the last checkpoint is {latest}: "
@@ -594,26 +575,37 @@ def test_sigterm_stops_like_ctrl_c_with_exit_143_naming_the_checkpoint(tmp_path)
   naming the last checkpoint, which is readable."""
   logdir = tmp_path / "run"
   override = FAST + ";task.train.save_interval_steps=1;task.train.log_interval_steps=1"
-  trainer = subprocess.Popen(
-      [sys.executable, str(REPO / "tools" / "trainer.py"), MODEL, f"--logdir={logdir}",
-       "--max_steps=1000000", f"--params_override={override}"],
-      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
-      env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1"))
-  try:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and trainer.poll() is None:
-      if tf.train.latest_checkpoint(str(logdir / "train")):
-        break
-      time.sleep(0.05)
-    trainer.send_signal(signal.SIGTERM)
-    _, stderr = trainer.communicate(timeout=60)
-  finally:
-    trainer.kill()
-  assert trainer.returncode == 143, stderr
+  returncode, stderr = signal_after_checkpoint(logdir, override, signal.SIGTERM, 1)
+  assert returncode == 143, stderr
   latest = tf.train.latest_checkpoint(str(logdir / "train"))
   assert stderr.endswith(f"error: interrupted (SIGTERM); the last checkpoint is {latest}: "
                          "rerun the same command to resume from it\n"), stderr
   tf.train.load_checkpoint(latest)
+
+
+def signal_after_checkpoint(logdir: Path, override: str, signum: int,
+                            step: int) -> tuple[int, str]:
+  """Starts an endless training run of MODEL in `logdir`, sends it `signum` once its
+  checkpoint state names a step >= `step` (polled, under a 60 s deadline), and returns
+  its exit code and stderr."""
+  trainer = subprocess.Popen(
+      [sys.executable, str(REPO / "tools" / "trainer.py"), MODEL, f"--logdir={logdir}",
+       "--max_steps=1000000", f"--params_override={override}"],
+      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO,
+      env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1"),
+      preexec_fn=sigint_as_default)
+  try:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and trainer.poll() is None:
+      latest = tf.train.latest_checkpoint(str(logdir / "train"))
+      if latest and int(latest.rsplit("-", 1)[1]) >= step:
+        break
+      time.sleep(0.05)
+    trainer.send_signal(signum)
+    _, stderr = trainer.communicate(timeout=60)
+  finally:
+    trainer.kill()
+  return trainer.returncode, stderr
 
 
 def test_resume_rules_say_which_row_each_change_falls_in(tmp_path):
