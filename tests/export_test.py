@@ -368,7 +368,7 @@ def bad_requests(trained) -> list[tuple[str, str, dict, dict, str]]:
        mt_types, "src_ids"),
       ("mt", "translate_ids", {"src_ids": [[-1] * 12], "src_paddings": [[0] * 12]}, mt_types,
        "src_ids"),
-      ("mt", "translate_ids", {"src_ids": [[2, 5]], "src_paddings": [[0, 0]]}, mt_types,
+      ("mt", "translate_ids", {"src_ids": [[2, 5]], "src_paddings": [[0] * 12]}, mt_types,
        "src_ids"),
       ("mt", "translate_ids", {"src_ids": source, "src_paddings": [[0] * 12]},
        {"src_ids": "int32", "src_paddings": "int32"}, ""),
