@@ -105,8 +105,9 @@ def _check_data_against_model(task_params: Params, inputs: dict[str, Any]) -> No
     size = made.id_space_size()
     if size is None:
       continue
+    keys = made.batch_spec()
     for key, bound in bounds.items():
-      if bound.bound < size and key in made.batch_spec():
+      if bound.bound < size and key in keys:
         raise ParamsError(
             f"{bound.param}={bound.bound} is smaller than {name}'s {size} ids and "
             f"labels ({key} goes to {bound.what}); valid: {bound.param} >= {size}")

@@ -13,9 +13,8 @@ with it. So S takes the file of the smallest N >= S, else params.txt.
 `--params_override` at export may change only what serving chooses and no trained
 computation (SERVING_RULES): how the stack runs (task.pipeline.*), the compute dtype,
 the eval input (what decode reads; its batch and lengths) and the training input
-(which serving does not read). Any
-other key (a layer's width, heads, vocabulary, ...) is refused: serving it would serve
-another model than the one trained.
+(which serving does not read). Any other key (a layer's width, heads, vocabulary, ...)
+is refused: serving it would serve another model than the one trained.
 """
 
 from __future__ import annotations
@@ -116,9 +115,9 @@ def apply_serving_overrides(params: Params, overrides: list[tuple[str, str]]
           f"trained with, and {key} is part of the trained model; only these may "
           "change at export: task.pipeline.*, fprop_dtype, task.train.*, eval_input.*, "
           "train_input.*")
-    before = dict(params.flatten()).get(key)
+    before = params.get(key)
     params.set_from_text(key, value)
-    after = dict(params.flatten()).get(key)
+    after = params.get(key)
     if repr(before) != repr(after):
       changed.append({"key": key, "trained": repr(before), "served": repr(after)})
   return changed
