@@ -378,7 +378,11 @@ def write_params(logdir: str, params: Params, step: int) -> None:
   previous = read_params_text(logdir)
   if previous == text:
     return
-  if previous is not None and _comparable(previous) != _comparable(text):
-    # Kept beside it first: if the new text then cannot be written, both are there.
-    write_atomically(os.path.join(logdir, f"params.before_step_{step}.txt"), previous)
+  before = os.path.join(logdir, f"params.before_step_{step}.txt")
+  if (previous is not None and _comparable(previous) != _comparable(text)
+      and not os.path.exists(before)):
+    # Kept beside it first: if the new text then cannot be written, both are there. One
+    # that exists (a second resume at this step, none of whose checkpoints came) holds
+    # the params the checkpoints up to `step` were written with: it stays.
+    write_atomically(before, previous)
   write_atomically(path, text)

@@ -12,7 +12,8 @@ with it. So S takes the file of the smallest N >= S, else params.txt.
 
 `--params_override` at export may change only what serving chooses and no trained
 computation (SERVING_RULES): how the stack runs (task.pipeline.*), the compute dtype,
-the eval input (what decode reads; its batch and lengths) and the training input
+which eval examples decode reads (not the keys that make its vocabulary) and the
+training input
 (which serving does not read). Any other key (a layer's width, heads, vocabulary, ...)
 is refused: serving it would serve another model than the one trained.
 """
@@ -31,7 +32,10 @@ SERVING_RULES = (
     (r"task\.pipeline\..*", "how the stack runs (devices, cells, micro-batches)"),
     (r"task(\..*)?\.fprop_dtype", "the compute dtype"),
     (r"task\.train\..*", "the training loop's settings, which serving does not read"),
-    (r"eval_input\..*", "the eval input decode reads"),
+    # Not the keys that make the vocabulary (vocab_file, target_vocab_size, num_words,
+    # language_seed, ...): the serving functions' token tables come from the eval input.
+    (r"eval_input\.(batch_size|num_examples|split|repeat|prefetch|shuffle_buffer|seed"
+     r"|data_dir|name)", "which eval examples decode reads, and how"),
     (r"train_input\..*", "the training input, which serving does not read"),
 )
 _BEFORE_STEP = re.compile(r"params\.before_step_(\d+)\.txt")
@@ -104,22 +108,25 @@ def apply_serving_overrides(params: Params, overrides: list[tuple[str, str]]
   changed, [{key, trained, served}] (the export records it).
 
   Raises:
-    RunParamsError: a key no SERVING_RULES row admits (it would serve another model).
+    RunParamsError: a changed value of a key no SERVING_RULES row admits (it would
+      serve another model); the trained value given again is taken.
     ParamsError: an unknown key or a value of the wrong type (set_from_text's).
   """
   changed = []
   for key, value in overrides:
-    if serving_rule(key) is None:
-      raise RunParamsError(
-          f"--params_override {key}={value}: an export serves the params the run "
-          f"trained with, and {key} is part of the trained model; only these may "
-          "change at export: task.pipeline.*, fprop_dtype, task.train.*, eval_input.*, "
-          "train_input.*")
     before = params.get(key)
     params.set_from_text(key, value)
     after = params.get(key)
-    if repr(before) != repr(after):
-      changed.append({"key": key, "trained": repr(before), "served": repr(after)})
+    if repr(before) == repr(after):
+      continue  # the trained value given again (a training command reused): no change
+    if serving_rule(key) is None:
+      raise RunParamsError(
+          f"--params_override {key}={value}: an export serves the params the run "
+          f"trained with ({key}={before!r}), and {key} is part of the trained model; "
+          "only these may change at export: task.pipeline.*, fprop_dtype, task.train.*, "
+          "train_input.*, and eval_input's batch_size, num_examples, split, repeat, "
+          "prefetch, shuffle_buffer, seed, data_dir, name")
+    changed.append({"key": key, "trained": repr(before), "served": repr(after)})
   return changed
 
 

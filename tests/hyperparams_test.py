@@ -109,6 +109,24 @@ def test_from_text_type_errors_name_key_and_type():
     p.set_from_text("inner", "3")
 
 
+def test_override_texts_take_their_defaults_kind_only():
+  """A bool is true or false (not 1 or 0); a str is not a bare number (quote it); None
+  is taken by a str as "not set", and refused where the kind cannot be None (a class,
+  an int, a list)."""
+  p = make_params()
+  for key, value, expected in [("flag", "1", "bool"), ("flag", "0", "bool"),
+                               ("name", "7", "str"), ("name", "1.5", "str"),
+                               ("kind", "None", "class"), ("count", "None", "int"),
+                               ("shape", "None", "list")]:
+    with pytest.raises(ParamsError, match=rf"'{key}'.*expected {expected}"):
+      p.set_from_text(key, value)
+  p.set_from_text("name", "'7'")
+  p.set_from_text("flag", "True")
+  assert (p.name, p.flag) == ("7", True)
+  p.set_from_text("name", "None")
+  assert p.name is None
+
+
 def test_parse_overrides_respects_quotes_and_brackets():
   got = hyperparams.parse_overrides('a.b=1; c.d="x;y" ;e=[1, 2];f={"k": 1}')
   assert got == [("a.b", "1"), ("c.d", '"x;y"'), ("e", "[1, 2]"), ("f", '{"k": 1}')]

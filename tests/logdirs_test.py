@@ -97,6 +97,17 @@ def test_params_txt_keeps_the_params_it_replaces(tmp_path):
   assert (logdir / "params.txt").read_text() == changed.to_text()
 
 
+def test_a_second_resume_at_one_step_keeps_the_params_its_checkpoints_had(tmp_path):
+  """Resumed at step 20 with one change, stopped before a checkpoint, resumed at 20 with
+  another: params.before_step_20.txt still holds the params of the checkpoints up to 20."""
+  logdir = make_logdir(tmp_path)
+  original = (logdir / "params.txt").read_text()
+  for interval in (7, 9):
+    logdirs.write_params(str(logdir),
+                         demo_params(**{"task.train.log_interval_steps": interval}), step=20)
+  assert (logdir / "params.before_step_20.txt").read_text() == original
+
+
 def test_the_writability_probe_leaves_nothing_behind(tmp_path):
   logdirs.check_writable(str(tmp_path / "a" / "b"))
   assert list(tmp_path.iterdir()) == []

@@ -126,6 +126,11 @@ def test_trained_params_override_the_registered_model_and_refuse_another_models(
                      {"key": "eval_input.batch_size", "trained": "32", "served": "4"}]
   with pytest.raises(run_params.RunParamsError, match="task.label_smoothing"):
     run_params.apply_serving_overrides(served, [("task.label_smoothing", "0.2")])
+  # The trained value given again (a training command reused) changes nothing.
+  assert run_params.apply_serving_overrides(served, [(EIGHT_HEADS.split("=")[0], "8")]) == []
+  # The eval input's vocabulary is the trained one's: its keys are refused.
+  with pytest.raises(run_params.RunParamsError, match="eval_input.num_words"):
+    run_params.apply_serving_overrides(served, [("eval_input.num_words", "30")])
   # Without a params text, an explicit checkpoint serves the registered model as given.
   given, changes = run_params.served_params(
       registered("lm.TransformerTiny"), str(tmp_path / "empty"), "/x/ckpt-3",

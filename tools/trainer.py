@@ -661,12 +661,16 @@ def _run_interruptibly() -> int:
       done.set()
 
   threading.Thread(target=target, name="trainer", daemon=True).start()
-  previous_sigterm = signal.signal(signal.SIGTERM, _raise_terminated)
+  # (Python sets handlers in the main thread only; a handler installed outside Python
+  # reads back as None and is left as it is.)
+  in_main = threading.current_thread() is threading.main_thread()
+  previous_sigterm = signal.signal(signal.SIGTERM, _raise_terminated) if in_main else None
   try:
     while not done.wait(0.2):
       pass
   except (KeyboardInterrupt, _Terminated) as e:
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # (a second one while stopping)
+    if in_main:
+      signal.signal(signal.SIGTERM, signal.SIG_IGN)  # (a second one while stopping)
     how, code = ("SIGTERM", 143) if isinstance(e, _Terminated) else ("Ctrl-C", 130)
     state.request_stop()
     with contextlib.suppress(KeyboardInterrupt):
@@ -682,7 +686,8 @@ def _run_interruptibly() -> int:
               "command to resume from it" if latest else
               f"interrupted ({how}) before the first checkpoint was written", code)
   finally:
-    signal.signal(signal.SIGTERM, previous_sigterm)
+    if previous_sigterm is not None:
+      signal.signal(signal.SIGTERM, previous_sigterm)
   if "error" in outcome:
     raise outcome["error"]
   return outcome["code"]

@@ -142,8 +142,6 @@ def _value_from_text(text: str, existing: Any) -> Any:
       return ast.literal_eval(text)
     except (ValueError, SyntaxError):
       return text
-  if text == "None":
-    return None  # None is taken for every param (its default's kind says the rest)
   if isinstance(existing, bool):
     lowered = text.lower()
     if lowered == "true":
@@ -168,8 +166,8 @@ def _value_from_text(text: str, existing: Any) -> Any:
       literal = ast.literal_eval(text)
     except (ValueError, SyntaxError):
       return text  # a bare word: the string itself
-    if isinstance(literal, str):
-      return literal
+    if literal is None or isinstance(literal, str):
+      return literal  # (None: "not set", as check_types takes it)
     raise ValueError(f"{text!r} is a {type(literal).__name__}, not a str (quote it, "
                      f"'{text}', if you mean the text)")
   if isinstance(existing, tf.dtypes.DType):

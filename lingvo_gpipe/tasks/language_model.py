@@ -89,15 +89,15 @@ class LanguageModelTask(BaseTask):
     `generate_tokens`."""
     del model, input_generator  # no tables
     max_length = options.max_decode_length
-    vocab_size = self.id_bounds(self.params)["ids"].bound
+    bound = self.id_bounds(self.params).get("ids")  # (None: a stack of no vocab_size)
 
     def score(ids, paddings):
-      return self.score_tokens(serving.checked_ids(ids, vocab_size, "score: ids"), paddings)
+      return self.score_tokens(serving.checked_ids(ids, bound, "score: ids"), paddings)
 
     compiled = options.compile_generate and self.pipeline is None
 
     def generate(prefix_ids, max_new_tokens, temperature, seed):
-      prefix_ids = serving.checked_ids(prefix_ids, vocab_size, "generate: prefix_ids")
+      prefix_ids = serving.checked_ids(prefix_ids, bound, "generate: prefix_ids")
       new = self.generate_tokens(prefix_ids, max_new_tokens, temperature, seed, max_length,
                                  compiled=compiled)
       before_eos = tf.cumsum(tf.cast(tf.equal(new, vocabulary.EOS_ID), tf.int32), axis=1) == 0

@@ -129,12 +129,14 @@ def traced(input_signature: dict[str, tf.TensorSpec]) -> Callable[[Callable], An
   return decorate
 
 
-def checked_ids(ids: tf.Tensor, vocab_size: int, what: str) -> tf.Tensor:
-  """`ids` once every one is checked to lie in [0, vocab_size) (an InvalidArgumentError
-  naming `what` otherwise): an XLA gather clamps an id out of range, a CPU gather on
-  another device fails inside a loop; neither says what was wrong."""
-  checks = [tf.debugging.assert_non_negative(ids, message=f"{what} must be >= 0"),
-            tf.debugging.assert_less(ids, tf.cast(vocab_size, ids.dtype), message=(
-                f"{what} must be < {vocab_size}, the model's vocabulary size"))]
+def checked_ids(ids: tf.Tensor, bound: Any, what: str) -> tf.Tensor:
+  """`ids` once every one is checked to lie in [0, bound.bound) (base_task.IdBound; an
+  InvalidArgumentError naming `what` otherwise): an XLA gather clamps an id out of
+  range, a CPU gather on another device fails inside a loop; neither says what was
+  wrong. With `bound` None (a model of no known vocabulary size) only ids >= 0."""
+  checks = [tf.debugging.assert_non_negative(ids, message=f"{what} must be >= 0")]
+  if bound is not None:
+    checks.append(tf.debugging.assert_less(ids, tf.cast(bound.bound, ids.dtype), message=(
+        f"{what} must be < {bound.bound}, the model's vocabulary size ({bound.param})")))
   with tf.control_dependencies(checks):
     return tf.identity(ids)

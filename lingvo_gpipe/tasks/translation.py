@@ -116,13 +116,13 @@ class TranslationTask(BaseTask):
     spec = input_generator.batch_spec()
     source_length, target_length = spec["src_ids"].shape[1], spec["tgt_ids"].shape[1]
     vocab = input_generator.vocab
-    vocab_size = self.id_bounds(self.params)["src_ids"].bound
+    bound = self.id_bounds(self.params).get("src_ids")  # (None: a stack of no vocab_size)
 
     def run_stack(*inputs):
       return self.serve_stack(inputs)
 
     def translate_ids(src_ids, src_paddings):
-      src_ids = serving.checked_ids(src_ids, vocab_size, "translate_ids: src_ids")
+      src_ids = serving.checked_ids(src_ids, bound, "translate_ids: src_ids")
       return {"ids": self.greedy_ids(src_ids, src_paddings, target_length, run_stack)}
 
     functions = {"translate_ids": serving.traced({
