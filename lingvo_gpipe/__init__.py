@@ -11,7 +11,8 @@ The public API: what a model param file, a user's own layer or a training script
       p.body = g.layers.Sequential.Params().set(layers=[...])
       ...
 
-Layers, optimizers and learning-rate schedules are modules (`g.layers.Linear`,
+A Keras model becomes a stack with `g.from_keras(model)` (one Keras layer in a stack:
+`g.layers.Keras`). Layers, optimizers and learning-rate schedules are modules (`g.layers.Linear`,
 `g.optimizers.Adam`, `g.lr_schedules.LinearWarmupRsqrtDecay`); everything else is a name
 here. Deeper module paths keep working (and are what params.txt records). A layer of
 your own raises `g.ParamsError` for a bad params value: the trainer then exits with code
@@ -21,6 +22,7 @@ your own raises `g.ParamsError` for a bad params value: the trainer then exits w
 from lingvo_gpipe.base_model_params import SingleTaskModelParams
 from lingvo_gpipe.core import attention, layers, lr_schedules, optimizers
 from lingvo_gpipe.core.base_layer import BaseLayer
+from lingvo_gpipe.core.from_keras import from_keras, load_keras_weights
 from lingvo_gpipe.core.hyperparams import Instantiable, InstantiableParams, Params, ParamsError
 from lingvo_gpipe.inputs.base_input import BaseInputGenerator
 from lingvo_gpipe.inputs.synthetic_images import SyntheticImages
@@ -44,5 +46,5 @@ __all__ = [
     "ReplicatedPipeline", "SingleTaskModelParams", "SyntheticImages", "SyntheticLm",
     "SyntheticTranslation", "TfdsImages", "TfdsLm", "TfdsManyToEnglish", "TrainStep",
     "Trainer", "TranslationTask", "attention", "configure_devices", "layers", "optimizers",
-    "register", "lr_schedules",
+    "register", "lr_schedules", "from_keras", "load_keras_weights",
 ]

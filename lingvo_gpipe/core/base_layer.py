@@ -476,12 +476,16 @@ class BaseLayer(hyperparams.Instantiable, tf.Module):
   # -- variables ------------------------------------------------------------------
 
   def create_variable(self, name: str, shape: Sequence[int], init: Params | None = None,
-                      dtype: tf.DType | None = None, trainable: bool = True) -> tf.Variable:
-    """Creates variable self.<name> of `shape`, drawn by `init` (default params_init).
+                      dtype: tf.DType | None = None, trainable: bool = True,
+                      make_initial: Callable[[], tf.Tensor] | None = None) -> tf.Variable:
+    """Creates variable self.<name> of `shape`, drawn by `init` (default params_init),
+    or by `make_initial` (a function returning a tensor of `shape`) when given.
 
     The initial value is a function of (layer seed, layer path, name) only, so two
-    builds of the same params give the same weights whatever else is built. Under a
-    `tf.Graph` (see model_stats) nothing is allocated: only the graph is built.
+    builds of the same params give the same weights whatever else is built (a
+    `make_initial` must keep that promise: core/keras_layer.py seeds Keras's
+    initializers so). Under a `tf.Graph` (see model_stats) nothing is allocated: only
+    the graph is built.
     """
     if name in self._var_names or hasattr(self, name):
       raise hyperparams.ParamsError(f"{self.path}: variable name {name!r} is already used")
@@ -494,14 +498,17 @@ class BaseLayer(hyperparams.Instantiable, tf.Module):
       setattr(self, name, VariableShape(f"{self.path}/{name}", tuple(shape), dtype, trainable))
       return getattr(self, name)
     seed = (self.seed_for(name), 0)
+    if make_initial is None:
+      def make_initial() -> tf.Tensor:
+        return initial_value(init, shape, dtype, seed)
     if stacked_variables.deferring() and trainable and tf.as_dtype(dtype).is_floating:
       # A row of its cell's stacked variable, made by the pipeline once its cell is built.
       var = stacked_variables.RowVariable(
           f"{self.path}/{name}", shape, dtype, trainable,
-          initial_value=lambda: initial_value(init, shape, dtype, seed))
+          initial_value=make_initial)
       setattr(self, name, var)
       return var
-    var = tf.Variable(lambda: initial_value(init, shape, dtype, seed), trainable=trainable,
+    var = tf.Variable(make_initial, trainable=trainable,
                       name=f"{self.path}/{name}", dtype=dtype)
     setattr(self, name, var)
     return var

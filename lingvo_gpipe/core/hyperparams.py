@@ -19,7 +19,7 @@ import difflib
 import importlib
 import numbers
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -35,17 +35,22 @@ class ParamsError(ValueError):
 
 class _Param:
   """One named value with its description, and the kind of value its default declares
-  (bool, int, float or str; None for anything else, which any value may replace)."""
+  (bool, int, float or str; None for anything else, which any value may replace).
+  `convert`, if given, maps every value assigned (the default too) to the form kept,
+  e.g. an object to the config that its text dump can write and read back."""
 
-  def __init__(self, name: str, default: Any, description: str, kind: type | None = None):
+  def __init__(self, name: str, default: Any, description: str, kind: type | None = None,
+               convert: Callable[[Any], Any] | None = None):
     self.name = name
-    self.value = default
+    self.convert = convert
+    self.value = default if convert is None or default is None else convert(default)
     self.description = description
     self.kind = kind if kind is not None else _declared_kind(default)
 
   def __deepcopy__(self, memo):
     # Classes, dtypes and functions are shared; everything else is copied.
-    return _Param(self.name, copy_lib.deepcopy(self.value, memo), self.description, self.kind)
+    return _Param(self.name, copy_lib.deepcopy(self.value, memo), self.description, self.kind,
+                  self.convert)
 
   def admits(self, value: Any) -> bool:
     """Whether `value` is of the declared kind (None always is: "not set")."""
@@ -214,14 +219,17 @@ class Params:
 
   # -- definition and access -------------------------------------------------
 
-  def define(self, name: str, default: Any, description: str) -> None:
-    """Adds a new hyperparameter `name` with a default value and a description."""
+  def define(self, name: str, default: Any, description: str,
+             convert: Callable[[Any], Any] | None = None) -> None:
+    """Adds a new hyperparameter `name` with a default value and a description.
+    `convert`: applied to every value set other than None (it raises ParamsError for
+    a value it cannot take), e.g. to keep a Keras layer as its config."""
     self._check_not_frozen(name)
     if not _IDENTIFIER.match(name):
       raise ParamsError(f"param name {name!r} is not a valid identifier")
     if name in self._params:
       raise ParamsError(f"param {name!r} is already defined")
-    self._params[name] = _Param(name, default, description)
+    self._params[name] = _Param(name, default, description, convert=convert)
 
   def __getattr__(self, name: str) -> Any:
     params = object.__getattribute__(self, "_params")
@@ -235,7 +243,8 @@ class Params:
     self._check_not_frozen(name)
     if name not in self._params:
       raise AttributeError(self._unknown_key_message(name))
-    self._params[name].value = value
+    param = self._params[name]
+    param.value = value if param.convert is None or value is None else param.convert(value)
 
   def __contains__(self, name: str) -> bool:
     return name in self._params

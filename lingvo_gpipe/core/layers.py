@@ -16,6 +16,7 @@ import tensorflow as tf
 from lingvo_gpipe.core import base_layer, stacked_variables, token_slices
 from lingvo_gpipe.core.base_layer import BaseLayer, weight_init
 from lingvo_gpipe.core.hyperparams import ParamsError
+from lingvo_gpipe.core.keras_layer import Keras  # noqa: F401 (g.layers.Keras)
 
 ACTIVATIONS: dict[str, Callable[[tf.Tensor], tf.Tensor]] = {
     "NONE": tf.identity,

@@ -1,0 +1,206 @@
+"""`from_keras(model)`: a Keras Sequential or functional model as a Params stack.
+
+The stack is a `layers.Sequential` whose units the pipeline can cut between:
+
+- a `keras.Sequential`: one unit per layer;
+- a functional model: its graph is cut at every tensor that all later layers are
+  reached through (the single tensor alive between two layers, in the order Keras runs
+  them). Between two cuts lies a block with one input and one output: a single layer is
+  its own unit, several (a residual branch and its Add) become one unit, a functional
+  model of those layers. A model whose graph has no such cut between its input and
+  output is one unit.
+
+Each unit is a `layers.Keras` holding the layer's config (its build config gives the
+input shape), except two layers that a pipeline must treat as the library's own:
+
+- `Dropout` → `layers.Dropout`: stateless masks keyed by example, so a
+  re-materialized forward draws the first forward's mask and any number of
+  micro-batches draws the unsplit batch's masks;
+- `BatchNormalization` (last axis, center and scale, default initializers) →
+  `layers.BatchNorm`: statistics per micro-batch in training, moving averages updated
+  once per step from the whole mini-batch's statistics with Keras's momentum and
+  epsilon.
+
+A model with several inputs or outputs, a subclassed model (its call is Python that
+no config records) and a layer that cannot be serialized are refused in one line
+naming them. Weights are not carried by the params (params.txt holds configs only):
+`load_keras_weights` copies a Keras model's weights into the built stack.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from lingvo_gpipe.core import layers
+from lingvo_gpipe.core.base_layer import BaseLayer
+from lingvo_gpipe.core.hyperparams import InstantiableParams, ParamsError
+from lingvo_gpipe.core.keras_layer import POLICY_FPROP_DTYPES, Keras
+
+_BN_DEFAULTS = {"gamma_initializer": "Ones", "beta_initializer": "Zeros",
+                "moving_mean_initializer": "Zeros", "moving_variance_initializer": "Ones"}
+
+
+def from_keras(model: keras.Model, name: str = "body") -> InstantiableParams:
+  """Params of a `layers.Sequential` named `name` running `model`'s layers as units
+  (module docstring). The model must be built (made with `keras.Input`, or called
+  once), so that each unit knows its input shape.
+
+  Raises:
+    ParamsError: naming what cannot be pipelined.
+  """
+  if not isinstance(model, keras.Model):
+    raise ParamsError(f"from_keras takes a keras.Sequential or a functional keras.Model, "
+                      f"got {type(model).__name__}; wrap a single layer as "
+                      "g.layers.Keras.Params().set(layer=...)")
+  if isinstance(model, keras.Sequential):
+    if not model.built:
+      raise ParamsError(f"Keras model {model.name!r} is not built: start it with "
+                        "keras.Input(shape) (or call it once) so that each layer knows "
+                        "its input shape")
+    units = [unit_params(layer) for layer in model.layers]
+  elif _is_functional(model):
+    units = [unit_params(block) for block in _blocks(model)]
+  else:
+    raise ParamsError(f"Keras model {model.name!r} ({type(model).__name__}) is subclassed: "
+                      "its call is Python that no config records, so it cannot be cut; "
+                      "build it as a keras.Sequential or a functional model, or run it as "
+                      "one unit with g.layers.Keras.Params().set(layer=model)")
+  return layers.Sequential.Params().set(name=name, layers=units)
+
+
+def _is_functional(model: keras.Model) -> bool:
+  return hasattr(model, "_nodes_by_depth") and hasattr(model, "_inputs_struct")
+
+
+def unit_params(layer: keras.layers.Layer) -> InstantiableParams:
+  """The library params of one unit: `layers.Dropout` or `layers.BatchNorm` for those
+  Keras layers (module docstring), else a `layers.Keras` holding `layer`."""
+  if isinstance(layer, keras.layers.Dropout):
+    return _dropout_params(layer)
+  if isinstance(layer, keras.layers.BatchNormalization):
+    return _batch_norm_params(layer)
+  p = Keras.Params().set(name=layer.name, layer=layer)
+  policy = getattr(layer, "dtype_policy", None)
+  policy_name = getattr(policy, "name", "float32")
+  if policy_name not in POLICY_FPROP_DTYPES:
+    raise ParamsError(f"Keras layer {layer.name!r} has dtype policy {policy_name!r}; a "
+                      f"pipeline takes {sorted(POLICY_FPROP_DTYPES)}")
+  if POLICY_FPROP_DTYPES[policy_name] is not None:
+    p.fprop_dtype = POLICY_FPROP_DTYPES[policy_name]
+  return p
+
+
+def _dropout_params(layer: keras.layers.Dropout) -> InstantiableParams:
+  noise_shape = layer.noise_shape
+  broadcast = None if noise_shape is None else [
+      axis for axis, size in enumerate(noise_shape) if size == 1]
+  return layers.Dropout.Params().set(name=layer.name, keep_prob=1.0 - float(layer.rate),
+                                     noise_shape_broadcast_dims=broadcast)
+
+
+def _batch_norm_params(layer: keras.layers.BatchNormalization) -> InstantiableParams:
+  config = layer.get_config()
+  shape = _input_shape(layer)
+  rank = len(shape) if shape is not None else None
+  axis = config["axis"]
+  initializers = {key: keras.initializers.serialize(getattr(layer, key))["class_name"]
+                  for key in _BN_DEFAULTS}
+  unsupported = {
+      "axis": axis not in (-1, None if rank is None else rank - 1),
+      "center": not config["center"], "scale": not config["scale"],
+      "renorm": bool(config.get("renorm")), "synchronized": bool(config.get("synchronized")),
+      **{key: initializers[key] != value for key, value in _BN_DEFAULTS.items()},
+      **{key: config.get(key) is not None for key in (
+          "beta_regularizer", "gamma_regularizer", "beta_constraint", "gamma_constraint")},
+  }
+  bad = [key for key, is_bad in unsupported.items() if is_bad]
+  if bad or shape is None:
+    why = f"its {bad[0]}={config.get(bad[0], initializers.get(bad[0]))!r}" if bad else \
+        "no input shape (the model is not built)"
+    raise ParamsError(f"Keras layer {layer.name!r} (BatchNormalization) cannot become "
+                      f"g.layers.BatchNorm: {why}; supported: the last axis, center and "
+                      "scale, default initializers, no renorm, regularizer or constraint")
+  return layers.BatchNorm.Params().set(name=layer.name, dim=int(shape[-1]),
+                                       decay=float(config["momentum"]),
+                                       epsilon=float(config["epsilon"]))
+
+
+def _input_shape(layer: keras.layers.Layer) -> tuple | None:
+  try:
+    return tuple(layer.input.shape)
+  except (AttributeError, ValueError):
+    return None
+
+
+def _blocks(model: keras.Model) -> list[keras.layers.Layer]:
+  """The units of a functional model: its graph cut at each tensor that all later
+  layers are reached through (module docstring)."""
+  if len(model.inputs) != 1 or len(model.outputs) != 1:
+    raise ParamsError(f"Keras model {model.name!r} has {len(model.inputs)} inputs and "
+                      f"{len(model.outputs)} outputs; from_keras takes one of each (pass "
+                      "a mask through g.layers.Keras with pass_through instead)")
+  nodes = [node for depth in sorted(model._nodes_by_depth, reverse=True)  # noqa: SLF001
+           for node in model._nodes_by_depth[depth]  # noqa: SLF001
+           if not isinstance(node.operation, keras.layers.InputLayer)]
+  consumers: dict[int, int] = {}  # tensor → index of its last consuming node
+  for i, node in enumerate(nodes):
+    for tensor in node.input_tensors:
+      consumers[id(tensor)] = i
+  output = model.outputs[0]
+  consumers[id(output)] = len(nodes)
+  live = {id(model.inputs[0]): model.inputs[0]}
+  cuts = [model.inputs[0]]  # the tensors between blocks, in order
+  starts = [0]
+  for i, node in enumerate(nodes):
+    for tensor in node.output_tensors:
+      if consumers.get(id(tensor), -1) > i:
+        live[id(tensor)] = tensor
+    live = {key: t for key, t in live.items() if consumers.get(key, -1) > i}
+    if len(live) == 1 and i + 1 < len(nodes) or i + 1 == len(nodes):
+      cuts.append(next(iter(live.values())) if i + 1 < len(nodes) else output)
+      starts.append(i + 1)
+  blocks = []
+  for b in range(len(cuts) - 1):
+    inside = nodes[starts[b]:starts[b + 1]]
+    if len(inside) == 1 and len(inside[0].input_tensors) == 1:
+      blocks.append(inside[0].operation)
+      continue
+    names = [node.operation.name for node in inside]
+    try:
+      block = keras.Model(cuts[b], cuts[b + 1], name=f"{names[0]}_to_{names[-1]}")
+    except Exception as e:  # noqa: BLE001
+      raise ParamsError(f"Keras model {model.name!r}: the layers {names} cannot form one "
+                        f"block: {e}") from None
+    blocks.append(block)
+  return blocks
+
+
+def load_keras_weights(stack: BaseLayer, model: keras.Model) -> None:
+  """Sets the weights of `stack` (built from `from_keras(model)`, or a pipeline of it)
+  to `model`'s: each unit from the Keras layer (or block) of its name.
+
+  Raises:
+    ParamsError: when a unit has no layer of its name in `model`.
+  """
+  sources = {layer.name: layer for layer in model.layers}
+  if _is_functional(model):
+    sources.update({block.name: block for block in _blocks(model)})
+  for unit in stack.walk():
+    if isinstance(unit, Keras):
+      unit.assign_from(_source(sources, unit))
+    elif isinstance(unit, layers.BatchNorm) and unit.name in sources:
+      source = sources[unit.name]
+      for ours, theirs in ((unit.gamma, source.gamma), (unit.beta, source.beta),
+                           (unit.moving_mean, source.moving_mean),
+                           (unit.moving_variance, source.moving_variance)):
+        ours.assign(tf.cast(theirs.value, ours.dtype))
+
+
+def _source(sources: dict[str, Any], unit: Keras) -> keras.layers.Layer:
+  if unit.name not in sources:
+    raise ParamsError(f"{unit.path}: the Keras model has no layer {unit.name!r}; its "
+                      f"layers: {sorted(sources)}")
+  return sources[unit.name]

@@ -1,0 +1,306 @@
+"""`Keras`: one Keras 3 layer (or a functional block of them) as a library layer.
+
+A Keras layer then sits in any Params stack and is pipelined, checkpointed, planned,
+cast and exported like a native one. How each concern is met:
+
+- **Params.** `layer` takes a `keras.layers.Layer` or its `keras.layers.serialize`
+  dict and keeps the dict (its own `name` dropped: the library layer's `name` names it),
+  so params.txt records the layer and reads it back.
+- **Weights.** The layer is rebuilt from its config inside `tf.variable_creator_scope`:
+  every floating weight Keras creates is made by `BaseLayer.create_variable` instead,
+  named by its path inside the layer (`kernel`, `query_kernel`), on the device of the
+  enclosing scope (the cell's), stackable, cast by the trainer's dtype rules. Keras's
+  random initializers get seeds drawn from the layer's seed and path, so two builds of
+  the same params give the same weights, as for native layers.
+- **Forward.** `fprop` calls the Keras layer inside `keras.StatelessScope`, mapping
+  each Keras weight to the library variable the layer reads now (a pipeline's traced
+  function swaps them for its arguments: `base_layer.variables_read_as`). So layers of
+  one kind share one traced function and a stacked weight's row is what is read.
+- **Randomness.** Each of the layer's Keras seed generators (dropout inside attention,
+  for instance) is mapped to a state drawn from (layer, step, the batch's first
+  example), so a re-materialized forward draws the masks of the first one. Micro-batches
+  draw their own masks (not those of the unsplit batch: Keras draws a mask for the
+  shape it sees). `from_keras` turns a `keras.layers.Dropout` of a chain into the
+  library's `Dropout`, whose masks are those of unpartitioned training.
+- **Mixed precision.** The Keras dtype policy comes from `fprop_dtype` (bfloat16 →
+  "mixed_bfloat16", float16 → "mixed_float16"): Keras casts the inputs and reads the
+  float32 weights cast, and its own layers keep float32 where they choose to
+  (normalizations, softmax).
+- **Refused** in one line naming the layer: a BatchNormalization inside the layer
+  (its moving statistics are assigned in `call`, once per micro-batch and again in a
+  recompute; a chain's own BatchNormalization becomes `layers.BatchNorm` through
+  `from_keras`), a stateful RNN, integer state other than seed generators, losses added
+  in `call`, weights created on the first call rather than at build (give
+  `input_shape`), and a call that assigns to its weights in training.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from lingvo_gpipe.core import base_layer, stacked_variables
+from lingvo_gpipe.core.base_layer import BaseLayer
+from lingvo_gpipe.core.hyperparams import ParamsError
+
+# The Keras dtype policy a library compute dtype maps to, with float32 weights.
+_POLICIES = {tf.float32: "float32", tf.bfloat16: "mixed_bfloat16",
+             tf.float16: "mixed_float16"}
+_POLICY_CLASSES = ("DTypePolicy", "FloatDTypePolicy")
+# The compute dtype a Keras policy name stands for (from_keras reads a model's).
+POLICY_FPROP_DTYPES = {"float32": None, "mixed_bfloat16": "bfloat16",
+                       "mixed_float16": "float16", "bfloat16": "bfloat16",
+                       "float16": "float16"}
+_SEED_STATE = "seed_generator_state"
+
+
+def keras_config(value: Any) -> dict:
+  """`value` (a Keras layer or its `keras.layers.serialize` dict) as the config a
+  Keras layer's params keep: the serialized dict without the layer's own name.
+
+  Raises:
+    ParamsError: for anything else, or a layer Keras cannot serialize.
+  """
+  if isinstance(value, keras.layers.Layer):
+    try:
+      value = keras.layers.serialize(value)
+    except Exception as e:  # noqa: BLE001 (Keras raises many kinds; each means the same)
+      raise ParamsError(f"Keras layer {value.name!r} ({type(value).__name__}) cannot be "
+                        f"serialized, so params.txt could not record it: {e}") from None
+  if not isinstance(value, dict) or "class_name" not in value or not isinstance(
+      value.get("config"), dict):
+    raise ParamsError(f"layer must be a keras.layers.Layer or its keras.layers.serialize "
+                      f"dict, got {type(value).__name__} {str(value)[:80]!r}")
+  config = copy.deepcopy(value)
+  config["config"].pop("name", None)
+  return config
+
+
+def _nested_dicts(value: Any) -> Iterator[dict]:
+  """Every dict in `value` (dicts and lists, depth first, in order)."""
+  if isinstance(value, dict):
+    yield value
+    for item in value.values():
+      yield from _nested_dicts(item)
+  elif isinstance(value, (list, tuple)):
+    for item in value:
+      yield from _nested_dicts(item)
+
+
+def _built_config(layer: Keras, config: dict, policy: str) -> dict:
+  """The params' config as this layer builds it: named as the layer, every dtype
+  policy inside set to
+  `policy`, and every Keras initializer without a seed seeded from the layer's seed and
+  the initializer's place in the config (deterministic, distinct per layer)."""
+  config = copy.deepcopy(config)
+  config["config"]["name"] = layer.name  # (a functional model's config needs one)
+  for i, node in enumerate(_nested_dicts(config)):
+    if node.get("class_name") in _POLICY_CLASSES and node.get("module") == "keras":
+      node["config"] = {"name": policy}
+    elif node.get("module") == "keras.initializers" and isinstance(node.get("config"), dict) \
+        and "seed" in node["config"] and node["config"]["seed"] is None:
+      node["config"]["seed"] = layer.seed_for(f"keras_init_{i}")
+  return config
+
+
+def _check_supported(path: str, layer: keras.layers.Layer) -> None:
+  """Raises ParamsError naming the first sublayer of `layer` that a pipeline cannot run
+  faithfully (module docstring)."""
+  for sub in layer._flatten_layers(include_self=True, recursive=True):  # noqa: SLF001
+    where = f"{path}: Keras layer {sub.name!r} ({type(sub).__name__})"
+    if isinstance(sub, keras.layers.BatchNormalization):
+      raise ParamsError(
+          f"{where} assigns its moving statistics in call, once per micro-batch and again "
+          "in a recompute; put it in the chain itself (g.from_keras makes it "
+          "g.layers.BatchNorm, statistics per micro-batch, averages per step) or use "
+          "g.layers.BatchNorm")
+    if getattr(sub, "stateful", False):
+      raise ParamsError(f"{where} is stateful (it keeps state across batches), which "
+                        "micro-batches would interleave; use stateful=False")
+
+
+def _read(variable: Any) -> tf.Tensor:
+  """A library variable (or a stacked row, or a traced function's argument) as a
+  tensor."""
+  if isinstance(variable, stacked_variables.RowVariable):
+    return variable.value()
+  return tf.convert_to_tensor(variable)
+
+
+class Keras(BaseLayer):
+  """One Keras layer: inputs → `layer(*inputs, training=...)` (+ the last
+  `pass_through` inputs, unchanged). Shapes are the Keras layer's, batch first."""
+
+  @classmethod
+  def Params(cls):  # noqa: N802
+    p = super().Params()
+    p.define("layer", None, "The Keras layer: a keras.layers.Layer (a Sequential or "
+             "functional model too) or its keras.layers.serialize dict; kept, and written "
+             "to params.txt, as that dict without the layer's name.", convert=keras_config)
+    p.define("input_shape", None, "The shape of one example's input, without the batch "
+             "axis (e.g. [64]); for a layer whose build takes several, a dict of them "
+             "(MultiHeadAttention: {'query_shape': [T, D], 'value_shape': [T, D]}). "
+             "None: the layer's own build config (a built layer has one), or none needed "
+             "(a layer without weights).")
+    p.define("pass_through", 0, "How many of the last inputs are returned after the "
+             "layer's output, unchanged: 1 for (x, mask) stacks whose every block reads "
+             "the mask and passes it on.")
+    return p
+
+  def __init__(self, params):
+    super().__init__(params)
+    p = self.params
+    if p.layer is None:
+      raise ParamsError(f"{self.path}: layer is not set (a Keras layer or its "
+                        "keras.layers.serialize dict)")
+    if not isinstance(p.pass_through, int) or p.pass_through < 0:
+      raise ParamsError(f"{self.path}: pass_through must be an int >= 0, got "
+                        f"{p.pass_through!r}")
+    policy = self._policy()
+    # (Keras variable, the attribute holding the library variable it reads), and the
+    # Keras seed generators' states: set by _build_keras.
+    self._bound: tuple[tuple[Any, str], ...]
+    self._seed_states: tuple[Any, ...]
+    self._building, self._creating = True, False
+    if getattr(base_layer._STATE, "shapes_only", False):  # noqa: SLF001
+      # Only shapes are wanted: Keras builds in a scratch graph (nothing allocated).
+      with tf.Graph().as_default():
+        layer = self._build_keras(_built_config(self, p.layer, policy))
+    else:
+      layer = self._build_keras(_built_config(self, p.layer, policy))
+    self._building = False
+    # Held past tf.Module's tracking: the library variables are this layer's own
+    # attributes already, and a second path to them would give a checkpoint two keys.
+    object.__setattr__(self, "keras_layer", layer)
+
+  def _policy(self) -> str:
+    """The Keras dtype policy of this layer's compute dtype and variable dtype."""
+    if self.params.dtype == tf.float64 and self.fprop_dtype == tf.float64:
+      return "float64"
+    if self.params.dtype != tf.float32 or self.fprop_dtype not in _POLICIES:
+      raise ParamsError(
+          f"{self.path}: a Keras layer takes dtype=float32 with fprop_dtype in "
+          f"{[d.name for d in _POLICIES]} (or float64 with float64), got dtype="
+          f"{self.params.dtype.name}, fprop_dtype={self.fprop_dtype.name}")
+    return _POLICIES[self.fprop_dtype]
+
+  def _build_keras(self, config: dict) -> keras.layers.Layer:
+    """The Keras layer from `config`, built, its weights library variables."""
+    p = self.params
+    with tf.variable_creator_scope(self._create_variable):
+      try:
+        layer = keras.layers.deserialize(config)
+      except Exception as e:  # noqa: BLE001
+        raise ParamsError(f"{self.path}: Keras cannot build {config['class_name']!r} from "
+                          f"its config: {e}") from None
+      _check_supported(self.path, layer)
+      build_config = config.get("build_config")
+      try:
+        if isinstance(p.input_shape, dict):
+          layer.build(**{k: (None, *v) for k, v in p.input_shape.items()})
+        elif p.input_shape is not None:
+          layer.build((None, *p.input_shape))
+        elif build_config and not layer.built:
+          layer.build_from_config(build_config)
+      except ParamsError:
+        raise
+      except Exception as e:  # noqa: BLE001
+        raise ParamsError(f"{self.path}: Keras layer {config['class_name']!r} cannot be "
+                          f"built for input_shape={p.input_shape!r}: {e}") from None
+    ours = {id(getattr(self, name)): name for name in self._var_names}
+    bound, seeds = [], []
+    for variable in layer.variables:
+      value = getattr(variable, "_value", None)
+      if id(value) in ours:
+        bound.append((variable, ours[id(value)]))
+      elif variable.name == _SEED_STATE:
+        seeds.append(variable)
+    # (Past tf.Module's tracking, as keras_layer.)
+    object.__setattr__(self, "_bound", tuple(bound))
+    object.__setattr__(self, "_seed_states", tuple(seeds))
+    return layer
+
+  def _create_variable(self, next_creator: Any, **kwargs: Any) -> Any:
+    """tf.variable_creator_scope's creator: a floating weight becomes a library variable
+    named by its path inside the Keras layer; a seed generator's state stays Keras's."""
+    if self._creating:  # create_variable's own tf.Variable
+      return next_creator(**kwargs)
+    dtype = tf.as_dtype(kwargs.get("dtype") or tf.float32)
+    name = kwargs.get("name") or "weight"
+    if not dtype.is_floating:
+      if name == _SEED_STATE:
+        return next_creator(**kwargs)
+      raise ParamsError(f"{self.path}: the Keras layer keeps {dtype.name} state {name!r}, "
+                        "which a pipeline cannot carry between micro-batches")
+    if not self._building:
+      raise ParamsError(
+          f"{self.path}: the Keras layer creates weight {name!r} on its first call; give "
+          "input_shape (one example's shape, without the batch axis) so that it is built "
+          "with the model")
+    from keras.src.backend.common.name_scope import current_path  # noqa: PLC0415
+    parts = [*current_path().split("/")[1:], name]  # the layer's own name dropped
+    attribute = re.sub(r"\W", "_", "_".join(part for part in parts if part))
+    while attribute in self._var_names or hasattr(self, attribute):
+      attribute += "_"
+    initial = kwargs["initial_value"]
+    initial_fn = initial if callable(initial) else (lambda: initial)
+    with tf.Graph().as_default():
+      shape = tf.convert_to_tensor(initial_fn()).shape
+    trainable = kwargs.get("trainable", True)
+    trainable = True if trainable is None else bool(trainable)
+    self._creating = True
+    try:
+      variable = self.create_variable(
+          attribute, shape.as_list(), dtype=self.params.dtype, trainable=trainable,
+          make_initial=lambda: tf.cast(initial_fn(), self.params.dtype))
+    finally:
+      self._creating = False
+    if isinstance(variable, base_layer.VariableShape):
+      return next_creator(**kwargs)  # (shapes only: Keras gets a scratch-graph variable)
+    return variable
+
+  def _seed_value(self, index: int) -> tf.Tensor:
+    """int64 [2]: the state of the layer's seed generator `index` for this forward pass,
+    from (layer, step, the batch's first example): a recompute draws the same."""
+    ctx = base_layer.current_context()
+    step = tf.cast(ctx.step, tf.int64)
+    offset = tf.cast(ctx.example_offset, tf.int64)
+    return tf.stack([base_layer.seed_tensor(self, f"keras_seed_{index}"),
+                     step * (1 << 32) + offset])
+
+  def fprop(self, *inputs: Any) -> Any:
+    ctx = base_layer.current_context()
+    weights = [(variable, _read(getattr(self, name))) for variable, name in self._bound]
+    seeds = [(state, self._seed_value(i)) for i, state in enumerate(self._seed_states)]
+    with keras.StatelessScope(state_mapping=weights + seeds) as scope:
+      outputs = self.keras_layer(*inputs, training=bool(ctx.training))
+    if scope.losses:
+      raise ParamsError(f"{self.path}: the Keras layer adds a loss in call, which a "
+                        "pipeline's task loss does not see; add it to the task's loss")
+    for variable, value in weights:
+      if scope.get_current_value(variable) is not value:
+        raise ParamsError(f"{self.path}: the Keras layer assigns to its weight "
+                          f"{variable.path!r} in call; a pipeline runs call once per "
+                          "micro-batch and again in a recompute")
+    if self.params.pass_through:
+      return (outputs, *inputs[len(inputs) - self.params.pass_through:])
+    return outputs
+
+  def assign_from(self, source: keras.layers.Layer) -> None:
+    """Sets this layer's weights to those of `source`, a Keras layer of the same config
+    (the one it was made from): each weight by its path inside the layer."""
+    def relative(variable: Any, owner: keras.layers.Layer) -> str:
+      return variable.path.split(f"{owner.name}/", 1)[-1]  # the path below the owner
+
+    theirs = {relative(v, source): v for v in source.variables}
+    for variable, name in self._bound:
+      key = relative(variable, self.keras_layer)
+      if key not in theirs:
+        raise ParamsError(f"{self.path}: {source.name!r} has no weight {key!r}; it has "
+                          f"{sorted(theirs)}")
+      getattr(self, name).assign(tf.cast(theirs[key].value, self.params.dtype))
