@@ -11,6 +11,7 @@ from numerics import assert_close
 import lingvo_gpipe as g
 from lingvo_gpipe import train_step
 from lingvo_gpipe.core import base_layer, hyperparams, layers, stacked_variables
+from lingvo_gpipe.core.from_keras import keras_units
 from lingvo_gpipe.core.keras_layer import Keras
 from lingvo_gpipe.pipeline.layer import PipeliningLayer
 
@@ -55,9 +56,7 @@ def keras_loss_and_grads(model: keras.Model, data: dict, training: bool = True):
 
 def keras_paths(stack: base_layer.BaseLayer, model: keras.Model) -> dict:
   """{library variable ref: the Keras weight path it was loaded from}."""
-  sources = {layer.name: layer for layer in model.layers}
-  from lingvo_gpipe.core.from_keras import _blocks
-  sources.update({block.name: block for block in _blocks(model)})
+  sources = keras_units(model)
   paths = {}
   for unit in stack.walk():
     if isinstance(unit, Keras):
@@ -99,3 +98,299 @@ def test_a_pipelined_functional_model_has_keras_gradients(cpu_devices, schedule,
   assert_close(loss, want_loss)
   for variable, grad in zip(weights, grads):
     assert_close(grad, want[paths[variable.ref()]])
+
+
+def dense_chain(width: int = 8, depth: int = 4) -> keras.Sequential:
+  """Identical Dense layers (one kind for the pipeline: shared traces, stacked weights)."""
+  return keras.Sequential(
+      [keras.Input((6,)), keras.layers.Dense(width, activation="tanh", name="first"),
+       *[keras.layers.Dense(width, activation="tanh", name=f"hidden{i}") for i in range(depth)],
+       keras.layers.Dense(2, name="out")])
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_identical_keras_layers_share_traces_and_stacked_weights(cpu_devices, scan_layers):
+  """Runs of one Keras layer kind: stacked weights (one stack per shape), one traced
+  function (or a scan) per kind; gradients still Keras's."""
+  keras.utils.set_random_seed(2)
+  model = dense_chain()
+  data = batch(1)
+  want_loss, want = keras_loss_and_grads(model, data)
+  stack = pipelined(model, num_cells=2, num_micro_batches=2, schedule="1f1b",
+                    scan_layers=scan_layers, devices=cpu_devices[:2])
+  hidden = [unit for unit in stack.walk() if unit.name.startswith("hidden")]
+  assert {base_layer.params_kind(unit.params) for unit in hidden} == {
+      base_layer.params_kind(hidden[0].params)}
+  assert all(isinstance(unit.kernel, stacked_variables.RowVariable) for unit in hidden)
+  loss, grads = engine_loss_and_grads(stack, train_step.StackWithLoss(stack, mse), data, STEP)
+  paths = keras_paths(stack, model)
+  assert_close(loss, want_loss)
+  for variable, grad in zip(stacked_variables.trainable_weights(stack), grads):
+    assert_close(grad, want[paths[variable.ref()]])
+
+
+def test_training_steps_give_the_losses_and_weights_of_keras_sgd(cpu_devices):
+  """Three SGD steps of the pipelined model (K=2, M=4) against Keras's own training
+  step (GradientTape + keras.optimizers.SGD) on the same batches."""
+  keras.utils.set_random_seed(3)
+  model = residual_model()
+  stack = pipelined(model, num_cells=2, num_micro_batches=4, schedule="1f1b",
+                    devices=cpu_devices[:2])
+  optimizer = g.optimizers.SGD.Params().set(learning_rate=0.1, momentum=0.0).instantiate()
+  optimizer.create_slots(stack.trainable_variables)
+  global_step = tf.Variable(0, dtype=tf.int64)
+  step = tf.function(train_step.TrainStep(train_step.StackWithLoss(stack, mse), optimizer,
+                                          global_step))
+  keras_sgd = keras.optimizers.SGD(learning_rate=0.1)
+  for i in range(3):
+    data = batch(10 + i)
+    with tf.GradientTape() as tape:
+      want_loss = tf.reduce_mean(tf.square(model(data["inputs"], training=True)
+                                           - data["target"]))
+    keras_sgd.apply_gradients(zip(tape.gradient(want_loss, model.trainable_weights),
+                                  model.trainable_weights))
+    outputs, _ = step(data)
+    assert_close(outputs["loss"].numpy(), want_loss.numpy())
+  paths = keras_paths(stack, model)
+  keras_values = {v.path: v.numpy() for v in model.trainable_weights}
+  for variable in stacked_variables.trainable_weights(stack):
+    assert_close(tf.convert_to_tensor(variable.value() if isinstance(
+        variable, stacked_variables.RowVariable) else variable).numpy(),
+        keras_values[paths[variable.ref()]])
+
+
+def attention_model(dropout: float) -> keras.Model:
+  """x [B, 4, 8] → Dense → x + MultiHeadAttention(LayerNorm(x)) (with its own dropout)
+  → Dense(2)."""
+  inputs = keras.Input((4, 8))
+  h = keras.layers.Dense(8, name="embed")(inputs)
+  a = keras.layers.LayerNormalization(name="norm")(h)
+  a = keras.layers.MultiHeadAttention(2, 4, dropout=dropout, name="attention")(a, a)
+  h = keras.layers.Add(name="residual")([h, a])
+  return keras.Model(inputs, keras.layers.Dense(2, name="out")(h))
+
+
+def sequence_batch() -> dict:
+  return {"inputs": tf.random.stateless_normal([BATCH, 4, 8], [5, 1]),
+          "target": tf.random.stateless_normal([BATCH, 4, 2], [5, 2])}
+
+
+def test_dropout_inside_a_keras_layer_draws_the_same_mask_when_recomputed(cpu_devices):
+  """MultiHeadAttention's own dropout (a Keras seed generator) under re-materialization:
+  the recomputed forward must draw the first forward's masks, so recompute=always has
+  the gradients of recompute=never. (Its stateful generator alone would draw new masks
+  in the recompute.)"""
+  keras.utils.set_random_seed(4)
+  model = attention_model(dropout=0.5)
+  data = sequence_batch()
+  results = {}
+  for recompute in ("always", "never"):
+    stack = pipelined(model, num_cells=2, num_micro_batches=2, recompute=recompute,
+                      devices=cpu_devices[:2])
+    results[recompute] = engine_loss_and_grads(
+        stack, train_step.StackWithLoss(stack, mse), data, STEP)
+  assert_close(results["always"][0], results["never"][0])
+  for always, never in zip(results["always"][1], results["never"][1]):
+    assert_close(always, never)
+  # The masks are drawn: without dropout the loss is another.
+  stack = pipelined(attention_model(dropout=0.0), num_cells=2, num_micro_batches=2,
+                    devices=cpu_devices[:2])
+  g.load_keras_weights(stack, model)
+  loss, _ = engine_loss_and_grads(stack, train_step.StackWithLoss(stack, mse), data, STEP)
+  assert abs(loss - results["always"][0]) > 1e-3 * abs(loss)
+
+
+def conv_bn_model() -> keras.Sequential:
+  """(The convolution has no bias, as before any batch norm: its gradient would be
+  zero up to the rounding of terms that cancel, which no scale of its own bounds.)"""
+  return keras.Sequential([
+      keras.Input((6, 6, 3)), keras.layers.Conv2D(4, 3, use_bias=False, name="conv"),
+      keras.layers.BatchNormalization(momentum=0.9, epsilon=1e-3, name="bn"),
+      keras.layers.Activation("relu", name="relu"), keras.layers.Dropout(0.0, name="drop"),
+      keras.layers.GlobalAveragePooling2D(name="pool"), keras.layers.Dense(2, name="out")])
+
+
+def image_batch() -> dict:
+  return {"inputs": tf.random.stateless_normal([BATCH, 6, 6, 3], [6, 1]),
+          "target": tf.random.stateless_normal([BATCH, 2], [6, 2])}
+
+
+def test_batch_normalization_becomes_the_librarys_and_keeps_keras_semantics(cpu_devices):
+  """Keras BatchNormalization → layers.BatchNorm (momentum, epsilon kept): with one
+  micro-batch, Keras's gradients; with two, moving averages after a step equal to those
+  Keras computes from the whole batch."""
+  keras.utils.set_random_seed(5)
+  model = conv_bn_model()
+  units = g.from_keras(model).layers
+  assert [p.cls.__name__ for p in units] == [
+      "Keras", "BatchNorm", "Keras", "Dropout", "Keras", "Keras"]
+  assert (units[1].decay, units[1].epsilon, units[1].dim) == (0.9, 1e-3, 4)
+  data = image_batch()
+  want_loss, want = keras_loss_and_grads(model, data)  # (updates Keras's averages)
+  stack = pipelined(model, num_cells=2, num_micro_batches=1, devices=cpu_devices[:2])
+  # Keras's averages moved in that training call; ours start where Keras's started.
+  bn = next(unit for unit in stack.walk() if isinstance(unit, layers.BatchNorm))
+  bn.moving_mean.assign(tf.zeros([4]))
+  bn.moving_variance.assign(tf.ones([4]))
+  loss, grads = engine_loss_and_grads(stack, train_step.StackWithLoss(stack, mse), data, STEP)
+  assert_close(loss, want_loss)
+  names = {id(bn.gamma): "bn/gamma", id(bn.beta): "bn/beta"}
+  paths = keras_paths(stack, model)
+  for variable, grad in zip(stacked_variables.trainable_weights(stack), grads):
+    key = names.get(id(variable)) or paths[variable.ref()]
+    want_key = next(path for path in want if path.endswith(key))
+    assert_close(grad, want[want_key])
+
+  two = pipelined(model, num_cells=2, num_micro_batches=2, devices=cpu_devices[:2])
+  bn = next(unit for unit in two.walk() if isinstance(unit, layers.BatchNorm))
+  bn.moving_mean.assign(tf.zeros([4]))
+  bn.moving_variance.assign(tf.ones([4]))
+  optimizer = g.optimizers.SGD.Params().set(learning_rate=0.0, momentum=0.0).instantiate()
+  optimizer.create_slots(two.trainable_variables)
+  tf.function(train_step.TrainStep(train_step.StackWithLoss(two, mse), optimizer,
+                                   tf.Variable(0, dtype=tf.int64)))(data)
+  keras_bn = model.get_layer("bn")
+  keras_bn.moving_mean.assign(tf.zeros([4]))
+  keras_bn.moving_variance.assign(tf.ones([4]))
+  model(data["inputs"], training=True)
+  assert_close(bn.moving_mean.numpy(), keras_bn.moving_mean.numpy())
+  assert_close(bn.moving_variance.numpy(), keras_bn.moving_variance.numpy())
+
+
+# -- params, weights, statistics -------------------------------------------------------
+
+
+def test_params_keep_the_config_and_read_it_back_from_text():
+  """The layer is kept as its serialized config without its name; params.txt's line
+  reads back to equal params, which build the same weights."""
+  p = layers.Keras.Params().set(name="fc", layer=keras.layers.Dense(4, activation="gelu",
+                                                                  name="my_dense"),
+                                input_shape=[6])
+  assert p.layer["class_name"] == "Dense" and "name" not in p.layer["config"]
+  back = layers.Keras.Params().from_text(p.to_text())
+  assert back == p
+  a, b = p.instantiate(), back.instantiate()
+  np.testing.assert_array_equal(a.kernel.numpy(), b.kernel.numpy())
+  other = p.copy().set(name="fc2").instantiate()  # another path: other draws
+  assert not np.array_equal(a.kernel.numpy(), other.kernel.numpy())
+  x = tf.random.stateless_normal([3, 6], [1, 1])
+  assert_close(a(x).numpy(), tf.nn.gelu(x @ a.kernel + a.bias, approximate=False).numpy())
+
+
+def test_each_keras_weight_is_one_library_variable_and_one_checkpoint_key(tmp_path):
+  layer = layers.Keras.Params().set(
+      name="attention", layer=keras.layers.MultiHeadAttention(2, 4),
+      input_shape={"query_shape": [5, 8], "value_shape": [5, 8]}).instantiate()
+  names = sorted(name for name in layer._var_names)
+  assert names == sorted(f"{part}_{kind}" for part in ("query", "key", "value",
+                                                       "attention_output")
+                         for kind in ("kernel", "bias"))
+  path = tf.train.Checkpoint(model=layer).write(str(tmp_path / "ckpt"))
+  keys = [key for key, _ in tf.train.list_variables(path) if key.startswith("model/")]
+  assert sorted(keys) == [f"model/{n}/.ATTRIBUTES/VARIABLE_VALUE" for n in names]
+  assert layer.num_params() == layer.keras_layer.count_params()
+  with base_layer.shapes_only():  # counted without allocating
+    assert layer.params.instantiate().num_params() == layer.num_params()
+
+
+def test_model_stats_count_a_keras_layer_like_the_native_one():
+  from lingvo_gpipe.core import model_stats
+  spec = tf.TensorSpec([4, 6], tf.float32)
+  keras_stats = model_stats.analyze(layers.Keras.Params().set(
+      name="fc", layer=keras.layers.Dense(8), input_shape=[6]), spec)[0]
+  native = model_stats.analyze(layers.Linear.Params().set(name="fc", input_dim=6,
+                                                          output_dim=8), spec)[0]
+  assert (keras_stats.num_params, keras_stats.flops) == (native.num_params, native.flops)
+  assert keras_stats.output_shapes == native.output_shapes
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_a_keras_layer_computes_in_fprop_dtype_through_its_policy(dtype):
+  """fprop_dtype picks Keras's mixed policy: outputs in the half dtype, weights float32,
+  values those of the float32 layer within the half dtype's rounding."""
+  p = layers.Keras.Params().set(name="fc", layer=keras.layers.Dense(8, activation="relu"),
+                                input_shape=[6])
+  full, half = p.instantiate(), p.copy().set(fprop_dtype=dtype).instantiate()
+  assert half.keras_layer.dtype_policy.name == f"mixed_{dtype}"
+  assert {v.dtype for v in half.variables} == {tf.float32}
+  x = tf.random.stateless_normal([4, 6], [2, 2])
+  out = half(x)
+  assert out.dtype == tf.as_dtype(dtype)
+  assert_close(tf.cast(out, tf.float32).numpy(), full(x).numpy(), ulps=16, dtype=dtype)
+
+
+# -- refusals ------------------------------------------------------------------------------
+
+
+@keras.saving.register_keras_serializable(package="lingvo_gpipe_tests")
+class _LossAdder(keras.layers.Layer):
+  def call(self, x):
+    self.add_loss(tf.reduce_sum(x))
+    return x
+
+
+@pytest.mark.parametrize("make,message", [
+    (lambda: layers.Keras.Params().set(name="b", layer=keras.Sequential(
+        [keras.Input((4,)), keras.layers.BatchNormalization()])),
+     r"b: Keras layer 'batch_normalization.*' \(BatchNormalization\) assigns its moving "
+     r"statistics in call.*g.from_keras makes it g.layers.BatchNorm"),
+    (lambda: layers.Keras.Params().set(name="rnn", layer=keras.layers.SimpleRNN(
+        4, stateful=True), input_shape=[3, 2]),
+     r"rnn: Keras layer .*SimpleRNN\) is stateful"),
+    (lambda: layers.Keras.Params().set(name="fc", layer=keras.layers.Dense(
+        4, kernel_regularizer="l2"), input_shape=[3]),
+     r"fc: Keras layer .*\(Dense\) has kernel_regularizer: Keras adds it to model.losses"),
+    (lambda: layers.Keras.Params().set(name="fc", layer={"class_name": "NoSuchLayer",
+                                                         "config": {}}),
+     r"fc: Keras cannot build 'NoSuchLayer' from its config"),
+    (lambda: layers.Keras.Params().set(name="fc", layer=keras.layers.Dense(4),
+                                       input_shape=[2, "x"]),
+     r"fc: Keras layer 'Dense' cannot be built for input_shape=\[2, 'x'\]"),
+    (lambda: layers.Keras.Params().set(name="fc", layer=keras.layers.Dense(4),
+                                       fprop_dtype="float64"),
+     r"fc: a Keras layer takes dtype=float32 with fprop_dtype in"),
+    (lambda: layers.Keras.Params().set(name="fc"), r"fc: layer is not set"),
+])
+def test_what_a_pipeline_cannot_run_faithfully_is_refused_at_build(make, message):
+  with pytest.raises(hyperparams.ParamsError, match=message):
+    make().instantiate()
+
+
+def test_a_bad_layer_value_is_refused_when_set():
+  with pytest.raises(hyperparams.ParamsError, match=r"layer must be a keras.layers.Layer or "
+                     r"its keras.layers.serialize dict, got str"):
+    layers.Keras.Params().set(layer="Dense")
+
+
+@pytest.mark.parametrize("layer,message", [
+    (keras.layers.Dense(4), r"fc: the Keras layer creates weight 'kernel' on its first "
+     r"call; give input_shape"),
+    (_LossAdder(), r"fc: the Keras layer adds a loss in call"),
+])
+def test_what_shows_only_when_called_is_refused_at_the_first_call(layer, message):
+  fc = layers.Keras.Params().set(name="fc", layer=layer).instantiate()
+  with pytest.raises(hyperparams.ParamsError, match=message):
+    fc(tf.ones([2, 3]))
+
+
+def test_from_keras_refuses_what_it_cannot_cut():
+  class Subclassed(keras.Model):
+    def call(self, x):
+      return x
+
+  with pytest.raises(hyperparams.ParamsError, match=r"Keras model .* \(Subclassed\) is "
+                     r"subclassed: its call is Python that no config records"):
+    g.from_keras(Subclassed())
+  a, b = keras.Input((3,)), keras.Input((3,))
+  two = keras.Model([a, b], keras.layers.Add()([a, b]))
+  with pytest.raises(hyperparams.ParamsError, match=r"has 2 inputs and 1 outputs; "
+                     r"from_keras takes one of each"):
+    g.from_keras(two)
+  with pytest.raises(hyperparams.ParamsError, match=r"is not built: start it with "
+                     r"keras.Input"):
+    g.from_keras(keras.Sequential([keras.layers.Dense(2)]))
+  scaled = keras.Sequential([keras.Input((6, 6, 3)), keras.layers.BatchNormalization(
+      scale=False, name="bn")])
+  with pytest.raises(hyperparams.ParamsError, match=r"'bn' \(BatchNormalization\) cannot "
+                     r"become g.layers.BatchNorm: its scale=False"):
+    g.from_keras(scaled)

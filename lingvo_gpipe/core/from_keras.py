@@ -72,7 +72,7 @@ def from_keras(model: keras.Model, name: str = "body") -> InstantiableParams:
 
 
 def _is_functional(model: keras.Model) -> bool:
-  return hasattr(model, "_nodes_by_depth") and hasattr(model, "_inputs_struct")
+  return not isinstance(model, keras.Sequential) and hasattr(model, "_nodes_by_depth")
 
 
 def unit_params(layer: keras.layers.Layer) -> InstantiableParams:
@@ -185,9 +185,7 @@ def load_keras_weights(stack: BaseLayer, model: keras.Model) -> None:
   Raises:
     ParamsError: when a unit has no layer of its name in `model`.
   """
-  sources = {layer.name: layer for layer in model.layers}
-  if _is_functional(model):
-    sources.update({block.name: block for block in _blocks(model)})
+  sources = keras_units(model)
   for unit in stack.walk():
     if isinstance(unit, Keras):
       unit.assign_from(_source(sources, unit))
@@ -197,6 +195,15 @@ def load_keras_weights(stack: BaseLayer, model: keras.Model) -> None:
                            (unit.moving_mean, source.moving_mean),
                            (unit.moving_variance, source.moving_variance)):
         ours.assign(tf.cast(theirs.value, ours.dtype))
+
+
+def keras_units(model: keras.Model) -> dict[str, keras.layers.Layer]:
+  """{name: the Keras layer (or functional block) of the unit of that name} for the
+  units `from_keras(model)` makes (and the model's layers by name)."""
+  sources = {layer.name: layer for layer in model.layers}
+  if _is_functional(model):
+    sources.update({block.name: block for block in _blocks(model)})
+  return sources
 
 
 def _source(sources: dict[str, Any], unit: Keras) -> keras.layers.Layer:

@@ -29,8 +29,8 @@ cast and exported like a native one. How each concern is met:
 - **Refused** in one line naming the layer: a BatchNormalization inside the layer
   (its moving statistics are assigned in `call`, once per micro-batch and again in a
   recompute; a chain's own BatchNormalization becomes `layers.BatchNorm` through
-  `from_keras`), a stateful RNN, integer state other than seed generators, losses added
-  in `call`, weights created on the first call rather than at build (give
+  `from_keras`), a stateful RNN, a regularizer (Keras's model.losses, which no task
+  reads), integer state other than seed generators, losses added in `call`, weights created on the first call rather than at build (give
   `input_shape`), and a call that assigns to its weights in training.
 """
 
@@ -119,6 +119,14 @@ def _check_supported(path: str, layer: keras.layers.Layer) -> None:
           "in a recompute; put it in the chain itself (g.from_keras makes it "
           "g.layers.BatchNorm, statistics per micro-batch, averages per step) or use "
           "g.layers.BatchNorm")
+    regularized = [key for key in ("kernel_regularizer", "bias_regularizer",
+                                   "activity_regularizer", "embeddings_regularizer",
+                                   "gamma_regularizer", "beta_regularizer")
+                   if getattr(sub, key, None) is not None]
+    if regularized:
+      raise ParamsError(f"{where} has {regularized[0]}: Keras adds it to model.losses, "
+                        "which the task's loss does not read; add the penalty to the "
+                        "task's loss instead")
     if getattr(sub, "stateful", False):
       raise ParamsError(f"{where} is stateful (it keeps state across batches), which "
                         "micro-batches would interleave; use stateful=False")
@@ -273,11 +281,24 @@ class Keras(BaseLayer):
     return tf.stack([base_layer.seed_tensor(self, f"keras_seed_{index}"),
                      step * (1 << 32) + offset])
 
+  def _build_on_first_call(self, inputs: tuple) -> None:
+    """Builds a layer that had neither input_shape nor a build config from the shapes
+    of its first inputs, symbolically (Keras's own build path), under the creator that
+    refuses a weight made now: one made inside a traced step would escape the cell's
+    device, the checkpoint and the optimizer."""
+    symbolic = tf.nest.map_structure(
+        lambda x: keras.KerasTensor(x.shape, x.dtype.name) if isinstance(x, tf.Tensor)
+        else x, inputs)
+    with tf.variable_creator_scope(self._create_variable):
+      self.keras_layer(*symbolic)
+
   def fprop(self, *inputs: Any) -> Any:
     ctx = base_layer.current_context()
+    if not self.keras_layer.built:
+      self._build_on_first_call(inputs)
     weights = [(variable, _read(getattr(self, name))) for variable, name in self._bound]
     seeds = [(state, self._seed_value(i)) for i, state in enumerate(self._seed_states)]
-    with keras.StatelessScope(state_mapping=weights + seeds) as scope:
+    with keras.StatelessScope(state_mapping=weights + seeds, collect_losses=True) as scope:
       outputs = self.keras_layer(*inputs, training=bool(ctx.training))
     if scope.losses:
       raise ParamsError(f"{self.path}: the Keras layer adds a loss in call, which a "
