@@ -24,6 +24,8 @@ import zlib
 from collections.abc import Iterable
 from pathlib import Path
 
+import tensorflow as tf
+
 from lingvo_gpipe.base_model_params import SingleTaskModelParams
 
 BUILTIN_PACKAGE = "lingvo_gpipe_params"
@@ -157,10 +159,15 @@ def get_class(key: str) -> type:
 
 def get_params(key: str):
   """The full model Params tree (task, train_input, eval_input) for `key`. A model whose
-  params call sys.exit raises ParamFileError (it would end the caller)."""
+  params call sys.exit raises ParamFileError (it would end the caller).
+
+  The param file's code runs in a scratch `tf.Graph`: building params runs no
+  TensorFlow op, so the caller can still set up devices after (a Keras model built for
+  `from_keras` creates its weights there as graph nodes, allocating nothing)."""
   model = get_class(key)
   try:
-    return model().model_params()
+    with tf.Graph().as_default():
+      return model().model_params()
   except SystemExit as e:
     raise ParamFileError(f"model {key}: building its params calls sys.exit({e.code!r}) "
                          f"(in {inspect.getsourcefile(model)})") from None

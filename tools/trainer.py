@@ -427,6 +427,12 @@ def _export_or_decode(params: Params, changes: list[dict[str, str]]) -> int:
   except exporter.ExportError as e:
     raise UsageFailure(str(e)) from None
   except (OSError, tf.errors.OpError) as e:  # e.g. a full disk: nothing half-written stays
+    if isinstance(e, tf.errors.OpError) and not isinstance(
+        e, (tf.errors.ResourceExhaustedError, tf.errors.PermissionDeniedError,
+            tf.errors.FailedPreconditionError, tf.errors.NotFoundError)):
+      # The model failed (e.g. a shape it cannot take), not the writing.
+      raise trainer_lib.TrainerError(f"--mode={FLAGS.mode} failed: "
+                                     f"{trainer_lib.step_error_cause(e)}") from None
     raise trainer_lib.TrainerError(f"--mode={FLAGS.mode} could not write into "
                                    f"{FLAGS.logdir}: {checkpoints.first_line(e)}") from None
   return 0

@@ -141,8 +141,9 @@ def _read(variable: Any) -> tf.Tensor:
 
 
 class Keras(BaseLayer):
-  """One Keras layer: inputs → `layer(*inputs, training=...)` (+ the last
-  `pass_through` inputs, unchanged). Shapes are the Keras layer's, batch first."""
+  """One Keras layer: inputs → `layer(*inputs[:num_inputs], training=...)` (followed
+  by the last `pass_through` inputs, unchanged). Shapes are the Keras layer's, batch
+  first."""
 
   @classmethod
   def Params(cls):  # noqa: N802
@@ -155,6 +156,9 @@ class Keras(BaseLayer):
              "(MultiHeadAttention: {'query_shape': [T, D], 'value_shape': [T, D]}). "
              "None: the layer's own build config (a built layer has one), or none needed "
              "(a layer without weights).")
+    p.define("num_inputs", None, "How many of the inputs the stack passes go to the "
+             "layer, the first ones (e.g. 1: a language model's ids without the task's "
+             "paddings); None: all.")
     p.define("pass_through", 0, "How many of the last inputs are returned after the "
              "layer's output, unchanged: 1 for (x, mask) stacks whose every block reads "
              "the mask and passes it on.")
@@ -166,6 +170,9 @@ class Keras(BaseLayer):
     if p.layer is None:
       raise ParamsError(f"{self.path}: layer is not set (a Keras layer or its "
                         "keras.layers.serialize dict)")
+    if p.num_inputs is not None and (not isinstance(p.num_inputs, int) or p.num_inputs < 1):
+      raise ParamsError(f"{self.path}: num_inputs must be None or an int >= 1, got "
+                        f"{p.num_inputs!r}")
     if not isinstance(p.pass_through, int) or p.pass_through < 0:
       raise ParamsError(f"{self.path}: pass_through must be an int >= 0, got "
                         f"{p.pass_through!r}")
@@ -207,6 +214,11 @@ class Keras(BaseLayer):
         raise ParamsError(f"{self.path}: Keras cannot build {config['class_name']!r} from "
                           f"its config: {e}") from None
       _check_supported(self.path, layer)
+      if isinstance(layer, keras.Model) and not isinstance(layer, keras.Sequential):
+        # A functional block's input spec is its source tensor's shape, sequence length
+        # included; its layers check what they need (a generate step runs the stack on
+        # other lengths).
+        layer.input_spec = None
       build_config = config.get("build_config")
       try:
         if isinstance(p.input_shape, dict):
@@ -294,6 +306,8 @@ class Keras(BaseLayer):
 
   def fprop(self, *inputs: Any) -> Any:
     ctx = base_layer.current_context()
+    passed = inputs[len(inputs) - self.params.pass_through:] if self.params.pass_through else ()
+    inputs = inputs[:self.params.num_inputs]
     if not self.keras_layer.built:
       self._build_on_first_call(inputs)
     weights = [(variable, _read(getattr(self, name))) for variable, name in self._bound]
@@ -308,9 +322,7 @@ class Keras(BaseLayer):
         raise ParamsError(f"{self.path}: the Keras layer assigns to its weight "
                           f"{variable.path!r} in call; a pipeline runs call once per "
                           "micro-batch and again in a recompute")
-    if self.params.pass_through:
-      return (outputs, *inputs[len(inputs) - self.params.pass_through:])
-    return outputs
+    return (outputs, *passed) if passed else outputs
 
   def assign_from(self, source: keras.layers.Layer) -> None:
     """Sets this layer's weights to those of `source`, a Keras layer of the same config

@@ -139,7 +139,8 @@ class LanguageModelTask(BaseTask):
     keys and values, max_length positions per layer, is the loop's state. Without, each
     step runs the whole max_length buffer (causal attention keeps the later
     positions out) and reads its position's logits: the same tokens, O(max_length)
-    work per step instead of O(1) + the attention's O(max_length) reads.
+    work per step instead of O(1) + the attention's O(max_length) reads. A stack with
+    a layer that cannot run on slices (`stack_runs_on_slices`) generates without.
 
     `compiled`: the loop is one XLA cluster (`jit_compile`; its shapes are all static
     for a given B and P: the slices read their whole cache, `TokenSlice.whole_reads`),
@@ -163,10 +164,18 @@ class LanguageModelTask(BaseTask):
     ]
     with tf.control_dependencies(checks):  # (outside XLA, which has no Assert)
       prefix_ids = tf.identity(prefix_ids)
+    use_cache = use_cache and self.stack_runs_on_slices()
     loop = functools.partial(self._generate_loop, max_length=max_length, use_cache=use_cache)
     if compiled:
       loop = tf.function(loop, jit_compile=True, autograph=False)
     return loop(prefix_ids, max_new_tokens, temperature, seed)
+
+  def stack_runs_on_slices(self) -> bool:
+    """Whether every layer of the stack declares that it runs on token slices (its
+    class's `token_slicing`): the cache of `generate` needs it. A Keras layer does not
+    (core/keras_layer.py): its stack generates without the cache."""
+    return all(getattr(layer_params.cls, "token_slicing", None) in token_slices.SLICING
+               for layer_params in self.main_stack.params.layers)
 
   def _generate_loop(self, prefix_ids: tf.Tensor, max_new_tokens: tf.Tensor,
                      temperature: tf.Tensor, seed: tf.Tensor, max_length: int,
