@@ -394,3 +394,99 @@ def test_from_keras_refuses_what_it_cannot_cut():
   with pytest.raises(hyperparams.ParamsError, match=r"'bn' \(BatchNormalization\) cannot "
                      r"become g.layers.BatchNorm: its scale=False"):
     g.from_keras(scaled)
+
+
+# -- the trainer, export and the binary ----------------------------------------------
+
+
+def example_params(key: str, **pipeline):
+  """A Keras example's params for a test: batch 8, 16 eval examples, each step saved."""
+  from lingvo_gpipe import model_registry
+  model_registry.load_param_files([])
+  p = model_registry.get_params(key)
+  p.train_input.batch_size = 8
+  p.eval_input.set(batch_size=8, num_examples=16)
+  p.task.train.set(save_interval_steps=1, summary_interval_steps=1, log_interval_steps=1)
+  p.task.pipeline.set(**pipeline)
+  return p.freeze()
+
+
+def checkpointed(logdir) -> dict:
+  """{key: value} of the run's newest checkpoint (keys independent of K)."""
+  reader = tf.train.load_checkpoint(str(logdir / "train"))
+  return {key: reader.get_tensor(key)
+          for key, dtype in reader.get_variable_to_dtype_map().items()
+          if "/.ATTRIBUTES/" in key and dtype.is_floating}
+
+
+def test_a_keras_convnet_resumed_with_k_changed_equals_one_run_and_serves_it(tmp_path):
+  """KerasConvNet (Sequential with batch norm and dropout): 2 steps at K=2 then 1 at
+  K=1 give the weights of 3 steps at K=2 (masks and micro-batch statistics depend on
+  neither K), and the exported classify equals the trainer's eval forward."""
+  from lingvo_gpipe import exporter
+  from lingvo_gpipe.trainer import Trainer
+
+  Trainer(example_params("keras_examples.KerasConvNet", num_cells=2),
+          str(tmp_path / "straight"), log=lambda _: None).train(3)
+  logdir = str(tmp_path / "resumed")
+  Trainer(example_params("keras_examples.KerasConvNet", num_cells=2), logdir,
+          log=lambda _: None).train(2)
+  params = example_params("keras_examples.KerasConvNet", num_cells=1)
+  resumed = Trainer(params, logdir, log=lambda _: None)
+  resumed.train(3)
+  want, got = checkpointed(tmp_path / "straight"), checkpointed(tmp_path / "resumed")
+  assert sorted(got) == sorted(want)
+  assert "task/body/layers/4/kernel/.ATTRIBUTES/VARIABLE_VALUE" in got  # conv2: Keras's name
+  for key, value in got.items():
+    assert_close(value, want[key])
+
+  path = exporter.export(params, logdir, model_name="keras_examples.KerasConvNet",
+                         log=lambda _: None)
+  images = next(iter(params.eval_input.instantiate().dataset()))["image"]
+  served = tf.saved_model.load(path).signatures["classify"](images=images)
+  task = resumed.task
+  with base_layer.step_context(training=False, step=0):
+    expected = tf.nn.softmax(task.softmax(base_layer.call_with(task.main_stack, images)))
+  assert_close(served["probabilities"].numpy(), expected.numpy())
+
+
+def test_a_keras_transformer_lm_trains_and_scores_as_its_forward(tmp_path):
+  from lingvo_gpipe import exporter
+  from lingvo_gpipe.trainer import Trainer
+
+  params = example_params("keras_examples.KerasTransformerLm")
+  trainer = Trainer(params, str(tmp_path), log=lambda _: None)
+  trainer.train(2)
+  batch = next(iter(params.eval_input.instantiate().dataset()))
+  path = exporter.export(params, str(tmp_path), model_name="keras_examples.KerasTransformerLm",
+                         log=lambda _: None)
+  served = tf.saved_model.load(path).signatures["score"](
+      ids=batch["ids"], paddings=tf.cast(batch["paddings"], tf.float32))
+  with base_layer.step_context(training=False, step=0):
+    logits = base_layer.call_with(trainer.task.main_stack, (batch["ids"], batch["paddings"]))
+  log_probs = tf.nn.log_softmax(tf.cast(logits, tf.float32))
+  # token t's log p(ids[t] | ids[<t]) is read from position t - 1's logits.
+  want = tf.gather(log_probs[:, :-1], batch["ids"][:, 1:], batch_dims=2)
+  want *= 1.0 - tf.cast(batch["paddings"][:, 1:], tf.float32)
+  assert_close(served["token_log_probs"].numpy()[:, 1:], want.numpy())
+
+
+@pytest.mark.parametrize("override,message", [
+    ("task.body.layers[4].layer={'module': 'keras.layers', 'class_name': "
+     "'BatchNormalization', 'config': {}}", r"\(BatchNormalization\) assigns its moving "
+     r"statistics in call"),
+    ("task.body.layers[0].layer={'module': 'keras.layers', 'class_name': 'Dense', "
+     "'config': {'units': 4, 'kernel_regularizer': 'l2'}}", r"has kernel_regularizer"),
+])
+def test_the_binary_refuses_a_keras_layer_in_one_line_writing_nothing(tmp_path, override,
+                                                                      message):
+  import re
+
+  from conftest import run_trainer
+  logdir = tmp_path / "run"
+  done = run_trainer("--model=keras_examples.KerasConvNet", f"--logdir={logdir}",
+                     "--devices=cpu:2", f"--params_override={override}")
+  assert done.returncode == 2, done.stderr[-2000:]
+  errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+  assert len(errors) == 1 and re.search(message, errors[0]), done.stderr[-2000:]
+  assert not logdir.exists()
