@@ -11,9 +11,11 @@ forward, backward, SGD update) at a fixed global batch:
 
 for M in --micro_batches, on (a) an 8-layer 1024-wide ReLU MLP at batch 256 and (b) a
 stack of 8 Transformer language-model layers (causal self-attention with 8 heads, then
-feed-forward; model dim 512, hidden 2048) at 16×64 tokens; and, with --models=tiny,
+feed-forward; model dim 512, hidden 2048) at 16×64 tokens; with --models=tiny,
 (c) 8 × Linear 64→64 at batch 64, whose compute is next to nothing (the engine's own
-cost per action). K=1 and K=k steps
+cost per action); with --models=keras_transformer, (d) the layers of (b) written in
+Keras (MultiHeadAttention, LayerNormalization, Dense in a functional model) and
+pipelined through `g.from_keras`, 16 units (docs/keras.md). K=1 and K=k steps
 alternate, so that machine noise hits both alike; the figures are medians. The
 fill-drain bubble bounds the K=2 speedup by 2·M/(M+1).
 
@@ -106,6 +108,9 @@ def model_layers(name: str, batch: int = 16, length: int = 64, keep_prob: float 
     return ([layers.Linear.Params().set(name=f"fc{i}", input_dim=64, output_dim=64,
                                         activation="RELU") for i in range(8)],
             (tf.random.stateless_normal([64, 64], seed=[1, 2]),))
+  if name == "keras_transformer":  # the same blocks in Keras: 16 units (attention, ff)
+    return (keras_transformer_units(), (tf.random.stateless_normal([batch, length, 512],
+                                                                   seed=[1, 2]),))
   if name == "mlp":
     return ([layers.Linear.Params().set(name=f"fc{i}", input_dim=1024, output_dim=1024,
                                         activation="RELU") for i in range(8)],
@@ -116,6 +121,29 @@ def model_layers(name: str, batch: int = 16, length: int = 64, keep_prob: float 
            for i in range(8)],
           (tf.random.stateless_normal([batch, length, 512], seed=[1, 2]),
            tf.zeros([batch, length])))
+
+
+def keras_transformer_units(layers: int = 8, dim: int = 512, hidden: int = 2048,
+                            heads: int = 8, length: int = 64) -> list:
+  """`transformer`'s 8 pre-norm layers as a functional Keras model (MultiHeadAttention,
+  LayerNormalization, Dense), through `g.from_keras`: one unit per residual block."""
+  import keras
+  import tensorflow as tf
+
+  import lingvo_gpipe as g
+
+  with tf.Graph().as_default():  # (built for its config: nothing allocated)
+    x = inputs = keras.Input((length, dim))
+    for i in range(layers):
+      a = keras.layers.LayerNormalization(epsilon=1e-6, name=f"attention{i}_norm")(x)
+      a = keras.layers.MultiHeadAttention(heads, dim // heads, name=f"attention{i}")(
+          a, a, use_causal_mask=True)
+      x = keras.layers.Add(name=f"attention{i}_residual")([x, a])
+      f = keras.layers.LayerNormalization(epsilon=1e-6, name=f"ff{i}_norm")(x)
+      f = keras.layers.Dense(hidden, activation="relu", name=f"ff{i}_inner")(f)
+      f = keras.layers.Dense(dim, name=f"ff{i}_outer")(f)
+      x = keras.layers.Add(name=f"ff{i}_residual")([x, f])
+    return g.from_keras(keras.Model(inputs, x)).layers
 
 
 PLAIN = ("plain",)  # the runner key of plain TensorFlow on one worker

@@ -16,6 +16,9 @@ ParamsError (exit 2: one line naming the key, the value and what is valid) of:
               sequence length of the training batch (slices ≤ tokens, given lengths
               summing to it), its cells against the devices
   train       task.train's values (check_train_params)
+  keras       a main stack with Keras units traced once in training (scratch graph):
+              what a Keras layer does only in call (make a weight, add a loss,
+              assign a weight) is refused here too
 
 What needs the model itself (splits against its layers, a layer that cannot run on
 token slices) is still found when the model is built, before anything is written.
@@ -30,6 +33,7 @@ import tensorflow as tf
 
 from lingvo_gpipe.core import base_layer
 from lingvo_gpipe.core.hyperparams import Params, ParamsError
+from lingvo_gpipe.core.keras_layer import Keras
 from lingvo_gpipe.pipeline import hybrid
 from lingvo_gpipe.pipeline.layer import (
   PipelineError,
@@ -70,6 +74,26 @@ def preflight(params: Params, mode: str, devices: Sequence[str] = ()) -> None:
     _check_cells_against_devices(pipeline, devices)
   if "train" in task and mode in TRAIN_MODES:
     check_train_params(task.train)
+    _trace_keras_units(task, train_spec)
+
+
+def _trace_keras_units(task_params: Params, batch_spec: Any) -> None:
+  """A task with Keras units (core/keras_layer.py) has its main stack traced once in
+  training, unpipelined, in a scratch graph: what a Keras layer shows only when called
+  (a weight made, a loss added, a weight assigned) is refused before anything is
+  written, as its build-time refusals are. batch_spec: the training batch's."""
+  if not any(key.endswith("cls") and value is Keras for key, value in task_params.flatten()):
+    return
+  probe = task_params.copy()
+  if "pipeline" in probe:
+    probe.pipeline.set(num_cells=0, splits=[], num_replicas=1)
+  with tf.Graph().as_default():
+    task = probe.instantiate()
+    batch = tf.nest.map_structure(lambda s: tf.compat.v1.placeholder(s.dtype, s.shape),
+                                  batch_spec)
+    with base_layer.step_context(training=True, step=tf.constant(0, tf.int64),
+                                 layer_stats=[]):
+      base_layer.call_with(task.main_stack, task.stack_inputs(batch))
 
 
 def check_dtypes(params: Params) -> None:

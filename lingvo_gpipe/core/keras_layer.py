@@ -30,8 +30,9 @@ cast and exported like a native one. How each concern is met:
   (its moving statistics are assigned in `call`, once per micro-batch and again in a
   recompute; a chain's own BatchNormalization becomes `layers.BatchNorm` through
   `from_keras`), a stateful RNN, a regularizer (Keras's model.losses, which no task
-  reads), integer state other than seed generators, losses added in `call`, weights created on the first call rather than at build (give
-  `input_shape`), and a call that assigns to its weights in training.
+  reads), integer state other than seed generators, losses added in `call`, weights
+  created on the first call rather than at build (give `input_shape`), and a call
+  that assigns to its weights in training (docs/keras.md).
 """
 
 from __future__ import annotations
@@ -219,6 +220,9 @@ class Keras(BaseLayer):
         # included; its layers check what they need (a generate step runs the stack on
         # other lengths).
         layer.input_spec = None
+      if isinstance(layer, keras.Model):
+        # (A model's config has no dtype of its own: its layers' are set in the config.)
+        layer.dtype_policy = self._policy()
       build_config = config.get("build_config")
       try:
         if isinstance(p.input_shape, dict):
