@@ -95,9 +95,9 @@ def _nested_dicts(value: Any) -> Iterator[dict]:
 
 def _built_config(layer: Keras, config: dict, policy: str) -> dict:
   """The params' config as this layer builds it: named as the layer, every dtype
-  policy inside set to
-  `policy`, and every Keras initializer without a seed seeded from the layer's seed and
-  the initializer's place in the config (deterministic, distinct per layer)."""
+  policy inside set to `policy`, and every Keras initializer without a seed seeded
+  from the layer's seed, path and the initializer's place in the config (so the
+  same params draw the same weights, and two units of one config different ones)."""
   config = copy.deepcopy(config)
   config["config"]["name"] = layer.name  # (a functional model's config needs one)
   for i, node in enumerate(_nested_dicts(config)):
