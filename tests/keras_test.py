@@ -521,3 +521,70 @@ def test_a_pipelined_keras_model_in_a_half_dtype_equals_it_unpartitioned(cpu_dev
   assert sorted(grads) == sorted(want)
   for path, grad in grads.items():
     assert_close(grad, want[path], ulps=HALF_REORDERED, dtype=dtype)
+
+
+@keras.saving.register_keras_serializable(package="lingvo_gpipe_tests")
+class MaskedSelfAttention(keras.layers.Layer):
+  """(x [B, T, D], mask [B, T] of 1 where a key may be attended) → x + attention(x)."""
+
+  def __init__(self, heads: int, **kwargs):
+    super().__init__(**kwargs)
+    self.heads = heads
+    # (No biases: the key bias's gradient is zero up to rounding, softmax being blind
+    # to a shift shared by all keys; no scale of its own bounds that.)
+    self.attention = keras.layers.MultiHeadAttention(heads, 4, use_bias=False,
+                                                     name="attention")
+
+  def build(self, x_shape, mask_shape=None):
+    self.attention.build(x_shape, x_shape)
+
+  def call(self, x, mask):
+    return x + self.attention(x, x, attention_mask=mask[:, None, :] > 0.5)
+
+  def get_config(self):
+    return {**super().get_config(), "heads": self.heads}
+
+
+def test_units_that_take_and_pass_on_a_mask_have_keras_gradients(cpu_devices):
+  """(x, mask) stacks: a first unit takes x only and passes the mask on (num_inputs,
+  pass_through), blocks read both and pass the mask on, the last takes x: pipelined at
+  K=2 against the same Keras layers called directly under a tape."""
+  keras.utils.set_random_seed(7)
+  embed, out = keras.layers.Dense(8, name="embed"), keras.layers.Dense(2, name="out")
+  blocks = [MaskedSelfAttention(2, name=f"block{i}") for i in range(2)]
+  x = tf.random.stateless_normal([BATCH, 5, 3], [8, 1])
+  mask = tf.cast(tf.random.stateless_uniform([BATCH, 5], [8, 2]) > 0.3, tf.float32)
+  target = tf.random.stateless_normal([BATCH, 5, 2], [8, 3])
+  with tf.GradientTape() as tape:
+    h = embed(x)
+    for block in blocks:
+      h = block(h, mask)
+    want_loss = tf.reduce_mean(tf.square(out(h) - target))
+  keras_layers = [embed, *blocks, out]
+  weights = [w for layer in keras_layers for w in layer.trainable_weights]
+  want = dict(zip([w.path for w in weights], tape.gradient(want_loss, weights)))
+
+  units = [Keras.Params().set(name="embed", layer=embed, input_shape=[5, 3], num_inputs=1,
+                              pass_through=1),
+           *[Keras.Params().set(name=f"block{i}", layer=block, pass_through=1,
+                                input_shape={"x_shape": [5, 8], "mask_shape": [5]})
+             for i, block in enumerate(blocks)],
+           Keras.Params().set(name="out", layer=out, input_shape=[5, 8], num_inputs=1)]
+  stack = PipeliningLayer.Params().set(name="body", layers=units, num_cells=2,
+                                       num_micro_batches=2,
+                                       devices=cpu_devices[:2]).instantiate()
+  paths = {}
+  for unit in stack.walk():
+    if isinstance(unit, Keras):
+      source = next(layer for layer in keras_layers if layer.name == unit.name)
+      unit.assign_from(source)
+      theirs = {w.path.split(f"{source.name}/", 1)[-1]: w.path for w in source.weights}
+      for variable, name in unit._bound:
+        paths[getattr(unit, name).ref()] = theirs[
+            variable.path.split(f"{unit.keras_layer.name}/", 1)[-1]]
+  data = {"inputs": (x, mask), "target": target}
+  loss, grads = engine_loss_and_grads(stack, train_step.StackWithLoss(stack, mse), data, STEP)
+  assert_close(loss, want_loss.numpy())
+  assert len(grads) == len(want)
+  for variable, grad in zip(stacked_variables.trainable_weights(stack), grads):
+    assert_close(grad, want[paths[variable.ref()]].numpy())

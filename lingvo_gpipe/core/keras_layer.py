@@ -208,6 +208,8 @@ class Keras(BaseLayer):
   def _build_keras(self, config: dict) -> keras.layers.Layer:
     """The Keras layer from `config`, built, its weights library variables."""
     p = self.params
+    if p.input_shape is not None:  # (it wins over a build config, which Keras would use)
+      config = {key: value for key, value in config.items() if key != "build_config"}
     with tf.variable_creator_scope(self._create_variable):
       try:
         layer = keras.layers.deserialize(config)
