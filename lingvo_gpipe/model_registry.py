@@ -107,7 +107,14 @@ def _load_file(path: Path) -> None:
 
 
 def load_param_files(paths: Iterable[str] = ()) -> None:
-  """Imports the built-in param files, then `paths` and $LINGVO_GPIPE_PARAMS_PATH."""
+  """Imports the built-in param files, then `paths` and $LINGVO_GPIPE_PARAMS_PATH, in a
+  scratch `tf.Graph` (as `get_params` runs them): a module-level Keras model is built
+  there without running an op, so devices can still be set up after."""
+  with tf.Graph().as_default():
+    _load_param_files(paths)
+
+
+def _load_param_files(paths: Iterable[str]) -> None:
   package = importlib.import_module(BUILTIN_PACKAGE)
   for info in pkgutil.iter_modules(package.__path__):
     importlib.import_module(f"{BUILTIN_PACKAGE}.{info.name}")

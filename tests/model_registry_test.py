@@ -87,3 +87,18 @@ def test_readme_param_file_example_registers_and_runs(tmp_path):
   batch = next(iter(params.train_input.instantiate().dataset()))
   loss, weight = task(batch)["loss"]
   assert loss.shape == [] and float(weight) == 64
+
+
+def test_readme_keras_example_registers_and_runs(tmp_path):
+  """The README's Keras param file, its model built when the file is imported (in the
+  registry's scratch graph): the pipelined task runs a batch."""
+  readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+  code = re.search(r"```python\n# my_keras_models.py\n(.*?)```", readme, re.S).group(1)
+  (tmp_path / "my_keras_models.py").write_text(code)
+  model_registry.load_param_files([str(tmp_path)])
+  params = model_registry.get_params("my_keras_models.MyKerasNet")
+  task = params.task.instantiate()
+  assert len(task.pipeline.cells) == 2
+  batch = next(iter(params.train_input.instantiate().dataset()))
+  loss, weight = task(batch)["loss"]
+  assert loss.shape == [] and float(weight) == 64
