@@ -76,12 +76,17 @@ def pipelined(model: keras.Model, **pipeline) -> PipeliningLayer:
   return stack
 
 
-CASES = [("gpipe", 1, 1), ("gpipe", 2, 1), ("1f1b", 4, 1), ("1f1b", 2, 1), ("zb_h1", 2, 1),
-         ("interleaved_1f1b", 4, 2), ("zbv", 4, 2), ("interleaved_zb", 4, 2)]
+# Every schedule with both recompute policies (interleaved ones over 2 devices); K=1 and
+# K=4 on 4 devices once each.
+CASES = [(schedule, num_cells, virtual_stages, recompute)
+         for schedule, num_cells, virtual_stages in [
+             ("gpipe", 2, 1), ("1f1b", 2, 1), ("zb_h1", 2, 1), ("interleaved_1f1b", 4, 2),
+             ("zbv", 4, 2), ("interleaved_zb", 4, 2)]
+         for recompute in ("always", "never")] + [("gpipe", 1, 1, "always"),
+                                                  ("1f1b", 4, 1, "never")]
 
 
-@pytest.mark.parametrize("recompute", ["always", "never"])
-@pytest.mark.parametrize("schedule,num_cells,virtual_stages", CASES)
+@pytest.mark.parametrize("schedule,num_cells,virtual_stages,recompute", CASES)
 def test_a_pipelined_functional_model_has_keras_gradients(cpu_devices, schedule, num_cells,
                                                          virtual_stages, recompute):
   keras.utils.set_random_seed(1)
@@ -454,11 +459,14 @@ def test_a_keras_transformer_lm_trains_and_scores_as_its_forward(tmp_path):
   from lingvo_gpipe import exporter
   from lingvo_gpipe.trainer import Trainer
 
+  from lingvo_gpipe.tasks import serving
+
   params = example_params("keras_examples.KerasTransformerLm")
   trainer = Trainer(params, str(tmp_path), log=lambda _: None)
-  trainer.train(2)
+  trainer.train(1)
   batch = next(iter(params.eval_input.instantiate().dataset()))
   path = exporter.export(params, str(tmp_path), model_name="keras_examples.KerasTransformerLm",
+                         options=serving.ServingOptions(max_decode_length=16),
                          log=lambda _: None)
   served = tf.saved_model.load(path).signatures["score"](
       ids=batch["ids"], paddings=tf.cast(batch["paddings"], tf.float32))
