@@ -457,9 +457,8 @@ def test_a_keras_convnet_resumed_with_k_changed_equals_one_run_and_serves_it(tmp
 
 def test_a_keras_transformer_lm_trains_and_scores_as_its_forward(tmp_path):
   from lingvo_gpipe import exporter
-  from lingvo_gpipe.trainer import Trainer
-
   from lingvo_gpipe.tasks import serving
+  from lingvo_gpipe.trainer import Trainer
 
   params = example_params("keras_examples.KerasTransformerLm")
   trainer = Trainer(params, str(tmp_path), log=lambda _: None)
