@@ -24,6 +24,8 @@ import os
 import re
 from collections.abc import Callable
 
+import tensorflow as tf
+
 from lingvo_gpipe import checkpoints, logdirs
 from lingvo_gpipe.core.hyperparams import Params, ParamsError
 
@@ -38,6 +40,7 @@ SERVING_RULES = (
      r"|data_dir|name)", "which eval examples decode reads, and how"),
     (r"train_input\..*", "the training input, which serving does not read"),
 )
+_GLOBAL_STEP_KEY = "global_step/.ATTRIBUTES/VARIABLE_VALUE"
 _BEFORE_STEP = re.compile(r"params\.before_step_(\d+)\.txt")
 
 
@@ -59,9 +62,15 @@ def params_file_for_step(logdir: str, step: int | None) -> str:
 
 
 def checkpoint_step(prefix: str) -> int | None:
-  """N of a checkpoint prefix '.../ckpt-N' (None if it is not named so)."""
+  """N of a checkpoint prefix '.../ckpt-N', or, for a prefix named otherwise (a copy
+  renamed by hand), the global step it holds; None if neither can be read."""
   match = re.search(r"-(\d+)$", prefix)
-  return int(match.group(1)) if match else None
+  if match:
+    return int(match.group(1))
+  try:
+    return int(tf.train.load_checkpoint(prefix).get_tensor(_GLOBAL_STEP_KEY))
+  except (tf.errors.OpError, ValueError):  # (not a checkpoint: the exporter says so)
+    return None
 
 
 def trained_params(registered: Params, path: str) -> Params:

@@ -110,6 +110,11 @@ def test_the_params_text_of_a_checkpoint_is_the_one_its_run_wrote(tmp_path):
                     100: "params.before_step_100.txt", 101: "params.before_step_300.txt",
                     300: "params.before_step_300.txt", 400: "params.txt"}
   assert run_params.checkpoint_step("/x/train/ckpt-300") == 300
+  # A checkpoint renamed by hand: its global step, read from it.
+  step = tf.Variable(250, dtype=tf.int64)
+  renamed = tf.train.Checkpoint(global_step=step).write(str(tmp_path / "renamed" / "best"))
+  assert run_params.checkpoint_step(renamed) == 250
+  assert run_params.checkpoint_step(str(tmp_path / "no_such_checkpoint")) is None
 
 
 def test_trained_params_override_the_registered_model_and_refuse_another_models(tmp_path):
