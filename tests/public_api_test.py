@@ -60,3 +60,15 @@ def test_each_subpackage_module_map_names_exactly_its_modules():
     modules = {p.name for p in init.parent.glob("*.py") if p.name != "__init__.py"}
     assert listed == modules, (f"{init.relative_to(repo)}: missing {sorted(modules - listed)}, "
                                f"not there {sorted(listed - modules)}")
+
+
+def test_readme_and_docs_cite_no_internal_work_items():
+  """A reader outside the project cannot look up "issue 51": README and docs say what
+  was measured and why, not which work item asked for it."""
+  repo = Path(__file__).resolve().parent.parent
+  pattern = re.compile(r"\b(issue|work item|task) #?\d+\b", re.IGNORECASE)
+  cited = [f"{path.relative_to(repo)}:{number}: {line.strip()}"
+           for path in [repo / "README.md", *sorted((repo / "docs").glob("*.md"))]
+           for number, line in enumerate(path.read_text().splitlines(), 1)
+           if pattern.search(line)]
+  assert not cited, cited
