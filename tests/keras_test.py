@@ -57,15 +57,8 @@ def keras_loss_and_grads(model: keras.Model, data: dict, training: bool = True):
 def keras_paths(stack: base_layer.BaseLayer, model: keras.Model) -> dict:
   """{library variable ref: the Keras weight path it was loaded from}."""
   sources = keras_units(model)
-  paths = {}
-  for unit in stack.walk():
-    if isinstance(unit, Keras):
-      source = sources[unit.name]
-      theirs = {v.path.split(f"{source.name}/", 1)[-1]: v.path for v in source.variables}
-      for variable, name in unit._bound:
-        paths[getattr(unit, name).ref()] = theirs[
-            variable.path.split(f"{unit.keras_layer.name}/", 1)[-1]]
-  return paths
+  return {getattr(unit, name).ref(): path for unit in stack.walk() if isinstance(unit, Keras)
+          for name, path in unit.keras_weight_paths(sources[unit.name]).items()}
 
 
 def pipelined(model: keras.Model, **pipeline) -> PipeliningLayer:
@@ -585,13 +578,24 @@ def test_units_that_take_and_pass_on_a_mask_have_keras_gradients(cpu_devices):
     if isinstance(unit, Keras):
       source = next(layer for layer in keras_layers if layer.name == unit.name)
       unit.assign_from(source)
-      theirs = {w.path.split(f"{source.name}/", 1)[-1]: w.path for w in source.weights}
-      for variable, name in unit._bound:
-        paths[getattr(unit, name).ref()] = theirs[
-            variable.path.split(f"{unit.keras_layer.name}/", 1)[-1]]
+      paths.update({getattr(unit, name).ref(): path
+                    for name, path in unit.keras_weight_paths(source).items()})
   data = {"inputs": (x, mask), "target": target}
   loss, grads = engine_loss_and_grads(stack, train_step.StackWithLoss(stack, mse), data, STEP)
   assert_close(loss, want_loss.numpy())
   assert len(grads) == len(want)
   for variable, grad in zip(stacked_variables.trainable_weights(stack), grads):
     assert_close(grad, want[paths[variable.ref()]].numpy())
+
+
+def test_identical_blocks_are_one_kind_and_a_model_gives_one_text():
+  """A functional model's residual blocks are one kind of unit (their layers renamed
+  by position and class), so they share traces and stacks; the same model built twice
+  (Keras's name counters moved on) gives the same params text."""
+  first, second = (g.from_keras(residual_model(blocks=3)) for _ in range(2))
+  assert first.to_text() == second.to_text()
+  blocks = first.layers[1:4]
+  assert len({base_layer.params_kind(p) for p in blocks}) == 1
+  names = [[layer["name"] for layer in p.layer["config"]["layers"]] for p in blocks]
+  assert names[0] == ["input_layer_0", "layer_normalization_1", "dense_2", "add_3"]
+  assert names[0] == names[1] == names[2]

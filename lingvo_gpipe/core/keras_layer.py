@@ -79,7 +79,56 @@ def keras_config(value: Any) -> dict:
                       f"dict, got {type(value).__name__} {str(value)[:80]!r}")
   config = copy.deepcopy(value)
   config["config"].pop("name", None)
+  _rename_inner_layers(config)
   return config
+
+
+def _rename_inner_layers(config: dict) -> None:
+  """A Sequential's or functional model's config with its layers renamed by position
+  and class (`dense_2`), in place, references included. Keras names layers from
+  process-wide counters (`dense_7`, the `keras_tensor_12CLONE` input of a block cut from
+  a model), so the same model would give another config in another process, and two
+  identical blocks two kinds of layer; renamed, they give one."""
+  layers = config["config"].get("layers")
+  if not isinstance(layers, list) or not all(isinstance(layer, dict) for layer in layers):
+    return
+  names = {}
+  for i, layer in enumerate(layers):
+    old = layer.get("name", layer.get("config", {}).get("name"))
+    if isinstance(old, str):
+      names[old] = f"{_snake(layer.get('class_name', 'layer'))}_{i}"
+
+  def rename(node: Any) -> Any:
+    if isinstance(node, dict):
+      out = {key: rename(value) for key, value in node.items()}
+      if isinstance(out.get("name"), str) and out["name"] in names:
+        out["name"] = names[out["name"]]
+      history = out.get("keras_history")
+      if isinstance(history, list) and history and history[0] in names:
+        out["keras_history"] = [names[history[0]], *history[1:]]
+      return out
+    if isinstance(node, (list, tuple)):
+      return type(node)(rename(item) for item in node)
+    return node
+
+  inner = rename(config["config"])
+  for key in ("input_layers", "output_layers"):
+    if key in inner:
+      inner[key] = _renamed_endpoints(inner[key], names)
+  config["config"] = inner
+
+
+def _renamed_endpoints(value: Any, names: dict) -> Any:
+  """input_layers / output_layers ([name, node, tensor], or a list of them) renamed."""
+  if isinstance(value, list) and len(value) == 3 and isinstance(value[0], str):
+    return [names.get(value[0], value[0]), *value[1:]]
+  if isinstance(value, list):
+    return [_renamed_endpoints(item, names) for item in value]
+  return value
+
+
+def _snake(name: str) -> str:
+  return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
 
 
 def _nested_dicts(value: Any) -> Iterator[dict]:
@@ -332,14 +381,25 @@ class Keras(BaseLayer):
 
   def assign_from(self, source: keras.layers.Layer) -> None:
     """Sets this layer's weights to those of `source`, a Keras layer of the same config
-    (the one it was made from): each weight by its path inside the layer."""
-    def relative(variable: Any, owner: keras.layers.Layer) -> str:
-      return variable.path.split(f"{owner.name}/", 1)[-1]  # the path below the owner
+    (the one it was made from; its inner layers may be named otherwise): weight by
+    weight in Keras's order, which the config fixes.
 
-    theirs = {relative(v, source): v for v in source.variables}
-    for variable, name in self._bound:
-      key = relative(variable, self.keras_layer)
-      if key not in theirs:
-        raise ParamsError(f"{self.path}: {source.name!r} has no weight {key!r}; it has "
-                          f"{sorted(theirs)}")
-      getattr(self, name).assign(tf.cast(theirs[key].value, self.params.dtype))
+    Raises:
+      ParamsError: when `source`'s weights differ in number or shape.
+    """
+    theirs = [v for v in source.variables if v.name != _SEED_STATE]
+    if len(theirs) != len(self._bound) or any(
+        tuple(v.shape) != tuple(getattr(self, name).shape)
+        for v, (_, name) in zip(theirs, self._bound)):
+      raise ParamsError(
+          f"{self.path}: Keras layer {source.name!r} is not the one this unit was made "
+          f"from: weights {[tuple(v.shape) for v in theirs]}, this unit's "
+          f"{[tuple(getattr(self, name).shape) for _, name in self._bound]}")
+    for value, (_, name) in zip(theirs, self._bound):
+      getattr(self, name).assign(tf.cast(value.value, self.params.dtype))
+
+  def keras_weight_paths(self, source: keras.layers.Layer) -> dict[str, str]:
+    """{attribute of each weight: the path of `source`'s weight it is loaded from}
+    (assign_from's pairing)."""
+    theirs = [v for v in source.variables if v.name != _SEED_STATE]
+    return {name: value.path for value, (_, name) in zip(theirs, self._bound)}
