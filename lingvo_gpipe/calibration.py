@@ -20,7 +20,7 @@ import tensorflow as tf
 
 from lingvo_gpipe import train_step
 from lingvo_gpipe.core import layers, optimizers, stacked_variables, variable_chunks
-from lingvo_gpipe.pipeline import layer_profiler, step_model
+from lingvo_gpipe.pipeline import layer_profiler, memory, step_model
 from lingvo_gpipe.pipeline.layer import PipeliningLayer
 
 
@@ -133,10 +133,8 @@ def step_memory(device: str | None, layer_params: Sequence[Any], input_specs: An
     return StepMemory()
 
   def peak_beyond(fn: Callable[[], Any]) -> float:
-    before = tf.config.experimental.get_memory_info(allocator)["current"]
-    tf.config.experimental.reset_memory_stats(allocator)
-    fn()
-    return tf.config.experimental.get_memory_info(allocator)["peak"] - before
+    before, peak = memory.peak_during(fn, allocator)
+    return peak - before
 
   def activations(num_micro_batches: int, recompute: str, batch: int) -> float:
     shape = step_model.PlanShape(1, (len(layer_params),), num_micro_batches, recompute,

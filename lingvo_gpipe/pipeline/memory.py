@@ -26,8 +26,15 @@ def step_activation_bytes(run_step: Callable[[], Any], device: str = "CPU:0") ->
   .numpy() on a result) and returns {'activation_bytes', 'peak_bytes',
   'baseline_bytes'} for `device`."""
   gc.collect()
-  tf.config.experimental.reset_memory_stats(device)
-  before = tf.config.experimental.get_memory_info(device)["current"]
-  run_step()
-  peak = tf.config.experimental.get_memory_info(device)["peak"]
+  before, peak = peak_during(run_step, device)
   return {"activation_bytes": peak - before, "peak_bytes": peak, "baseline_bytes": before}
+
+
+def peak_during(run: Callable[[], Any], allocator: str) -> tuple[int, int]:
+  """(bytes in use on `allocator` just before `run()`, the peak while it ran): the one
+  place the allocator's counts are read around a call (`run` must block until its
+  work is done)."""
+  before = tf.config.experimental.get_memory_info(allocator)["current"]
+  tf.config.experimental.reset_memory_stats(allocator)
+  run()
+  return before, tf.config.experimental.get_memory_info(allocator)["peak"]
