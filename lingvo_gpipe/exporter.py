@@ -14,8 +14,9 @@ newer one is passed over with a warning, as training does), or from `checkpoint`
 
 Nothing is written before the checkpoint is restored and the functions are traced;
 the SavedModel is written to a hidden folder beside its place (`.<step>.partial-<pid>-
-<random>`) and renamed into it, so <logdir>/export/<step> is whole or absent; the
-hidden folders of exports that were killed are removed by the next export.
+<random>@<host>`) and renamed into it, so <logdir>/export/<step> is whole or absent;
+the next export on the host removes the hidden folders of exports that were killed
+(and puts back an overwritten export that was moved aside).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import os
 import re
 import secrets
 import shutil
+import socket
 import tempfile
 from collections.abc import Callable
 from typing import Any
@@ -195,18 +197,38 @@ def _save(model: serving.ServingModel, directory: str, params_text: str, facts: 
                         options=tf.saved_model.SaveOptions(experimental_variable_policy=policy))
 
 
-_PARTIAL = re.compile(r"\.\d+\.partial-(\d+)-[0-9a-f]+")
+# Hidden folders of an export in progress: `.<step>.partial-<pid>-<random>@<host>` (the
+# SavedModel being written) and `.<step>.old-<pid>-<random>@<host>` (an export it
+# overwrites, moved aside). Older names carry no host: they are this host's.
+_HIDDEN = re.compile(r"\.(\d+)\.(partial|old)-(\d+)-[0-9a-f]+(?:@(.+))?")
+
+
+def _host() -> str:
+  return re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname())
+
+
+def _hidden_name(step: str | int, kind: str) -> str:
+  return f".{step}.{kind}-{os.getpid()}-{secrets.token_hex(4)}@{_host()}"
 
 
 def remove_stale_partials(parent: str, log: Callable[[str], None] = print) -> None:
-  """Removes the hidden `.<step>.partial-<pid>-<random>` folders in `parent` whose
-  export process is gone (killed while it wrote); those of a live process stay."""
-  for name in os.listdir(parent):
-    match = _PARTIAL.fullmatch(name)
-    if not match or _process_alive(int(match.group(1))):
+  """Cleans up after exports into `parent` that were killed (their process gone; only
+  this host's processes can be judged, another host's folders stay): a half-written
+  `.<step>.partial-*` is removed; an overwritten export moved aside (`.<step>.old-*`)
+  goes back to <step> if the kill came before the new one took its place, and is
+  removed otherwise."""
+  for name in sorted(os.listdir(parent)):
+    match = _HIDDEN.fullmatch(name)
+    if not match or (match.group(4) or _host()) != _host() or _process_alive(
+        int(match.group(3))):
       continue
-    shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
-    log(f"Removed {os.path.join(parent, name)}, left by an export that did not finish")
+    path, target = os.path.join(parent, name), os.path.join(parent, match.group(1))
+    if match.group(2) == "old" and not os.path.exists(target):
+      os.rename(path, target)
+      log(f"Restored {target}, moved aside by an export that did not finish")
+      continue
+    shutil.rmtree(path, ignore_errors=True)
+    log(f"Removed {path}, left by an export that did not finish")
 
 
 def _process_alive(pid: int) -> bool:
@@ -220,11 +242,11 @@ def _process_alive(pid: int) -> bool:
 
 
 def _staging_dir(parent: str, step: int) -> str:
-  """A new hidden folder `.<step>.partial-<pid>-<random>` in `parent`, its mode what a
+  """A new hidden folder `.<step>.partial-<pid>-<random>@<host>` in `parent`, its mode what a
   plain makedirs gives (0777 less the umask, which mkdir applies itself: reading the
   umask means setting it, and that races with other threads)."""
   while True:
-    path = os.path.join(parent, f".{step}.partial-{os.getpid()}-{secrets.token_hex(4)}")
+    path = os.path.join(parent, _hidden_name(step, "partial"))
     try:
       os.mkdir(path, 0o777)
       return path
@@ -238,8 +260,7 @@ def _move_into_place(staging: str, target: str) -> None:
   if not os.path.exists(target):
     os.rename(staging, target)
     return
-  old = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.old-", dir=os.path.dirname(target))
-  os.rmdir(old)
-  os.rename(target, old)
+  old = os.path.join(os.path.dirname(target), _hidden_name(os.path.basename(target), "old"))
+  os.rename(target, old)  # (killed from here to the next rename: the next export restores it)
   os.rename(staging, target)
   shutil.rmtree(old, ignore_errors=True)

@@ -244,12 +244,24 @@ def test_split_backward_schedules_train_sources_and_targets_of_two_lengths_as_gp
 def test_an_export_leaves_no_partial_folder_and_never_sets_the_umask(tmp_path, monkeypatch):
   parent = tmp_path / "export"
   parent.mkdir()
-  dead = parent / ".3.partial-999999999-abcd"  # a pid no process has
+  host = exporter._host()  # noqa: SLF001
+  dead = parent / ".3.partial-999999999-abcd"  # a pid no process has (an older name)
   dead.mkdir()
-  mine = parent / f".3.partial-{os.getpid()}-abcd"  # a live process's: kept
+  mine = parent / f".3.partial-{os.getpid()}-abcd@{host}"  # a live process's: kept
   mine.mkdir()
+  elsewhere = parent / ".3.partial-999999999-abcd@another-host"  # not judged here: kept
+  elsewhere.mkdir()
+  # Killed between moving export 2 aside and moving its new one in: 2 comes back.
+  moved_aside = parent / f".2.old-999999999-abcd@{host}"
+  moved_aside.mkdir()
+  (moved_aside / "saved_model.pb").write_text("the previous export")
+  # Killed after the new export 4 took its place: the old one goes.
+  (parent / "4").mkdir()
+  (parent / f".4.old-999999999-abcd@{host}").mkdir()
   exporter.remove_stale_partials(str(parent), log=lambda _: None)
-  assert sorted(p.name for p in parent.iterdir()) == [mine.name]
+  assert sorted(p.name for p in parent.iterdir()) == sorted(
+      ["2", "4", mine.name, elsewhere.name])
+  assert (parent / "2" / "saved_model.pb").read_text() == "the previous export"
 
   def no_umask(*_):
     raise AssertionError("os.umask changes the whole process's mask")
