@@ -40,6 +40,7 @@ import os
 import re
 import socket
 import sys
+import time
 
 from lingvo_gpipe import checkpoints
 from lingvo_gpipe.core.hyperparams import Params, ParamsError
@@ -128,7 +129,7 @@ class LogdirLock:
     _make_dirs(self.logdir, self._created)
     fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+      _flock_exclusive(fd)
     except BlockingIOError:
       holder = os.read(fd, 4096).decode(errors="replace").strip() or "a process starting up"
       os.close(fd)
@@ -155,6 +156,26 @@ class LogdirLock:
         os.rmdir(directory)
     os.close(self._fd)  # closing releases the flock
     self._fd = None
+
+
+# How long `acquire` retries a lock held by someone: `lock_holder`'s shared probe (an
+# export or decode asking whether a trainer runs) holds it for microseconds, a trainer
+# for its whole run.
+_PROBE_GRACE_S = 1.0
+
+
+def _flock_exclusive(fd: int) -> None:
+  """An exclusive flock on `fd`, retried for _PROBE_GRACE_S so that a probe's moment of
+  holding it is not taken for a trainer; raises BlockingIOError if it stays held."""
+  deadline = time.monotonic() + _PROBE_GRACE_S
+  while True:
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+      return
+    except BlockingIOError:
+      if time.monotonic() >= deadline:
+        raise
+      time.sleep(0.05)
 
 
 def lock_holder(logdir: str) -> str | None:

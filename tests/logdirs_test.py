@@ -145,6 +145,26 @@ def test_a_logdir_has_one_trainer_and_a_dead_holder_leaves_it_free(tmp_path):
   again.release(remove_if_unused=False)
 
 
+def test_a_probe_of_the_lock_is_not_taken_for_a_trainer(tmp_path):
+  """lock_holder's shared probe (export, decode) holds the flock for a moment: a trainer
+  starting then waits it out instead of being refused; a held lock still refuses."""
+  import fcntl
+  import threading
+
+  logdir = str(tmp_path / "run")
+  lock = logdirs.LogdirLock(logdir)
+  lock.acquire()
+  lock.release()
+  probe = os.open(os.path.join(logdir, logdirs.LOCK_FILE), os.O_RDONLY)
+  fcntl.flock(probe, fcntl.LOCK_SH | fcntl.LOCK_NB)  # a probe caught mid-way
+  threading.Timer(0.2, lambda: os.close(probe)).start()
+  trainer = logdirs.LogdirLock(logdir)
+  trainer.acquire()  # (waits for the probe to let go)
+  assert logdirs.lock_holder(logdir).startswith(f"pid {os.getpid()} ")
+  trainer.release()
+  assert logdirs.lock_holder(logdir) is None
+
+
 def test_a_refused_run_leaves_no_logdir_behind(tmp_path):
   logdir = tmp_path / "new" / "run"
   lock = logdirs.LogdirLock(str(logdir))
