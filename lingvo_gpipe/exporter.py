@@ -167,7 +167,7 @@ def export(params: Params, logdir: str, *, model_name: str = "", checkpoint: str
            "signatures": sorted(model.functions),
            "params_changed_from_training": list(params_changed or [])}
   os.makedirs(os.path.dirname(target), exist_ok=True)
-  remove_stale_partials(os.path.dirname(target), log)
+  clean_up_killed_exports(os.path.dirname(target), log)
   staging = _staging_dir(os.path.dirname(target), step)
   try:
     _save(model, staging, params.to_text(), facts, devices is not None)
@@ -211,7 +211,7 @@ def _hidden_name(step: str | int, kind: str) -> str:
   return f".{step}.{kind}-{os.getpid()}-{secrets.token_hex(4)}@{_host()}"
 
 
-def remove_stale_partials(parent: str, log: Callable[[str], None] = print) -> None:
+def clean_up_killed_exports(parent: str, log: Callable[[str], None] = print) -> None:
   """Cleans up after exports into `parent` that were killed (their process gone; only
   this host's processes can be judged, another host's folders stay): a half-written
   `.<step>.partial-*` is removed; an overwritten export moved aside (`.<step>.old-*`)

@@ -42,7 +42,7 @@ from lingvo_gpipe.pipeline.layer import (
   requested_cells,
   token_slice_lengths,
 )
-from lingvo_gpipe.tasks.base_task import check_train_params
+from lingvo_gpipe.tasks.base_task import check_train_params, probe_task
 
 TRAIN_MODES = ("train", "train_and_eval")
 EVAL_MODES = ("eval", "train_and_eval")
@@ -84,16 +84,9 @@ def _trace_keras_units(task_params: Params, batch_spec: Any) -> None:
   written, as its build-time refusals are. batch_spec: the training batch's."""
   if not any(key.endswith("cls") and value is Keras for key, value in task_params.flatten()):
     return
-  probe = task_params.copy()
-  if "pipeline" in probe:
-    probe.pipeline.set(num_cells=0, splits=[], num_replicas=1)
-  with tf.Graph().as_default():
-    task = probe.instantiate()
-    batch = tf.nest.map_structure(lambda s: tf.compat.v1.placeholder(s.dtype, s.shape),
-                                  batch_spec)
-    with base_layer.step_context(training=True, step=tf.constant(0, tf.int64),
-                                 layer_stats=[]):
-      base_layer.call_with(task.main_stack, task.stack_inputs(batch))
+  with probe_task(task_params, batch_spec) as (task, inputs), base_layer.step_context(
+      training=True, step=tf.constant(0, tf.int64), layer_stats=[]):
+    base_layer.call_with(task.main_stack, inputs)
 
 
 def check_dtypes(params: Params) -> None:

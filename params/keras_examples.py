@@ -3,10 +3,9 @@
 Params stack by `g.from_keras` (docs/keras.md)."""
 
 import keras
+from lingvo_gpipe_params import demo, lm
 
 import lingvo_gpipe as g
-from lingvo_gpipe.inputs.synthetic_images import SyntheticImages
-from lingvo_gpipe.inputs.synthetic_text import SyntheticLm
 
 
 def conv_net(image_size: int = 32, features: int = 64) -> keras.Sequential:
@@ -27,35 +26,16 @@ def conv_net(image_size: int = 32, features: int = 64) -> keras.Sequential:
 
 
 @g.register
-class KerasConvNet(g.SingleTaskModelParams):
-  """`conv_net()`, a keras.Sequential, pipelined over 2 cells with 4 micro-batches on
-  10-class 32×32 synthetic images (the library's softmax on top)."""
-
-  NUM_CLASSES = 10
+class KerasConvNet(demo.TinyConvNet):
+  """`conv_net()`, a keras.Sequential, pipelined over 2 cells with 4 micro-batches:
+  demo.TinyConvNet's data, softmax and training with its body written in Keras."""
 
   def task(self):
-    p = g.ImageClassificationTask.Params().set(name="keras_conv_net")
+    p = super().task().set(name="keras_conv_net")
     p.body = g.from_keras(conv_net())
-    p.softmax.set(input_dim=64, num_classes=self.NUM_CLASSES)
+    p.softmax.input_dim = 64
     p.pipeline.set(num_cells=2, num_micro_batches=4, round_robin_devices=True)
-    p.train.optimizer = g.optimizers.SGD.Params().set(
-        learning_rate=0.05, momentum=0.9,
-        lr_schedule=g.lr_schedules.CosineDecay.Params().set(warmup_steps=10,
-                                                            total_steps=200))
-    p.train.set(max_steps=200, save_interval_steps=50, summary_interval_steps=10,
-                log_interval_steps=20)
     return p
-
-  def _images(self, split: str, num_examples: int):
-    return SyntheticImages.Params().set(
-        name=f"synthetic_{split}", split=split, batch_size=32, num_examples=num_examples,
-        image_size=32, num_classes=self.NUM_CLASSES, noise_stddev=2.5)
-
-  def train_input(self):
-    return self._images("train", 50000)
-
-  def eval_input(self):
-    return self._images("eval", 1024).set(repeat=False)
 
 
 @keras.saving.register_keras_serializable(package="lingvo_gpipe_examples")
@@ -107,33 +87,17 @@ def transformer_lm(vocab_size: int, length: int, dim: int = 64, heads: int = 4,
 
 
 @g.register
-class KerasTransformerLm(g.SingleTaskModelParams):
+class KerasTransformerLm(lm.TransformerTiny):
   """`transformer_lm()`, a functional Keras model, as an LM pipelined over 2 cells with
-  4 micro-batches on the synthetic corpus. The task passes (ids, paddings): the model
-  takes the ids (causal attention keeps right padding out of every real position, and
-  the loss skips padded positions)."""
+  4 micro-batches: lm.TransformerTiny's corpus, pipeline and training with its stack
+  written in Keras. The task passes (ids, paddings): the model takes the ids (causal
+  attention keeps right padding out of every real position, and the loss skips padded
+  positions)."""
 
   def task(self):
     corpus = self.train_input().instantiate()
-    p = g.LanguageModelTask.Params().set(name="keras_transformer_lm")
+    p = super().task().set(name="keras_transformer_lm")
     p.stack = g.from_keras(transformer_lm(corpus.vocab.size, corpus.params.sequence_length),
                            name="stack")
     p.stack.layers[0].num_inputs = 1  # the ids, not the paddings
-    p.pipeline.set(num_cells=2, num_micro_batches=4, round_robin_devices=True)
-    p.train.optimizer = g.optimizers.Adam.Params().set(
-        learning_rate=3e-3, beta1=0.9, beta2=0.98, epsilon=1e-9,
-        lr_schedule=g.lr_schedules.CosineDecay.Params().set(warmup_steps=20,
-                                                            total_steps=300))
-    p.train.set(max_steps=300, save_interval_steps=100, summary_interval_steps=10,
-                log_interval_steps=25)
     return p
-
-  def _corpus(self, split: str, num_examples: int):
-    return SyntheticLm.Params().set(name=f"synthetic_lm_{split}", split=split,
-                                    num_examples=num_examples, batch_size=32)
-
-  def train_input(self):
-    return self._corpus("train", 20000)
-
-  def eval_input(self):
-    return self._corpus("eval", 512).set(repeat=False)

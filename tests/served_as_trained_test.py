@@ -258,7 +258,7 @@ def test_an_export_leaves_no_partial_folder_and_never_sets_the_umask(tmp_path, m
   # Killed after the new export 4 took its place: the old one goes.
   (parent / "4").mkdir()
   (parent / f".4.old-999999999-abcd@{host}").mkdir()
-  exporter.remove_stale_partials(str(parent), log=lambda _: None)
+  exporter.clean_up_killed_exports(str(parent), log=lambda _: None)
   assert sorted(p.name for p in parent.iterdir()) == sorted(
       ["2", "4", mine.name, elsewhere.name])
   assert (parent / "2" / "saved_model.pb").read_text() == "the previous export"

@@ -159,8 +159,8 @@ def _blocks(model: keras.Model) -> list[keras.layers.Layer]:
       if consumers.get(id(tensor), -1) > i:
         live[id(tensor)] = tensor
     live = {key: t for key, t in live.items() if consumers.get(key, -1) > i}
-    if len(live) == 1 and i + 1 < len(nodes) or i + 1 == len(nodes):
-      cuts.append(next(iter(live.values())) if i + 1 < len(nodes) else output)
+    if len(live) == 1:  # (after the last node: the output, consumed "after" all)
+      cuts.append(next(iter(live.values())))
       starts.append(i + 1)
   blocks = []
   for b in range(len(cuts) - 1):

@@ -45,7 +45,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from lingvo_gpipe.core import base_layer, stacked_variables
+from lingvo_gpipe.core import base_layer
 from lingvo_gpipe.core.base_layer import BaseLayer
 from lingvo_gpipe.core.hyperparams import ParamsError
 
@@ -182,14 +182,6 @@ def _check_supported(path: str, layer: keras.layers.Layer) -> None:
                         "micro-batches would interleave; use stateful=False")
 
 
-def _read(variable: Any) -> tf.Tensor:
-  """A library variable (or a stacked row, or a traced function's argument) as a
-  tensor."""
-  if isinstance(variable, stacked_variables.RowVariable):
-    return variable.value()
-  return tf.convert_to_tensor(variable)
-
-
 class Keras(BaseLayer):
   """One Keras layer: inputs → `layer(*inputs[:num_inputs], training=...)` (followed
   by the last `pass_through` inputs, unchanged). Shapes are the Keras layer's, batch
@@ -232,12 +224,13 @@ class Keras(BaseLayer):
     self._bound: tuple[tuple[Any, str], ...]
     self._seed_states: tuple[Any, ...]
     self._building, self._creating = True, False
+    config = _built_config(self, p.layer, policy)
     if getattr(base_layer._STATE, "shapes_only", False):  # noqa: SLF001
       # Only shapes are wanted: Keras builds in a scratch graph (nothing allocated).
       with tf.Graph().as_default():
-        layer = self._build_keras(_built_config(self, p.layer, policy))
+        layer = self._build_keras(config, policy)
     else:
-      layer = self._build_keras(_built_config(self, p.layer, policy))
+      layer = self._build_keras(config, policy)
     self._building = False
     # Held past tf.Module's tracking: the library variables are this layer's own
     # attributes already, and a second path to them would give a checkpoint two keys.
@@ -254,8 +247,9 @@ class Keras(BaseLayer):
           f"{self.params.dtype.name}, fprop_dtype={self.fprop_dtype.name}")
     return _POLICIES[self.fprop_dtype]
 
-  def _build_keras(self, config: dict) -> keras.layers.Layer:
-    """The Keras layer from `config`, built, its weights library variables."""
+  def _build_keras(self, config: dict, policy: str) -> keras.layers.Layer:
+    """The Keras layer from `config` (its dtype policy `policy`), built, its weights
+    library variables."""
     p = self.params
     if p.input_shape is not None:  # (it wins over a build config, which Keras would use)
       config = {key: value for key, value in config.items() if key != "build_config"}
@@ -273,7 +267,7 @@ class Keras(BaseLayer):
         layer.input_spec = None
       if isinstance(layer, keras.Model):
         # (A model's config has no dtype of its own: its layers' are set in the config.)
-        layer.dtype_policy = self._policy()
+        layer.dtype_policy = policy
       build_config = config.get("build_config")
       try:
         if isinstance(p.input_shape, dict):
@@ -365,7 +359,9 @@ class Keras(BaseLayer):
     inputs = inputs[:self.params.num_inputs]
     if not self.keras_layer.built:
       self._build_on_first_call(inputs)
-    weights = [(variable, _read(getattr(self, name))) for variable, name in self._bound]
+    # (A stacked row converts to its slice: stacked_variables' conversion function.)
+    weights = [(variable, tf.convert_to_tensor(getattr(self, name)))
+               for variable, name in self._bound]
     seeds = [(state, self._seed_value(i)) for i, state in enumerate(self._seed_states)]
     with keras.StatelessScope(state_mapping=weights + seeds, collect_losses=True) as scope:
       outputs = self.keras_layer(*inputs, training=bool(ctx.training))
@@ -379,27 +375,28 @@ class Keras(BaseLayer):
                           "micro-batch and again in a recompute")
     return (outputs, *passed) if passed else outputs
 
-  def assign_from(self, source: keras.layers.Layer) -> None:
-    """Sets this layer's weights to those of `source`, a Keras layer of the same config
-    (the one it was made from; its inner layers may be named otherwise): weight by
-    weight in Keras's order, which the config fixes.
+  def _paired(self, source: keras.layers.Layer) -> list[tuple[Any, str]]:
+    """[(`source`'s weight, the attribute of this layer's that it pairs with)], in
+    Keras's order, which the config fixes (`source` is a Keras layer of the same
+    config, its inner layers perhaps named otherwise).
 
     Raises:
       ParamsError: when `source`'s weights differ in number or shape.
     """
     theirs = [v for v in source.variables if v.name != _SEED_STATE]
-    if len(theirs) != len(self._bound) or any(
-        tuple(v.shape) != tuple(getattr(self, name).shape)
-        for v, (_, name) in zip(theirs, self._bound)):
+    names = [name for _, name in self._bound]
+    if [tuple(v.shape) for v in theirs] != [tuple(getattr(self, n).shape) for n in names]:
       raise ParamsError(
           f"{self.path}: Keras layer {source.name!r} is not the one this unit was made "
           f"from: weights {[tuple(v.shape) for v in theirs]}, this unit's "
-          f"{[tuple(getattr(self, name).shape) for _, name in self._bound]}")
-    for value, (_, name) in zip(theirs, self._bound):
+          f"{[tuple(getattr(self, n).shape) for n in names]}")
+    return list(zip(theirs, names))
+
+  def assign_from(self, source: keras.layers.Layer) -> None:
+    """Sets this layer's weights to those of `source` (see `_paired`)."""
+    for value, name in self._paired(source):
       getattr(self, name).assign(tf.cast(value.value, self.params.dtype))
 
   def keras_weight_paths(self, source: keras.layers.Layer) -> dict[str, str]:
-    """{attribute of each weight: the path of `source`'s weight it is loaded from}
-    (assign_from's pairing)."""
-    theirs = [v for v in source.variables if v.name != _SEED_STATE]
-    return {name: value.path for value, (_, name) in zip(theirs, self._bound)}
+    """{attribute of each weight: the path of `source`'s weight it is loaded from}."""
+    return {name: value.path for value, name in self._paired(source)}

@@ -19,7 +19,8 @@ that the weighted mean over micro-batches is the whole batch's loss.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -115,18 +116,25 @@ def with_partition_costs(task_params: Params, input_params: Params,
   return completed.freeze() if task_params.is_frozen else completed
 
 
-def probe_main_stack(task_params: Params, input_params: Params) -> tuple[Any, list]:
-  """(nested tf.TensorSpec of `stack_inputs(batch)` for the batches of `input_params`,
-  the params of the main stack's layers, each with the compute dtype it inherits)."""
-  batch_spec = input_params.instantiate().batch_spec()
+@contextlib.contextmanager
+def probe_task(task_params: Params, batch_spec: Any) -> Iterator[tuple[Any, Any]]:
+  """Within: (the task of `task_params` unpipelined, built in a scratch graph, its
+  `stack_inputs` of a batch of `batch_spec` as placeholders). Nothing is allocated or
+  run; what the task and its stack do to those inputs is only traced."""
   probe = task_params.copy()
   probe.pipeline.set(num_cells=0, splits=[], num_replicas=1)
   with tf.Graph().as_default():
     task = probe.instantiate()
     batch = tf.nest.map_structure(lambda s: tf.compat.v1.placeholder(s.dtype, s.shape),
                                   batch_spec)
-    specs = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype),
-                                  task.stack_inputs(batch))
+    yield task, task.stack_inputs(batch)
+
+
+def probe_main_stack(task_params: Params, input_params: Params) -> tuple[Any, list]:
+  """(nested tf.TensorSpec of `stack_inputs(batch)` for the batches of `input_params`,
+  the params of the main stack's layers, each with the compute dtype it inherits)."""
+  with probe_task(task_params, input_params.instantiate().batch_spec()) as (task, inputs):
+    specs = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), inputs)
     dtype = task.main_stack.fprop_dtype
     return specs, [base_layer.inherit_fprop_dtype(lp, dtype)
                    for lp in task.main_stack.params.layers]
