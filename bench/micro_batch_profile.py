@@ -25,10 +25,15 @@ executor's thread), so it includes what each kernel allocates and writes.
 
   python bench/micro_batch_profile.py                       # MLP 8×1024, M ∈ {1, 8}
   python bench/micro_batch_profile.py --models mlp,transformer --micro_batches 8,16
+  python bench/micro_batch_profile.py --models transformer --micro_batches 2 \
+      --schedule zbv --recompute never --groups 1 --baseline plain
+                         # the engine's own cost against plain TensorFlow, per op type
 
-Each M runs twice: weight gradients per micro-batch (weight_gradient_group G=1, the
-default) and over all M micro-batches at once (G=M, `PipeliningLayer`'s
-weight_gradient_group).
+Each M runs twice by default (--groups 1,M): weight gradients per micro-batch
+(weight_gradient_group G=1, the default) and over all M micro-batches at once (G=M,
+`PipeliningLayer`'s weight_gradient_group). --baseline plain compares with the plain
+TensorFlow step of `bench/pipeline_speedup.py` (GradientTape and SGD on one device)
+instead of the engine at M=1.
 
 The last line printed is one JSON object: per model, M and G, the step time, the ratio
 to M=1 (`ratio_m8_over_m1` and `ratio_m8_g8_over_m1` for the MLP at M=8), and the
@@ -149,14 +154,21 @@ def op_times(run, steps: int) -> tuple[dict[tuple[str, str], float], float]:
 
 
 def profile(model_name: str, num_micro_batches: int, steps: int, profile_steps: int,
-            weight_gradient_group: int = 1) -> dict:
+            weight_gradient_group: int = 1, schedule: str = "gpipe",
+            recompute: str = "always") -> dict:
+  """The engine's step at K=1 (num_micro_batches=0: the plain TensorFlow step of
+  `pipeline_speedup.make_plain_step` instead), timed and profiled."""
   import pipeline_speedup
 
-  run = pipeline_speedup.make_step(model_name, 1, num_micro_batches, ["/device:CPU:0"],
-                                   weight_gradient_group=weight_gradient_group)
+  if num_micro_batches == 0:
+    run = pipeline_speedup.make_plain_step(model_name, "/device:CPU:0")
+  else:
+    run = pipeline_speedup.make_step(model_name, 1, num_micro_batches, ["/device:CPU:0"],
+                                     schedule=schedule, recompute=recompute,
+                                     weight_gradient_group=weight_gradient_group)
   wall_ms = 1e3 * statistics.median(run()[0] for _ in range(steps))
   times, profiled_wall_ms = op_times(run, profile_steps)
-  weight_ops = weight_gradient_ops(run.graph_def)
+  weight_ops = weight_gradient_ops(run.graph_def) if num_micro_batches else set()
   phases = dict.fromkeys(PHASES, 0.0)
   by_type: dict[str, float] = collections.defaultdict(float)
   for (name, op_type), ms in times.items():
@@ -193,6 +205,14 @@ def main() -> None:
   parser.add_argument("--micro_batches", default="8", help="M to compare with M=1")
   parser.add_argument("--steps", type=int, default=9, help="timed steps (median)")
   parser.add_argument("--profile_steps", type=int, default=5)
+  parser.add_argument("--schedule", default="gpipe",
+                      help="the engine's schedule (zbv, interleaved_*: two cells on the device)")
+  parser.add_argument("--recompute", default="always", choices=["always", "never"])
+  parser.add_argument("--groups", default="1,M",
+                      help="weight_gradient_group values run at each M (M: all at once)")
+  parser.add_argument("--baseline", default="m1", choices=["m1", "plain"],
+                      help="the column the others are compared with: the engine at M=1, "
+                      "or plain TensorFlow's step of the same layers (no engine at all)")
   args = parser.parse_args()
   sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -200,22 +220,28 @@ def main() -> None:
 
   tf.config.threading.set_inter_op_parallelism_threads(1)
   tf.config.threading.set_intra_op_parallelism_threads(1)
+  engine = {"schedule": args.schedule, "recompute": args.recompute}
   results: dict = {}
   for model_name in args.models.split(","):
-    base = profile(model_name, 1, args.steps, args.profile_steps)
-    results[f"{model_name}_m1"] = {"step_ms": round(base["step_ms"], 1),
-                                   "phases_ms": _rounded(base["phases_ms"])}
+    plain = args.baseline == "plain"
+    base = profile(model_name, 0 if plain else 1, args.steps, args.profile_steps, **engine)
+    base_name = "plain" if plain else "M=1"
+    results[f"{model_name}_{'plain' if plain else 'm1'}"] = {
+        "step_ms": round(base["step_ms"], 1), "phases_ms": _rounded(base["phases_ms"]),
+        "op_types_ms": _rounded(base["op_types_ms"])}
     for m in [int(m) for m in args.micro_batches.split(",")]:
-      columns = {"M=1": base}
-      for group in (1, m):  # weight gradients per micro-batch, then over all M at once
-        split = profile(model_name, m, args.steps, args.profile_steps, group)
+      columns = {base_name: base}
+      for group in sorted({m if g == "M" else min(int(g), m) for g in args.groups.split(",")}):
+        split = profile(model_name, m, args.steps, args.profile_steps, group, **engine)
         columns[f"M={m}" + (f" G={group}" if group > 1 else "")] = split
-        extra_types = {t: v - base["op_types_ms"].get(t, 0.0)
-                       for t, v in split["op_types_ms"].items()}
+        extra_types = {t: split["op_types_ms"].get(t, 0.0) - base["op_types_ms"].get(t, 0.0)
+                       for t in set(split["op_types_ms"]) | set(base["op_types_ms"])}
         results[f"{model_name}_m{m}" + (f"_g{group}" if group > 1 else "")] = {
             "step_ms": round(split["step_ms"], 1),
-            "ratio_over_m1": round(split["step_ms"] / base["step_ms"], 3),
+            f"ratio_over_{'plain' if plain else 'm1'}":
+                round(split["step_ms"] / base["step_ms"], 3),
             "phases_ms": _rounded(split["phases_ms"]),
+            "op_time_ms": round(sum(split["op_types_ms"].values()), 1),
             "extra_phases_ms": _rounded({p: split["phases_ms"][p] - base["phases_ms"][p]
                                          for p in PHASES}),
             "extra_op_types_ms": _rounded({t: v for t, v in extra_types.items()
@@ -224,8 +250,8 @@ def main() -> None:
   summary = {"bench": "micro_batch_profile",
              "machine": f"{platform.machine()} {os.cpu_count()} cores, TF {tf.__version__}",
              "threads": "1 inter-op, 1 intra-op", "onednn": os.environ["TF_ENABLE_ONEDNN_OPTS"],
-             "results": results}
-  if "mlp_m8" in results:
+             **engine, "baseline": args.baseline, "results": results}
+  if "mlp_m8" in results and "mlp_m8_g8" in results and not plain:
     summary["ratio_m8_over_m1"] = results["mlp_m8"]["ratio_over_m1"]
     summary["ratio_m8_g8_over_m1"] = results["mlp_m8_g8"]["ratio_over_m1"]
   print(json.dumps(summary))

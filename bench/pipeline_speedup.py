@@ -61,7 +61,10 @@ dX = dY·Wᵀ) then runs 4-5× slower than the same product untransposed (measur
 (TF_ENABLE_ONEDNN_OPTS=1, for the workers and the client) unless the environment
 says otherwise; the JSON records which.
 
-The last line printed is one JSON object: `results` per configuration, and
+The last line printed is one JSON object: `results` per configuration;
+`per_action_<model>_k2_<schedule>[_never]`: milliseconds per action at each M and what
+one more action adds (bench/action_cost.py; bench/torch_pipeline.py reports PyTorch's
+the same way); and
 `speedup_vs_best_single_<model>_k2_m8[_<schedule>][_g8]`, `<model>_k1_m8[_g8]_over_m1`
 (the single device's cost of splitting into 8), `speedup_k2_m8` (the MLP's K=1 ÷ K=2
 median step time at M=8, G=1), and per model at M=8 the measured bubbles of zb_h1 and
@@ -334,6 +337,8 @@ def main() -> None:
     _print_worker_peaks(args.peak_of)
     return
   micro_batches = [int(m) for m in args.micro_batches.split(",")]
+  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+  import action_cost
   worker_counts = [k for k in (2, 4, 8) if k <= args.max_workers]
   policies = args.recompute.split(",")
 
@@ -486,6 +491,17 @@ def main() -> None:
                       name.replace(f"_{schedule}", "_1f1b"), {})]
         if ratios:
           summary[f"{schedule}_peak_vs_1f1b_{model_name}"] = round(max(ratios), 3)
+      # Milliseconds per action at K=2, and what one more action adds
+      # (bench/action_cost.py; bench/torch_pipeline.py reports PyTorch's alike).
+      for schedule in args.schedules.split(","):
+        for policy in policies:
+          names = {m: _config_name(model_name, 2, m, schedule, 1, policy) for m in micro_batches}
+          steps = {m: results[n]["step_seconds_k2"] for m, n in names.items()
+                   if "step_seconds_k2" in results.get(n, {})}
+          figures = action_cost.per_action_figures(steps, schedule) if steps else {}
+          if figures:
+            summary[f"per_action_{model_name}_k2_{schedule}"
+                    + ("_never" if policy == "never" else "")] = figures
       if f"{model_name}_k2_m8_zb_h1" in results:
         summary[f"{model_name}_weight_share"] = results[f"{model_name}_k2_m8_zb_h1"][
             "weight_share"]

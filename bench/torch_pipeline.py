@@ -18,7 +18,9 @@ rank 0 alone (one thread; the other rank waits) as the baseline, and every
 configuration alternates with it step by step; the figures are medians.
 
 The last line printed is one JSON object: per configuration its median step seconds,
-the plain step and their ratio (`speedup_vs_plain_single`).
+the plain step and their ratio (`speedup_vs_plain_single`); per model and schedule,
+`per_action_<model>_k2_<schedule>`: milliseconds per action at each M and what one
+more action adds (bench/action_cost.py, computed as bench/pipeline_speedup.py does).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import platform
 import statistics
 import time
 
+import action_cost
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -196,6 +199,15 @@ def main() -> None:
     summary = {"bench": "torch_pipeline", "torch": torch.__version__,
                "machine": f"{platform.machine()} {os.cpu_count()} cores",
                "results": dict(results)}
+  # Milliseconds per action, and what one more action adds (bench/action_cost.py, as
+  # bench/pipeline_speedup.py reports ours).
+  for model_name in args.models.split(","):
+    for schedule in args.schedules.split(","):
+      steps = {m: summary["results"][f"torch_{model_name}_k2_m{m}_{schedule}"]["step_seconds"]
+               for m in (int(x) for x in args.micro_batches.split(","))}
+      figures = action_cost.per_action_figures(steps, schedule)
+      if figures:
+        summary[f"per_action_{model_name}_k2_{schedule}"] = figures
   print(json.dumps(summary))
 
 

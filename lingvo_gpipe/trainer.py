@@ -438,8 +438,12 @@ class Trainer:
     nothing of that step has been saved."""
     broken = train_step.non_finite_variables(self.train_step.checkpointed_variables())
     shown = ", ".join(broken[:5]) + (f" and {len(broken) - 5} more" if len(broken) > 5 else "")
+    # (all_finite checks each variable's sum: weights of order 1e32 overflow it while
+    # every one of them is still finite)
+    what = (f"made {len(broken)} variable(s) non-finite ({shown})" if broken else
+            "made a variable's weights so large (order 1e32) that their sum overflows")
     raise NonFiniteUpdateError(
-        f"the update of step {step} made {len(broken)} variable(s) non-finite ({shown}) "
+        f"the update of step {step} {what} "
         f"although the loss ({values['loss']}) and gradient norm ({values['grad_norm']}) "
         f"were finite: the learning rate ({values['learning_rate']}) is likely too large; "
         f"nothing of this step was saved. Last good checkpoint: "

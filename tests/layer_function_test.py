@@ -14,8 +14,11 @@ from layer_blocks import DIM, batch, block, step_function
 from numerics import assert_close
 
 from lingvo_gpipe import train_step
-from lingvo_gpipe.core import layers
+from lingvo_gpipe.core import layers, stacked_variables
+from lingvo_gpipe.pipeline import layer_function
 from lingvo_gpipe.pipeline.layer import PipeliningLayer
+
+BATCH_PER_MICRO_BATCH = 4  # layer_blocks.BATCH over build's 2 micro-batches
 
 
 def build(keep_probs, share: bool = True, recompute: str = "always", num_micro_batches=2):
@@ -59,15 +62,49 @@ def test_identical_layers_trace_their_function_once_whatever_their_number(cpu_de
     model, wrapped = build([0.8] * num_layers)
     step_function(model, wrapped).get_concrete_function()
     assert shared(model).num_kinds == 1
-    # forward, recompute and backward of every layer, both cells: one trace
-    assert shared(model).tracing_count() == 1, num_layers
+    # forward, recompute and backward of every layer, both cells: one trace, and one
+    # more for the first cell's first layer, whose input gradient nothing needs
+    assert shared(model).tracing_count() == 2, num_layers
 
 
 def test_layers_that_differ_in_a_param_trace_apart(cpu_devices):
   model, wrapped = build([0.8, 0.9] * 3)
   step_function(model, wrapped).get_concrete_function()
   assert shared(model).num_kinds == 2
-  assert shared(model).tracing_count() == 2
+  assert shared(model).tracing_count() == 3  # (the first layer's own: the test above)
+
+
+@pytest.mark.parametrize("recompute", ["always", "never"])
+def test_the_first_cells_first_layer_computes_no_input_gradient(cpu_devices, recompute):
+  """A call's backward computes every gradient its function has. The first cell's
+  first layer runs a trace of its own whose backward has no gradient for its inputs
+  (tf.gradients through it gives None); the other layers' trace keeps it. The step's
+  gradients equal those of every layer traced alone
+  (test_shared_functions_give_what_layers_traced_apart_give)."""
+  model, wrapped = build([0.8] * 3, recompute=recompute)
+  step_function(model, wrapped).get_concrete_function()
+  (kind,) = shared(model)._functions.values()
+  first = model.cell_layers(0)[0]
+  x = tf.TensorSpec([BATCH_PER_MICRO_BATCH, DIM], tf.float32)
+  info = tf.TensorSpec([3], tf.int64)
+
+  def input_gradient(skip: bool):
+    @tf.function
+    def gradient(x, info):
+      with stacked_variables.bound(model._function_cache.stacks[0]):  # as the cell reads
+        variables = [v.value() if isinstance(v, stacked_variables.RowVariable) else v
+                     for sub in first.walk() for v in sub.own_variables()]
+        concrete = kind.function.get_concrete_function(
+            variables, x, info, layer_function._SEEDS, [], 0, not skip)
+        outputs, _, _ = concrete(variables, x, info, tf.zeros([len(kind.layout.seeds)],
+                                                              tf.int64), [], 0, not skip)
+      return tf.gradients(outputs, x)[0]
+    return gradient.get_concrete_function(x, info).structured_outputs
+
+  traces = kind.function.experimental_get_tracing_count()
+  assert input_gradient(skip=True) is None
+  assert input_gradient(skip=False) is not None
+  assert kind.function.experimental_get_tracing_count() == traces  # both traced by the step
 
 
 # What a layer adds to a cell besides its calls: its batch statistics' per-micro-batch

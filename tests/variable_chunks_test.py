@@ -71,3 +71,34 @@ def test_the_finite_check_reads_each_shape_and_finds_a_nan():
     v.assign(poisoned)
     assert not bool(variable_chunks.all_finite(variables)), i
     v.assign(values[i])
+
+
+def test_the_finite_check_finds_each_kind_of_non_finite_value_in_each_dtype():
+  """+inf, −inf, both at once (their sum is NaN) and NaN, in float32, float64,
+  bfloat16 and float16 (checked element by element: a float16 sum overflows at
+  65504); finite values large enough to overflow a float16 sum pass. numpy is the
+  reference."""
+  for dtype in (tf.float32, tf.float64, tf.bfloat16, tf.float16):
+    base = np.full([64, 33], 60000.0 if dtype == tf.float16 else 1.0)
+    variable = tf.Variable(base, dtype=dtype)
+    assert bool(variable_chunks.all_finite([variable])), dtype
+    for bad in ([np.inf], [-np.inf], [np.inf, -np.inf], [np.nan]):
+      poisoned = base.copy()
+      poisoned.flat[:len(bad)] = bad
+      variable.assign(tf.cast(poisoned, dtype))
+      assert not np.isfinite(poisoned).all()
+      assert not bool(variable_chunks.all_finite([variable])), (dtype, bad)
+
+
+def test_the_global_norm_equals_numpys_in_each_dtype():
+  """√(Σ‖t‖²) over tensors of several shapes and dtypes (float16 values whose squares
+  overflow float16: summed in float32), against numpy in float64, to float32's
+  rounding of the sum."""
+  rng = np.random.default_rng(0)
+  values = [rng.normal(size=[17, 5]) * 300, rng.normal(size=[4]), rng.normal(size=[3, 3, 3])]
+  for dtype in (tf.float32, tf.bfloat16, tf.float16):
+    variables = [tf.Variable(v, dtype=dtype) for v in values]
+    tensors = [v.read_value() for v in variables]
+    expected = np.sqrt(sum(np.sum(np.square(t.numpy().astype(np.float64))) for t in tensors))
+    norm = variable_chunks.global_norm(tensors, variables).numpy()
+    np.testing.assert_allclose(norm, expected, rtol=1e-5)

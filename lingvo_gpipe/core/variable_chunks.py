@@ -57,7 +57,10 @@ def chunks(variables: Sequence[Any], by_device: bool = True) -> list[list[int]]:
 
 @chunk_function
 def _sum_of_squares(tensors: list[tf.Tensor]) -> tf.Tensor:
-  return tf.add_n([tf.reduce_sum(tf.square(tf.cast(t, tf.float32))) for t in tensors])
+  """float32 Σ‖t‖² of `tensors` (one dtype): 2·L2Loss, one pass over each tensor
+  without the squared copy that Square + Sum writes (1.5 against 2.5 ms for 8M
+  floats on one thread: docs/benchmarks.md, "The engine's own cost")."""
+  return 2.0 * tf.add_n([tf.nn.l2_loss(tf.cast(t, tf.float32)) for t in tensors])
 
 
 def global_norm(tensors: Sequence[Any], variables: Sequence[tf.Variable]) -> tf.Tensor:
@@ -77,14 +80,21 @@ def global_norm(tensors: Sequence[Any], variables: Sequence[tf.Variable]) -> tf.
 def _all_finite(handles: list[tf.Tensor], dtype: tf.DType, shape: tuple[int, ...]
                 ) -> tf.Tensor:
   """Whether the variables of `handles` (resource tensors of one dtype and shape) are
-  finite. Handles, not the variables: a module-level tf.function keeps the variables
+  finite: whether their sum is (a NaN or an infinity in a tensor makes its sum NaN or
+  infinite), one reading pass without the boolean copy of IsFinite + All (half the
+  time). A float32 sum overflows only past 3.4e38 (a million weights of order 1e32),
+  and such weights count as broken too (the trainer's error says so). float16, whose
+  sums overflow at 65504, is checked element by element.
+
+  Handles, not the variables: a module-level tf.function keeps the variables
   it is first traced with, and so their buffers, alive for the process (a
   calibration's variables would stay in the trainer's memory); resource handles are
   traced by their spec, which does not hold the variable's shape: `shape` keys the
   trace (tests/variable_chunks_test.py pins both)."""
-  return tf.reduce_all(tf.stack([
-      tf.reduce_all(tf.math.is_finite(tf.raw_ops.ReadVariableOp(resource=h, dtype=dtype)))
-      for h in handles]))
+  values = [tf.raw_ops.ReadVariableOp(resource=h, dtype=dtype) for h in handles]
+  if dtype == tf.float16:
+    return tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(v)) for v in values]))
+  return tf.reduce_all(tf.math.is_finite(tf.stack([tf.reduce_sum(v) for v in values])))
 
 
 def all_finite(variables: Sequence[tf.Variable]) -> tf.Tensor:

@@ -87,8 +87,10 @@ FORWARD_SCOPE, RECOMPUTE_SCOPE, ACCUMULATE_SCOPE = "forward", "recompute", "accu
 WEIGHT_SCOPE = "weight_gradient"  # deferred weight gradients (W actions)
 
 
-def call_layers(layers: Sequence[BaseLayer], x: Any) -> Any:
-  """Runs `layers` in order; a tuple output is passed on as positional arguments."""
+def call_layers(layers: Sequence[BaseLayer], x: Any, input_gradients: bool = True) -> Any:
+  """Runs `layers` in order; a tuple output is passed on as positional arguments.
+  (input_gradients: whether anything differentiates `x`; plain ops need not know:
+  a gradient computes only what reaches the sources asked for.)"""
   for layer in layers:
     x = base_layer.call_with(layer, x)
   return x
@@ -308,7 +310,7 @@ class CellFunctions:
   def __init__(self, layers: Sequence[BaseLayer], device: str | None, index: int,
                recompute: bool, head: Head | None = None, needs_input_grads: bool = True,
                defer_weight_gradients: bool = False,
-               run_layers: Callable[[Sequence[BaseLayer], Any], Any] = call_layers,
+               run_layers: Callable[..., Any] = call_layers,
                stacks: Sequence[stacked_variables.VariableStack] = ()):
     self.layers = list(layers)
     # The cell's stacked variables: each body reads each once and differentiates
@@ -359,7 +361,8 @@ class CellFunctions:
       traced = self._traced
       traced.rows = rows
       outputs = self.run_layers(self.layers,
-                                tf.nest.pack_sequence_as(traced.input_structure, flat_inputs))
+                                tf.nest.pack_sequence_as(traced.input_structure, flat_inputs),
+                                input_gradients=self.needs_input_grads)
       if self.head is not None:
         outputs = self.head(outputs, tf.nest.pack_sequence_as(traced.head_structure,
                                                              flat_head_inputs))
@@ -469,9 +472,9 @@ class CellFunctions:
     grads: dict[int, tf.Tensor] = {}
     with tf.name_scope(WEIGHT_SCOPE):
       batched = self._batched_stacks(inputs, output_grads)
-      stack_grads = {id(stack): tf.cast(tf.matmul(tf.stack([inputs[i] for i in products]),
-                                                  tf.stack([output_grads[i] for i in products]),
-                                                  transpose_a=True), stack.variable.dtype)
+      stack_grads = {id(stack): tf.cast(tf.stack([tf.matmul(inputs[i], output_grads[i],
+                                                            transpose_a=True)
+                                                  for i in products]), stack.variable.dtype)
                      for stack, products in batched}
       in_batch = {i for _, products in batched for i in products}
       for i, (x, dy) in enumerate(zip(inputs, output_grads)):
@@ -489,12 +492,14 @@ class CellFunctions:
     all of one input and one output shape and of inputs flattened from one static
     leading shape (a decoder's self-attention [b, T, I] and cross-attention [b, S, I]
     projections both give [n, I], n = b·T or b·S; `_Traced.product_rows`): each with
-    its products in row order. Their
-    gradient is one batched product [n, G·b, I]ᵀ·[n, G·b, O] → [n, I, O], added to the
-    sums whole: the rows' gradients one by one into a copy of the sums
-    (`gradient_sums`' in-place path, for gradients that a backward makes one at a
-    time) cost 1.6× as much (copy, then per-row adds that run at half the bandwidth of
-    one add: docs/benchmarks.md, "Split backward's cost")."""
+    its products in row order. Their gradient is each row's product [G·b, I]ᵀ·[G·b, O]
+    → [I, O], stacked [n, I, O] and added to the sums whole. The rows' gradients one by
+    one into a copy of the sums (`gradient_sums`' in-place path, for gradients that a
+    backward makes one at a time) cost 1.6× as much (copy, then per-row adds that run
+    at half the bandwidth of one add: docs/benchmarks.md, "Split backward's cost");
+    one batched product of the stacked inputs [n, G·b, I]ᵀ·[n, G·b, O] cost 4-7% more
+    than the rows' products and the stack of their results (the inputs' Pack, and
+    BatchMatMul's transposed operand: "The engine's own cost")."""
     traced = self._traced
     products_of: dict[int, list[int]] = {}
     for i, v in enumerate(traced.product_variables):

@@ -112,9 +112,15 @@ class _KindFunction:
     # (learnt by `_cache_specs`).
     self._cache_specs_of: dict[Any, list[tf.TensorSpec]] = {}
 
-  def _layer_body(self, variables, inputs, info, seeds, cache, full_length):
+  def _layer_body(self, variables, inputs, info, seeds, cache, full_length,
+                  input_gradient=True):
     """cache: the layer's incoming cache entries (None: specs only, read as zeros);
-    full_length: T of a token slice (0: whole sequences)."""
+    full_length: T of a token slice (0: whole sequences); input_gradient False: the
+    inputs are read through stop_gradient, so the backward TensorFlow builds for this
+    trace computes no gradient for them (a call's backward computes every gradient
+    its function has, whether the caller uses it or not)."""
+    if not input_gradient:
+      inputs = tf.nest.map_structure(tf.stop_gradient, inputs)
     sublayers = list(self.representative.walk())
     position = {id(layer): i for i, layer in enumerate(sublayers)}
     asked: list[tuple[int, str]] = []
@@ -173,7 +179,7 @@ class _KindFunction:
     if slices is None:
       return None
     first = [v.value() for v in weights[0]]
-    concrete = self.function.get_concrete_function(first, inputs, info, _SEEDS, [], 0)
+    concrete = self.function.get_concrete_function(first, inputs, info, _SEEDS, [], 0, True)
     flat_inputs = tf.nest.flatten(inputs)
     if [(tuple(t.shape), t.dtype) for t in tf.nest.flatten(concrete.structured_outputs[0])] \
         != [(tuple(t.shape), t.dtype) for t in flat_inputs]:
@@ -188,7 +194,7 @@ class _KindFunction:
       def body(i, flat_x, stats):
         x = tf.nest.pack_sequence_as(inputs, flat_x)
         outputs, flat_stats, _ = concrete([ta.read(i) for ta in rows], x, info,
-                                          seed_rows.read(i), [], 0)
+                                          seed_rows.read(i), [], 0, True)
         return (i + 1, tf.nest.flatten(outputs),
                 [ta.write(i, t) for ta, t in zip(stats, flat_stats)])
 
@@ -208,11 +214,13 @@ class _KindFunction:
     return tf.nest.pack_sequence_as(inputs, flat_out)
 
   def call(self, layer: BaseLayer, inputs: Any, info: tf.Tensor,
-           ctx: base_layer.StepContext) -> Any:
+           ctx: base_layer.StepContext, input_gradient: bool = True) -> Any:
     """`layer` (of this kind) on `inputs`, through the traced function. Its variables
     (its own, then its descendants', in `walk()` order) are the function's first
     argument; on a token slice its cache entries are taken from and given back to
-    the StepContext's slice cache."""
+    the StepContext's slice cache. input_gradient False: nothing needs the gradient
+    of `inputs` (a first cell's first layer), whose backward is then a trace of its
+    own that skips it."""
     sublayers = list(layer.walk())
     # A stacked variable's row enters as the tensor its cell read (stacked_variables).
     variables = [v.value() if isinstance(v, stacked_variables.RowVariable) else v
@@ -223,11 +231,11 @@ class _KindFunction:
              else [])
     cache = token_slice.cache.take(specs) if token_slice is not None else []
     concrete = self.function.get_concrete_function(variables, inputs, info, _SEEDS, specs,
-                                                   full_length)
+                                                   full_length, input_gradient)
     seeds = tf.constant([sublayers[i].seed_for(purpose) for i, purpose in self.layout.seeds],
                         tf.int64, shape=[len(self.layout.seeds)])
     outputs, flat_stats, cache_out = concrete(variables, inputs, info, seeds, cache,
-                                              full_length)
+                                              full_length, input_gradient)
     if token_slice is not None:
       token_slice.cache.give(cache_out)
     if ctx.layer_stats is not None and self.layout.stats:
@@ -405,10 +413,15 @@ class LayerFunctions:
       self._kinds[key] = kind_of(layer, training)
     return self._kinds[key]
 
-  def call_layers(self, layers: Sequence[BaseLayer], x: Any) -> Any:
+  def call_layers(self, layers: Sequence[BaseLayer], x: Any,
+                  input_gradients: bool = True) -> Any:
     """Runs `layers` in order, each through its kind's function where it can share
     one, a run of consecutive layers of one kind as one loop where it can
-    (`scan_layers`); a tuple output is passed on as positional arguments."""
+    (`scan_layers`); a tuple output is passed on as positional arguments.
+    input_gradients False: nothing differentiates `x` (the first cell's inputs), so a
+    first layer called through its kind's function on a floating `x` skips its input
+    gradient (a trace of its own: on the MLP of bench/pipeline_speedup.py that is one
+    matmul of 16 in each backward, docs/benchmarks.md, "The engine's own cost")."""
     ctx = base_layer.current_context()
     info = step_info()
     training = bool(ctx.training)
@@ -432,8 +445,10 @@ class LayerFunctions:
           x, i = scanned, end
           continue
       for layer in layers[i:end]:
-        x = function.call(layer, x, info, ctx)
-      i = end
+        skip_input_gradient = (i == 0 and not input_gradients
+                               and any(t.dtype.is_floating for t in tf.nest.flatten(x)))
+        x = function.call(layer, x, info, ctx, input_gradient=not skip_input_gradient)
+        i += 1
     return x
 
   @property
