@@ -120,7 +120,8 @@ class _KindFunction:
     trace computes no gradient for them (a call's backward computes every gradient
     its function has, whether the caller uses it or not)."""
     if not input_gradient:
-      inputs = tf.nest.map_structure(tf.stop_gradient, inputs)
+      inputs = tf.nest.map_structure(
+          lambda t: tf.stop_gradient(t) if isinstance(t, tf.Tensor) else t, inputs)
     sublayers = list(self.representative.walk())
     position = {id(layer): i for i, layer in enumerate(sublayers)}
     asked: list[tuple[int, str]] = []
@@ -445,8 +446,8 @@ class LayerFunctions:
           x, i = scanned, end
           continue
       for layer in layers[i:end]:
-        skip_input_gradient = (i == 0 and not input_gradients
-                               and any(t.dtype.is_floating for t in tf.nest.flatten(x)))
+        skip_input_gradient = (i == 0 and not input_gradients and any(
+            isinstance(t, tf.Tensor) and t.dtype.is_floating for t in tf.nest.flatten(x)))
         x = function.call(layer, x, info, ctx, input_gradient=not skip_input_gradient)
         i += 1
     return x
