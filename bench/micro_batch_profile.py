@@ -216,6 +216,7 @@ def main() -> None:
   args = parser.parse_args()
   sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+  import pipeline_speedup
   import tensorflow as tf
 
   tf.config.threading.set_inter_op_parallelism_threads(1)
@@ -231,7 +232,7 @@ def main() -> None:
         "op_types_ms": _rounded(base["op_types_ms"])}
     for m in [int(m) for m in args.micro_batches.split(",")]:
       columns = {base_name: base}
-      for group in sorted({m if g == "M" else min(int(g), m) for g in args.groups.split(",")}):
+      for group in pipeline_speedup.weight_gradient_groups(args.groups, m):
         split = profile(model_name, m, args.steps, args.profile_steps, group, **engine)
         columns[f"M={m}" + (f" G={group}" if group > 1 else "")] = split
         extra_types = {t: split["op_types_ms"].get(t, 0.0) - base["op_types_ms"].get(t, 0.0)

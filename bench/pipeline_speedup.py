@@ -295,8 +295,9 @@ def _print_worker_peaks(config: str) -> None:
   print(json.dumps({"peak_bytes_per_worker": peaks}))
 
 
-def _groups(spec: str, m: int) -> list[int]:
-  """--weight_gradient_groups ('1,M': per micro-batch, and all M at once) at M=m."""
+def weight_gradient_groups(spec: str, m: int) -> list[int]:
+  """The G values of a --weight_gradient_groups spec ('1,M': per micro-batch, and all M
+  at once) at M=m (bench/micro_batch_profile.py's --groups too)."""
   groups = [m if g.strip() == "M" else min(int(g), m) for g in spec.split(",")]
   return sorted(set(groups))
 
@@ -361,7 +362,7 @@ def main() -> None:
                    (1, "gpipe", 1, 1, "always"): make_step(model_name, 1, 1, devices),
                    (1, "gpipe", 1, 1, "never"): make_step(model_name, 1, 1, devices,
                                                           recompute="never")}
-        for group in _groups(args.weight_gradient_groups, m):
+        for group in weight_gradient_groups(args.weight_gradient_groups, m):
           runners[(1, "gpipe", group, m, "always")] = make_step(
               model_name, 1, m, devices, weight_gradient_group=group)
           for k in worker_counts:
@@ -393,7 +394,7 @@ def main() -> None:
           print(f"{name:30s} K=1 {step_1:.4f} s", flush=True)
         if m == 8:
           one = single[_config_name(model_name, 1, 1, "gpipe", 1)]
-          for group in _groups(args.weight_gradient_groups, m):
+          for group in weight_gradient_groups(args.weight_gradient_groups, m):
             m8_over_m1[f"{model_name}_k1_m8" + (f"_g{group}" if group > 1 else "")] = round(
                 single[_config_name(model_name, 1, 8, "gpipe", group)] / one, 3)
         for (k, schedule, group, _, policy), step_k in medians.items():
