@@ -247,7 +247,7 @@ def test_handoffs_and_stash_are_in_the_compute_dtype_and_sums_float32(cpu_device
   assert handoff_dtypes(graph_def) == {tf.as_dtype(dtype)}
   for cell in model.cell_functions(train_step.StackWithLoss(model, loss_head).head):
     for sig in cell._signatures.values():  # noqa: SLF001
-      kept = [s.dtype for s in sig.saved + sig.products.inputs + sig.products.grads
+      kept = [s.dtype for s in [*sig.saved.flat(), *sig.products.inputs, *sig.products.grads]
               if s.dtype.is_floating]
       assert set(kept) <= {tf.as_dtype(dtype)}, kept
       assert {spec.dtype for spec in sig.layout.specs()} == {tf.float32}

@@ -151,17 +151,65 @@ class ProductSpecs(NamedTuple):
   """A cell's deferred weight products (cells with W actions): per product, its
   inputs [n, I] and output gradient [n, O]. probes: a cell not re-materialized that
   defers: its pair's function takes one probe per product (shaped as its output
-  gradient) and returns the products' inputs after its outputs and statistics; its
-  `saved` starts with those inputs (as bits)."""
+  gradient) and returns the products' inputs after its outputs, statistics and cache
+  entries; its `Saved.product_bits` keeps them (as bits)."""
   inputs: tuple[tf.TensorSpec, ...] = ()
   grads: tuple[tf.TensorSpec, ...] = ()
   probes: tuple[tf.TensorSpec, ...] = ()
 
 
+class Saved(NamedTuple):
+  """What a forward keeps for its micro-batch's backward: specs in a CallSignature,
+  tensors in a call; the device's loop stashes them flat (`flat`, `like`).
+
+  A re-materialized cell keeps its inputs and head_inputs and recomputes the rest. A
+  cell that is not keeps what the backward of TensorFlow's forward/backward pair
+  reads: product_bits, the inputs [n, I] of its deferred weight products as integers
+  of their width (`_as_bits`: outputs that take no gradient), and `kept`, the
+  intermediates the pair keeps."""
+  inputs: tuple = ()
+  head_inputs: tuple = ()
+  product_bits: tuple = ()
+  kept: tuple = ()
+
+  def flat(self) -> list[Any]:
+    return [t for part in self for t in part]
+
+  def like(self, flat: Sequence[Any]) -> Saved:
+    """`flat` (as `flat()` lists a record like this one) in this record's parts."""
+    flat, parts, start = list(flat), [], 0
+    for part in self:
+      parts.append(tuple(flat[start:start + len(part)]))
+      start += len(part)
+    if start != len(flat):
+      raise ValueError(f"{len(flat)} stashed tensors for a record of {start}")
+    return Saved(*parts)
+
+
+class _ForwardResults(NamedTuple):
+  """What a cell's forward function returns, flat lists each: its outputs, its
+  statistics, the cache entries it extended (token slices), and its deferred products'
+  inputs as bits (a probed forward, `CellFunctions._probed_forward_body`); TensorFlow's
+  pair returns them concatenated (`split`)."""
+  outputs: list
+  stats: list
+  cache: list
+  product_bits: list
+
+  @classmethod
+  def split(cls, flat: Sequence[Any], sig: CallSignature) -> _ForwardResults:
+    """The pair's concatenated results, in their parts as `sig` sizes them."""
+    sizes = (len(sig.outputs), len(sig.stats), len(sig.cache), len(sig.products.probes))
+    starts = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+    if starts[-1] != len(flat):
+      raise ValueError(f"{len(flat)} forward results where the signature has {starts[-1]}")
+    return cls(*(list(flat[a:b]) for a, b in zip(starts, starts[1:])))
+
+
 class _Backward(NamedTuple):
-  """How a cell's backward gets what it needs: `saved`, what the forward keeps; the
-  forward/backward pair (None: re-materialized); the deferred products."""
-  saved: list[tf.TensorSpec]
+  """How a cell's backward gets what it needs: `saved`, what the forward keeps (specs);
+  the forward/backward pair (None: re-materialized); the deferred products."""
+  saved: Saved
   pair: tf_internals.ForwardBackwardPair | None
   products: ProductSpecs
 
@@ -192,8 +240,7 @@ class CallSignature:
   """What tracing a cell for one micro-batch shape found (`CellFunctions.signature`).
 
   inputs, head_inputs: the flat arguments; outputs, stats: the forward's flat results;
-  saved: what a forward keeps for its backward (the inputs and head inputs of a
-  re-materialized cell, TensorFlow's intermediates of the others); pair: the
+  saved: what a forward keeps for its backward (`Saved`); pair: the
   forward/backward pair of a cell that is not re-materialized; products: its
   deferred weight products (`ProductSpecs`).
 
@@ -208,7 +255,7 @@ class CallSignature:
   head_inputs: tuple[tf.TensorSpec, ...]
   outputs: tuple[tf.TensorSpec, ...]
   stats: tuple[tf.TensorSpec, ...]
-  saved: tuple[tf.TensorSpec, ...]
+  saved: Saved
   output_structure: Any
   stats_structure: tuple[tuple[BaseLayer, Any], ...]
   variables: tuple[tf.Variable, ...]
@@ -238,6 +285,19 @@ class CallSignature:
     return _unflatten_stats(self.stats_structure, flat_stats)
 
 
+class _RunResult(NamedTuple):
+  """What the layers (and head) did on one call's inputs (`CellFunctions._run`).
+
+  outputs: the nest they return; cache_out: the token-slice cache entries the call
+  extended ([] unless the inputs are a slice of sequences of T tokens; with the cache
+  given as None, specs only: the entries were read as zeros); rows: the slices of
+  the cell's stacked variables the call read, by id(RowVariable), and each stack read
+  whole (`stacked_variables.bound`): the backward differentiates against them."""
+  outputs: Any
+  cache_out: list[tf.Tensor]
+  rows: dict[int, tf.Tensor]
+
+
 @dataclasses.dataclass
 class _Traced:
   """What a cell's traced bodies share with the code that traces them.
@@ -256,8 +316,6 @@ class _Traced:
   output_structure: Any = None
   stats_structure: tuple[tuple[BaseLayer, Any], ...] = ()
   variables: list[Any] | None = None
-  # The slices of the cell's stacked variables the current trace read, by id(row).
-  rows: dict[int, tf.Tensor] = dataclasses.field(default_factory=dict)
   # The running gradient sums of `variables` as stacked tensors, one per shape and dtype.
   layout: gradient_sums.StackedLayout | None = None
   # Per deferred weight product (in the order the layers make them): the position of
@@ -348,10 +406,8 @@ class CellFunctions:
   # -- traced bodies ------------------------------------------------------------------
 
   def _run(self, flat_inputs, flat_head_inputs, step, call_info, stats, products=None,
-           cache=(), full_length=0):
-    """The layers (and head) on one call's inputs → (outputs, the cache entries
-    extended: [] unless full_length T > 0, the tokens of a slice of sequences of T
-    tokens; cache None: specs only, the entries read as zeros)."""
+           cache=(), full_length=0) -> _RunResult:
+    """The layers (and head) on one call's inputs (`_RunResult`)."""
     example_offset, token_offset = tf.unstack(call_info)
     token_slice = token_slices.slice_of(token_offset, full_length, cache)
     with base_layer.step_context(training=True, step=step, example_offset=example_offset,
@@ -359,14 +415,13 @@ class CellFunctions:
                                  token_slice=token_slice), \
         stacked_variables.bound(self.stacks) as rows:
       traced = self._traced
-      traced.rows = rows
       outputs = self.run_layers(self.layers,
                                 tf.nest.pack_sequence_as(traced.input_structure, flat_inputs),
                                 input_gradients=self.needs_input_grads)
       if self.head is not None:
         outputs = self.head(outputs, tf.nest.pack_sequence_as(traced.head_structure,
                                                              flat_head_inputs))
-    return outputs, token_slices.outgoing(token_slice)
+    return _RunResult(outputs, token_slices.outgoing(token_slice), rows)
 
   def _forward_body(self, flat_inputs, flat_head_inputs, step, call_info, cache, full_length):
     stats: list = []
@@ -375,19 +430,19 @@ class CellFunctions:
     with tf.GradientTape() as tape, tf.name_scope(FORWARD_SCOPE), \
         layer_function.forward_only() if self.recompute else contextlib.nullcontext():
       # (the tape only learns which variables the cell reads)
-      outputs, cache_out = self._run(flat_inputs, flat_head_inputs, step, call_info, stats,
-                                     cache=cache, full_length=full_length)
+      outputs, cache_out, _ = self._run(flat_inputs, flat_head_inputs, step, call_info,
+                                        stats, cache=cache, full_length=full_length)
     self._record_variables(tape.watched_variables())
     self._traced.output_structure = outputs
     self._traced.stats_structure = tuple((layer, s) for layer, s in stats)
-    return tf.nest.flatten(outputs), tf.nest.flatten([s for _, s in stats]), cache_out
+    return _ForwardResults(tf.nest.flatten(outputs), tf.nest.flatten([s for _, s in stats]),
+                           cache_out, [])
 
   def _cache_specs_body(self, flat_inputs, flat_head_inputs, step, call_info, full_length):
     """The forward of a token slice with the cache read as zeros, for the specs of the
     cache entries it extends (traced once per shape, never run)."""
-    _, cache_out = self._run(flat_inputs, flat_head_inputs, step, call_info, stats=[],
-                             cache=None, full_length=full_length)
-    return cache_out
+    return self._run(flat_inputs, flat_head_inputs, step, call_info, stats=[], cache=None,
+                     full_length=full_length).cache_out
 
   def _product_outputs_body(self, flat_inputs, flat_head_inputs, step, call_info):
     """The forward, for the specs of its weight products' outputs [n, O] (traced once
@@ -400,17 +455,19 @@ class CellFunctions:
     """The forward with each weight product made as x·stop_gradient(W) + probe
     (WeightProducts): → outputs, statistics, and the products' inputs [n, I] as bits
     (`_as_bits`: outputs that take no gradient, so the backward needs no zero seeds
-    of their size)."""
+    of their size). No cache: a layer with token slices defers no weight gradient
+    (pipeline/layer.py refuses the two together)."""
     stats: list = []
     products = base_layer.WeightProducts(probes=probes)
     with tf.name_scope(FORWARD_SCOPE):
-      outputs, _ = self._run(flat_inputs, flat_head_inputs, step, call_info, stats, products)
+      outputs = self._run(flat_inputs, flat_head_inputs, step, call_info, stats,
+                          products).outputs
     recorded = self._record_products(products.products)
     if len(recorded) != len(probes):
       raise RuntimeError(f"cell {self.index}: {len(probes)} probes for {len(recorded)} "
                          "trainable weight products")
-    return (tf.nest.flatten(outputs), tf.nest.flatten([s for _, s in stats]),
-            [_as_bits(p.inputs) for p in recorded])
+    return _ForwardResults(tf.nest.flatten(outputs), tf.nest.flatten([s for _, s in stats]),
+                           [], [_as_bits(p.inputs) for p in recorded])
 
   def _backward_body(self, flat_inputs, flat_head_inputs, output_grads, sums, step,
                      call_info, cache, cache_grads, full_length):
@@ -427,7 +484,7 @@ class CellFunctions:
         tape.watch(float_inputs)
       tape.watch(cache)
       with tf.name_scope(RECOMPUTE_SCOPE):
-        outputs, cache_out = self._run(
+        outputs, cache_out, rows = self._run(
             flat_inputs, flat_head_inputs, step, call_info,
             stats=None,  # statistics are reported by the forward only
             products=products, cache=cache, full_length=full_length)
@@ -438,7 +495,6 @@ class CellFunctions:
     product_outputs = [p.outputs for p in products]
     # A stacked variable's rows are differentiated as the slices this trace read, and
     # a stack that runs of layers read whole (a loop over them) as that read too.
-    rows = self._traced.rows
     sources = [rows[id(v)] if isinstance(v, stacked_variables.RowVariable) else v
                for v in variables]
     wholes = stacked_variables.whole_reads(rows)
@@ -570,14 +626,14 @@ class CellFunctions:
     cache = self._cache_specs(flat_inputs, flat_head, full_length)
     forward = self._forward_fn.get_concrete_function(flat_inputs, flat_head, STEP, CALL_INFO,
                                                      cache, full_length)
-    flat_outputs, flat_stats, _ = forward.structured_outputs
+    flat_outputs, flat_stats, _, _ = forward.structured_outputs
     backward = (self._recomputed_backward(flat_inputs, flat_head, flat_outputs, cache,
                                           full_length)
                 if self.recompute else self._kept_backward(forward, flat_inputs, flat_head))
     signature = CallSignature(
         inputs=tuple(flat_inputs), head_inputs=tuple(flat_head),
         outputs=tuple(_specs(flat_outputs)), stats=tuple(_specs(flat_stats)),
-        saved=tuple(backward.saved), output_structure=traced.output_structure,
+        saved=backward.saved, output_structure=traced.output_structure,
         stats_structure=traced.stats_structure, variables=tuple(traced.variables),
         layout=traced.layout, pair=backward.pair, products=backward.products,
         full_length=full_length, cache=tuple(cache))
@@ -605,7 +661,7 @@ class CellFunctions:
         flat_inputs, flat_head, output_grads, self._traced.layout.specs(), STEP, CALL_INFO,
         cache, cache, full_length)
     _, _, _, product_inputs, product_grads = backward.structured_outputs
-    return _Backward(flat_inputs + flat_head, None,
+    return _Backward(Saved(inputs=tuple(flat_inputs), head_inputs=tuple(flat_head)), None,
                      ProductSpecs(tuple(_specs(product_inputs)), tuple(_specs(product_grads))))
 
   def _kept_backward(self, forward: Any, flat_inputs: list[tf.TensorSpec],
@@ -621,27 +677,29 @@ class CellFunctions:
                             .structured_outputs))
       forward = self._probed_forward_fn.get_concrete_function(
           flat_inputs, flat_head, STEP, CALL_INFO, list(probes))
-      _, _, bits = forward.structured_outputs
+      bits = _ForwardResults(*forward.structured_outputs).product_bits
       products = ProductSpecs(tuple(tf.TensorSpec(b.shape, p.dtype)
                                     for b, p in zip(bits, probes)), probes, probes)
     pair = tf_internals.forward_backward_pair(forward)
-    saved = ([tf.TensorSpec(s.shape, _BITS[s.dtype.size]) for s in products.inputs]
-             + _specs([forward.graph.outputs[i] for i in pair.kept_positions]))
+    saved = Saved(product_bits=tuple(tf.TensorSpec(s.shape, _BITS[s.dtype.size])
+                                     for s in products.inputs),
+                  kept=tuple(_specs([forward.graph.outputs[i] for i in pair.kept_positions])))
     return _Backward(saved, pair, products)
 
   def forward(self, sig: CallSignature, flat_inputs: Sequence[tf.Tensor],
               flat_head: Sequence[tf.Tensor], step: tf.Tensor, call_info: tf.Tensor,
               cache: Sequence[tf.Tensor] = ()
-              ) -> tuple[list[tf.Tensor], list[tf.Tensor], list[tf.Tensor], list[tf.Tensor]]:
+              ) -> tuple[list[tf.Tensor], list[tf.Tensor], Saved, list[tf.Tensor]]:
     """One forward call (on the caller's device): flat outputs, flat statistics, what
-    the backward of this micro-batch needs (shaped as sig.saved), and the cache
-    entries extended by this token slice (shaped as sig.cache; `cache`: as the
+    the backward of this micro-batch needs (`Saved`, shaped as sig.saved), and the
+    cache entries extended by this token slice (shaped as sig.cache; `cache`: as the
     micro-batch's previous slice left them)."""
     if sig.pair is None:
-      flat_outputs, flat_stats, cache_out = self._forward_fn(
-          list(flat_inputs), list(flat_head), step, call_info, list(cache), sig.full_length)
-      return (list(flat_outputs), list(flat_stats), list(flat_inputs) + list(flat_head),
-              list(cache_out))
+      results = self._forward_fn(list(flat_inputs), list(flat_head), step, call_info,
+                                 list(cache), sig.full_length)
+      return (list(results[0]), list(results[1]),
+              Saved(inputs=tuple(flat_inputs), head_inputs=tuple(flat_head)),
+              list(results[2]))
     # Zeros: one tensor per distinct shape, passed as every probe of that shape.
     zeros: dict[tuple, tf.Tensor] = {}
     probes = [zeros.setdefault((tuple(spec.shape), spec.dtype), tf.zeros(spec.shape, spec.dtype))
@@ -649,14 +707,11 @@ class CellFunctions:
     # (in PairArguments' order)
     results, kept = sig.pair.forward(list(flat_inputs) + list(flat_head) + [step, call_info]
                                      + list(cache) + probes)
-    num_outputs, num_stats = len(sig.outputs), len(sig.stats)
-    # After the outputs and statistics: the products' inputs (probed), or the cache.
-    extra = results[num_outputs + num_stats:]
-    product_inputs, cache_out = (extra, []) if sig.products.probes else ([], extra)
-    return (results[:num_outputs], results[num_outputs:num_outputs + num_stats],
-            product_inputs + kept, cache_out)
+    results = _ForwardResults.split(results, sig)
+    return (results.outputs, results.stats,
+            Saved(product_bits=tuple(results.product_bits), kept=tuple(kept)), results.cache)
 
-  def backward(self, sig: CallSignature, saved: Sequence[tf.Tensor],
+  def backward(self, sig: CallSignature, saved: Saved,
                output_grads: Sequence[tf.Tensor], sums: Sequence[tf.Tensor], step: tf.Tensor,
                call_info: tf.Tensor, cache: Sequence[tf.Tensor] = (),
                cache_grads: Sequence[tf.Tensor] = ()
@@ -664,7 +719,8 @@ class CellFunctions:
                           list[tf.Tensor]]:
     """One backward call (on the caller's device).
 
-    output_grads: one per differentiable output (the loss weight on the last cell);
+    saved: what this micro-batch's forward kept; output_grads: one per differentiable
+    output (the loss weight on the last cell);
     token slices: `cache`, the cell's cache entries as the micro-batch's last slice
     left them (a re-materialized cell reads what its slice read of them), and
     `cache_grads`, the gradients of the entries its forward extended.
@@ -675,17 +731,14 @@ class CellFunctions:
     deferred).
     """
     if sig.pair is None:
-      num_inputs = len(sig.inputs)
       input_grads, cache_in_grads, new_sums, product_inputs, product_grads = self._backward_fn(
-          list(saved[:num_inputs]), list(saved[num_inputs:]), list(output_grads), list(sums),
+          list(saved.inputs), list(saved.head_inputs), list(output_grads), list(sums),
           step, call_info, list(cache), list(cache_grads), sig.full_length)
       return (list(input_grads), list(cache_in_grads), list(new_sums), list(product_inputs),
               list(product_grads))
     pair, arguments = sig.pair, PairArguments.of(sig)
-    num_products = len(sig.products.probes)
     product_inputs = [_from_bits(t, spec.dtype)
-                      for t, spec in zip(saved[:num_products], sig.products.inputs)]
-    saved = saved[num_products:]
+                      for t, spec in zip(saved.product_bits, sig.products.inputs)]
     # Seeds for every floating output of the forward function (outputs, statistics,
     # then the cache it extended): the given gradients for the differentiable ones,
     # zeros elsewhere.
@@ -697,7 +750,7 @@ class CellFunctions:
       for i, g in zip(differentiable, output_grads):
         seeds[i] = g
     seeds += list(cache_grads)
-    grads = pair.backward([seeds[i] for i in pair.trainable_outputs], saved)
+    grads = pair.backward([seeds[i] for i in pair.trainable_outputs], list(saved.kept))
     cache_in_grads = _zeros_where_none(grads[arguments.cache], sig.cache)
     product_grads = _zeros_where_none(grads[arguments.probes], sig.products.probes)
     input_grads = []
@@ -730,8 +783,8 @@ class CellFunctions:
     traced.head_structure = head_inputs
     flat_head = tf.nest.flatten(head_inputs) if head_inputs is not None else []
     with tf.device(self.device):
-      flat_outputs, flat_stats, _ = self._forward_fn(tf.nest.flatten(inputs), flat_head, step,
-                                                     call_info, [], 0)
+      flat_outputs, flat_stats, _, _ = self._forward_fn(tf.nest.flatten(inputs), flat_head,
+                                                        step, call_info, [], 0)
     return (tf.nest.pack_sequence_as(traced.output_structure, list(flat_outputs)),
             _unflatten_stats(traced.stats_structure, list(flat_stats)))
 

@@ -112,14 +112,19 @@ def _weighted_mean(values: tf.Tensor, weights: tf.Tensor) -> tuple[tf.Tensor, tf
   return tf.math.divide_no_nan(tf.reduce_sum(values * weights), total), total
 
 
+# A field of a TableRow: a Python int in the table, a scalar tensor in the loop.
+Entry = int | tf.Tensor
+
+
 class TableRow(NamedTuple):
   """One action of a device's table: a row of `ActionTable.rows` (Python ints there;
   int64 scalars in the loop body, int32 in the action's Case branch, where `ActionArgs`
   hands them to the action).
 
-  branch: its Case branch (`Branches`: which cell, which action, which shape class or
-  W group size); unit: u, the schedule's unit (a micro-batch, or slice (m, j) of one,
-  u = m·S + j); offset: u's first example's position in the batch;
+  branch: its Case branch, an index into `ActionTable.branches` (which cell, which
+  action, which shape class or W group size); unit: u, the schedule's unit (a
+  micro-batch, or slice (m, j) of one, u = m·S + j); offset: u's first example's
+  position in the batch;
   stash_slot: F: the stash slot it fills, B: the one it takes (W: 0);
   product_slot: B: the product ring slot it writes (F, W: 0);
   first_product_slot: W: the ring slot of its group's first backward, the first of
@@ -129,16 +134,16 @@ class TableRow(NamedTuple):
   without token slices); cache_slot: F, B: the cache slot of its micro-batch (0
   without token slices).
   """
-  branch: Any
-  unit: Any
-  offset: Any
-  stash_slot: Any = 0
-  product_slot: Any = 0
-  first_product_slot: Any = 0
-  receive: Any = -1  # NO_RECEIVE
-  token_offset: Any = 0
-  token_slice: Any = 0
-  cache_slot: Any = 0
+  branch: Entry
+  unit: Entry
+  offset: Entry
+  stash_slot: Entry = 0
+  product_slot: Entry = 0
+  first_product_slot: Entry = 0
+  receive: Entry = -1  # NO_RECEIVE
+  token_offset: Entry = 0
+  token_slice: Entry = 0
+  cache_slot: Entry = 0
 
 
 COLUMNS = TableRow(*range(len(TableRow._fields)))  # each field's column in the table
@@ -153,27 +158,30 @@ class ReceiveKind(NamedTuple):
   shape_class: int
 
 
-@dataclasses.dataclass(frozen=True)
-class Branches:
-  """The Case branches of one cell in its device's loop, from `first` on: F and B of
-  each unit shape class c (first + 2c, first + 2c + 1), then W of each group size
-  the cell's W actions have (in `weight_sizes` order)."""
-  first: int
-  num_classes: int
-  weight_sizes: tuple[int, ...]
+class Branch(NamedTuple):
+  """One Case branch of a device's loop (a row of `ActionTable.branches`, whose index
+  is the branch's): cell k's F or B of the units of shape class c, or its W of a group
+  of n backwards; `receive`, the hand-off it takes (None: its inputs come from no
+  other cell, or it is a W)."""
+  cell: int
+  phase: str          # FORWARD, BACKWARD or WEIGHT_GRADIENT
+  shape_class: int = 0  # F, B
+  group_size: int = 0   # W
+  receive: ReceiveKind | None = None
 
-  def forward(self, c: int) -> int:
-    return self.first + 2 * c
 
-  def backward(self, c: int) -> int:
-    return self.first + 2 * c + 1
-
-  def weight_gradient(self, n: int) -> int:
-    return self.first + 2 * self.num_classes + self.weight_sizes.index(n)
-
-  @property
-  def end(self) -> int:
-    return self.first + 2 * self.num_classes + len(self.weight_sizes)
+def _branches(plan: PipelineSchedule, cells: Sequence[int], num_classes: int) -> list[Branch]:
+  """The Case branches of a device holding `cells`: per cell, F and B of each unit
+  shape class, then W of each group size its W actions have."""
+  out = []
+  for k in cells:
+    for c in range(num_classes):
+      for phase, neighbour in ((FORWARD, k - 1), (BACKWARD, k + 1)):
+        receive = ReceiveKind(k, phase, c) if 0 <= neighbour < plan.num_cells else None
+        out.append(Branch(k, phase, shape_class=c, receive=receive))
+    for n in sorted({len(g) for g in plan.weight_groups(k).values()}):
+      out.append(Branch(k, WEIGHT_GRADIENT, group_size=n))
+  return out
 
 
 class SlotCounts(NamedTuple):
@@ -188,10 +196,10 @@ class SlotCounts(NamedTuple):
 @dataclasses.dataclass
 class ActionTable:
   """A device's actions as loop data: rows int32 [A, len(COLUMNS)], one `TableRow` per
-  entry of the device's order; per cell on the device, its branches and slot counts;
-  the kinds of hand-off its actions receive."""
+  entry of the device's order; its Case branches, what each runs; per cell on the
+  device, its slot counts; the kinds of hand-off its actions receive."""
   rows: np.ndarray
-  branches: dict[int, Branches]
+  branches: list[Branch]
   slots: dict[int, SlotCounts]
   receives: list[ReceiveKind]
   keys: np.ndarray  # float64 [A, 3]: cell, unit, phase index (timeline.PHASES)
@@ -256,41 +264,37 @@ def action_table(plan: PipelineSchedule, d: int, shape_class: Sequence[int],
   slices = plan.slices
   token_offsets = token_offsets or [0] * len(offsets)
   cells = sorted({k for k, _ in plan.device_orders[d]})
-  branches, first = {}, 0
-  for k in cells:
-    sizes = tuple(sorted({len(g) for g in plan.weight_groups(k).values()}))
-    branches[k] = Branches(first, num_classes, sizes)
-    first = branches[k].end
+  branches = _branches(plan, cells, num_classes)
+  branch_of = {(b.cell, b.phase, b.shape_class, b.group_size): i
+               for i, b in enumerate(branches)}
   stash = {k: _LowestFree() for k in cells}
   cache = {k: _LowestFree() for k in cells}
   products = {k: _ProductRing(plan.max_awaiting_weights(k)) for k in cells}
   groups = {k: plan.weight_groups(k) for k in cells}
-  receives = [ReceiveKind(k, phase, c) for k in cells for c in range(num_classes)
-              for phase, neighbour in ((FORWARD, k - 1), (BACKWARD, k + 1))
-              if 0 <= neighbour < plan.num_cells]
+  receives = [b.receive for b in branches if b.receive is not None]
   rows: list[TableRow] = []
   for k, action in plan.device_orders[d]:
     u, phase = action.unit, action.phase
     m, j = divmod(u, slices)
     if phase == WEIGHT_GRADIENT:
       group = groups[k][u]
-      rows.append(TableRow(branches[k].weight_gradient(len(group)), u, offsets[u],
+      rows.append(TableRow(branch_of[k, phase, 0, len(group)], u, offsets[u],
                            first_product_slot=products[k].first(group)))
       continue
     first_slice = j == 0 and slices > 1  # takes (F) or frees (B) the micro-batch's cache
     if phase == FORWARD:
-      branch, stash_slot, product_slot = branches[k].forward(shape_class[u]), stash[k].take(u), 0
+      stash_slot, product_slot = stash[k].take(u), 0
       if first_slice:
         cache[k].take(m)
     else:
-      branch, stash_slot = branches[k].backward(shape_class[u]), stash[k].release(u)
-      product_slot = products[k].write(u)
+      stash_slot, product_slot = stash[k].release(u), products[k].write(u)
       if first_slice:
         cache[k].release(m)
-    receive = ReceiveKind(k, phase, shape_class[u])
+    branch = branch_of[k, phase, shape_class[u], 0]
+    receive = branches[branch].receive
     rows.append(TableRow(
         branch, u, offsets[u], stash_slot=stash_slot, product_slot=product_slot,
-        receive=receives.index(receive) if receive in receives else NO_RECEIVE,
+        receive=receives.index(receive) if receive is not None else NO_RECEIVE,
         token_offset=token_offsets[u], token_slice=j, cache_slot=cache[k].of(m)))
   keys = [[k, a.unit, timeline.PHASES.index(a.phase)] for k, a in plan.device_orders[d]]
   return ActionTable(np.array(rows, np.int32).reshape(-1, len(COLUMNS)), branches,
@@ -458,14 +462,6 @@ class ActionArgs(NamedTuple):
 ActionResult = CellState
 
 
-class Handler(NamedTuple):
-  """One Case branch of a cell: its index, what it receives (None: nothing) and the
-  action it runs."""
-  branch: int
-  receives: ReceiveKind | None
-  run: Callable[[CellState, ActionArgs], ActionResult]
-
-
 @dataclasses.dataclass
 class CellLoop:
   """What cell k's actions need in its device's loop: the cell, its call signatures
@@ -476,7 +472,6 @@ class CellLoop:
   k: int
   signatures: list[CallSignature]   # per shape class
   sizes: list[tuple[int, int]]      # per shape class, its (rows, tokens; 0: whole)
-  branches: Branches
   slots: SlotCounts
   num_units: int                    # U = M·S: micro-batches × token slices
   slices: int                       # S
@@ -490,7 +485,7 @@ class CellLoop:
     sig0 = self.signatures[0]
     return CellState(
         sums=sig0.layout.zeros(),
-        stash=[_stash_slots(sig.saved, self.slots.stash) for sig in self.signatures],
+        stash=[_stash_slots(sig.saved.flat(), self.slots.stash) for sig in self.signatures],
         outputs=(_list(sig0.outputs, self.num_units) if self.cell.head is not None
                  else []),
         stats=_list(sig0.stats, self.num_units),
@@ -499,20 +494,13 @@ class CellLoop:
         cache=_slots(sig0.cache, self.slots.cache),
         cache_grads=_slots(sig0.cache, self.slots.cache))
 
-  def handlers(self) -> list[Handler]:
-    """The cell's Case branches: F and B per shape class, W per group size."""
-    out = []
-    for c in range(len(self.signatures)):
-      out.append(Handler(self.branches.forward(c),
-                         ReceiveKind(self.k, FORWARD, c) if self.previous else None,
-                         functools.partial(self.forward, c)))
-      out.append(Handler(self.branches.backward(c),
-                         ReceiveKind(self.k, BACKWARD, c) if self.following else None,
-                         functools.partial(self.backward, c)))
-    for n in self.branches.weight_sizes:
-      out.append(Handler(self.branches.weight_gradient(n), None,
-                         functools.partial(self.weight_gradient, n)))
-    return out
+  def action(self, branch: Branch) -> Callable[[CellState, ActionArgs], ActionResult]:
+    """What one of the cell's Case branches runs."""
+    if branch.phase == FORWARD:
+      return functools.partial(self.forward, branch.shape_class)
+    if branch.phase == BACKWARD:
+      return functools.partial(self.backward, branch.shape_class)
+    return functools.partial(self.weight_gradient, branch.group_size)
 
   def receive_specs(self, phase: str, c: int) -> list[tf.TensorSpec]:
     """What a forward (inputs) or backward (output gradients) of shape class c receives."""
@@ -583,7 +571,8 @@ class CellLoop:
     else:
       kept = [ta.write(row.unit, t) for ta, t in zip(state.outputs, outputs)]
     stash = list(state.stash)
-    stash[c] = [ta.write(row.stash_slot, _stashed(t)) for ta, t in zip(stash[c], saved)]
+    stash[c] = [ta.write(row.stash_slot, _stashed(t))
+                for ta, t in zip(stash[c], saved.flat())]
     return state._replace(
         outputs=kept, stash=stash,
         stats=[ta.write(row.unit, t) for ta, t in zip(state.stats, stats)],
@@ -604,13 +593,13 @@ class CellLoop:
     else:
       seeds = list(args.received)
     stash = list(state.stash)
-    saved, stash[c] = _take(stash[c], row.stash_slot, sig.saved)
+    taken, stash[c] = _take(stash[c], row.stash_slot, sig.saved.flat())
     cache = self._cache_entries(state.cache, row, sig.cache, True)
     cache_grads = self._cache_entries(state.cache_grads, row, sig.cache,
                                       row.token_slice < self.slices - 1)
     input_grads, cache_grads, sums, product_inputs, product_grads = cell.backward(
-        sig, saved, seeds, state.sums, self.step_inputs.step, self._call_info(row), cache,
-        cache_grads)
+        sig, sig.saved.like(taken), seeds, state.sums, self.step_inputs.step,
+        self._call_info(row), cache, cache_grads)
     if self.previous is not None:
       self.previous.backward.send(input_grads)
     later_slices = row.token_slice > 0  # whose backwards still need the cache
@@ -678,20 +667,20 @@ class DeviceLoop:
 
     def body(i: tf.Tensor, state: LoopState) -> tuple[tf.Tensor, LoopState]:
       row = TableRow(*tf.unstack(tf.gather(table, i)))
-      branches = {}
-      for j, k in enumerate(order):
-        for handler in self.cells[k].handlers():
-          received = (state.inbox[position[handler.receives]]
-                      if handler.receives is not None else None)
-          args = ActionArgs(row, received)
-          branches[handler.branch] = (lambda j=j, run=handler.run, args=args:
-                                      self._step(state, j, run, args))
+
+      def branch_fn(branch: Branch) -> Callable[[], list[CellState]]:
+        received = (state.inbox[position[branch.receive]] if branch.receive is not None
+                    else None)
+        run = self.cells[branch.cell].action(branch)
+        return lambda: self._step(state, order.index(branch.cell), run,
+                                  ActionArgs(row, received))
+
       # The action's timestamps, around its Case (each a call of the host clock).
       start = _timestamp(self.device, tf.nest.flatten(state.inbox) + [i])
       with tf.control_dependencies([start]):
         cells = tf_internals.unlowered(
             lambda: tf.switch_case(tf.cast(row.branch, tf.int32),
-                                   [branches[b] for b in range(len(branches))]))
+                                   [branch_fn(b) for b in self.table.branches]))
       end = _timestamp(self.device, _flows(cells))
       times = state.times.write(i, tf.stack([start, end]))
       inbox = self._prefetch(state.inbox,
@@ -880,11 +869,10 @@ def _device_loop(cells: Sequence[CellFunctions], signatures: list[list[CallSigna
                  ) -> DeviceLoop:
   """The loop of the device whose table is `table`, over the cells it holds."""
   last = len(cells) - 1
-  loops = {k: CellLoop(cells[k], k, signatures[k], class_sizes, branches, table.slots[k],
-                       plan.num_units, plan.slices,
-                       previous=links[k - 1] if k > 0 else None,
+  loops = {k: CellLoop(cells[k], k, signatures[k], class_sizes, slots, plan.num_units,
+                       plan.slices, previous=links[k - 1] if k > 0 else None,
                        following=links[k] if k < last else None, step_inputs=step_inputs)
-           for k, branches in table.branches.items()}
+           for k, slots in table.slots.items()}
   return DeviceLoop(cells[min(loops)].device, loops, table)
 
 
