@@ -133,8 +133,8 @@ def step_memory(device: str | None, layer_params: Sequence[Any], input_specs: An
     return StepMemory()
 
   def peak_beyond(fn: Callable[[], Any]) -> float:
-    before, peak = memory.peak_during(fn, allocator)
-    return peak - before
+    usage, _ = memory.usage_during(fn, allocator)
+    return usage.peak - usage.before
 
   def activations(num_micro_batches: int, recompute: str, batch: int) -> float:
     shape = step_model.PlanShape(1, (len(layer_params),), num_micro_batches, recompute,
@@ -307,15 +307,12 @@ def concurrency(devices: Sequence[str], work: Callable[[str], Callable[[], Any]]
     return fn
 
   alone, together = on([0]), on(list(range(len(devices))))
-  np.asarray(alone())
-  np.asarray(together())
+  for fn in (alone, together):  # traced, warmed up
+    fn()
   ratios = []
   for _ in range(runs):
-    start = time.perf_counter()
-    np.asarray(alone())
-    middle = time.perf_counter()
-    np.asarray(together())
-    ratios.append((middle - start) / max(time.perf_counter() - middle, 1e-12))
+    (alone_s,), (together_s,) = (layer_profiler.call_seconds(f, 1) for f in (alone, together))
+    ratios.append(alone_s / max(together_s, 1e-12))
   found = len(devices) * float(np.median(ratios))
   return float("inf") if found >= len(devices) else max(found, 1.0)
 

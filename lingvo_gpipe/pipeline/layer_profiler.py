@@ -20,6 +20,7 @@ them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -33,6 +34,7 @@ import tensorflow as tf
 from lingvo_gpipe.core import base_layer, token_slices
 from lingvo_gpipe.core.gc_pause import cyclic_gc_paused
 from lingvo_gpipe.core.hyperparams import ParamsError
+from lingvo_gpipe.pipeline import memory
 
 
 class CostCacheError(ParamsError):
@@ -79,10 +81,22 @@ class LayerCost:
   backward_work_fixed_bytes: int = 0
   kept_input_bytes: int = 0
 
+  # The figures measured at two sizes: each, at `batch`, and its intercept a.
+  LINES = {"forward_s": "forward_fixed_s", "backward_s": "backward_fixed_s",
+           "backward_split_s": "backward_split_fixed_s",
+           "forward_work_bytes": "forward_work_fixed_bytes",
+           "backward_work_bytes": "backward_work_fixed_bytes"}
+
   @property
   def step_s(self) -> float:
     """Forward and backward seconds together (the partitioner's cost)."""
     return self.forward_s + self.backward_s
+
+  def at(self, name: str, batch: Any) -> Any:
+    """Figure `name` (one of LINES) at `batch` examples: the line a + c·b through its
+    intercept a and its value at `self.batch` (a number, or an array of batches)."""
+    value, fixed = getattr(self, name), getattr(self, self.LINES[name])
+    return fixed + (value - fixed) * (batch / self.batch)
 
 
 def random_like(spec: tf.TensorSpec) -> tf.Tensor:
@@ -463,19 +477,13 @@ def _memory_of_one_run(pair: Any, flat: Sequence[tf.Tensor], allocator: str
                        ) -> tuple[int, int, int]:
   """(bytes the forward leaves held, its peak beyond that, the backward's peak beyond
   what it starts from) of one run of the pair."""
-  def current() -> int:
-    return tf.config.experimental.get_memory_info(allocator)["current"]
-
-  before = current()
-  tf.config.experimental.reset_memory_stats(allocator)
-  outputs, kept = pair.forward(list(flat))
-  after = tf.config.experimental.get_memory_info(allocator)
-  held, forward_work = after["current"] - before, after["peak"] - after["current"]
+  forward, (outputs, kept) = memory.usage_during(
+      functools.partial(pair.forward, list(flat)), allocator)
   seeds = [tf.ones_like(outputs[i]) for i in pair.trainable_outputs]
-  start = current()
-  tf.config.experimental.reset_memory_stats(allocator)
-  grads = pair.backward(seeds, list(kept))
-  backward_work = tf.config.experimental.get_memory_info(allocator)["peak"] - start
+  backward, grads = memory.usage_during(
+      functools.partial(pair.backward, seeds, list(kept)), allocator)
+  held, forward_work = forward.after - forward.before, forward.peak - forward.after
+  backward_work = backward.peak - backward.before
   # The allocator's statistics leave out allocations under 256 KiB on CPU (seen on
   # TensorFlow 2.21); the gradients the backward returns are its floor.
   returned = _nbytes([tf.convert_to_tensor(g) for g in grads if g is not None])

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import tensorflow as tf
 
@@ -26,15 +26,25 @@ def step_activation_bytes(run_step: Callable[[], Any], device: str = "CPU:0") ->
   .numpy() on a result) and returns {'activation_bytes', 'peak_bytes',
   'baseline_bytes'} for `device`."""
   gc.collect()
-  before, peak = peak_during(run_step, device)
-  return {"activation_bytes": peak - before, "peak_bytes": peak, "baseline_bytes": before}
+  usage, _ = usage_during(run_step, device)
+  return {"activation_bytes": usage.peak - usage.before, "peak_bytes": usage.peak,
+          "baseline_bytes": usage.before}
 
 
-def peak_during(run: Callable[[], Any], allocator: str) -> tuple[int, int]:
-  """(bytes in use on `allocator` just before `run()`, the peak while it ran): the one
-  place the allocator's counts are read around a call (`run` must block until its
-  work is done)."""
+class Usage(NamedTuple):
+  """Bytes in use on an allocator just before a call, at its peak while the call
+  ran, and just after it."""
+  before: int
+  peak: int
+  after: int
+
+
+def usage_during(run: Callable[[], Any], allocator: str) -> tuple[Usage, Any]:
+  """(`Usage` of `allocator` around `run()`, what run() returned): the one place the
+  allocator's counts are read around a call (`run` must block until its work is
+  done)."""
   before = tf.config.experimental.get_memory_info(allocator)["current"]
   tf.config.experimental.reset_memory_stats(allocator)
-  run()
-  return before, tf.config.experimental.get_memory_info(allocator)["peak"]
+  result = run()
+  after = tf.config.experimental.get_memory_info(allocator)
+  return Usage(before, after["peak"], after["current"]), result

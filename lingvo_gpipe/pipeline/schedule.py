@@ -105,7 +105,7 @@ import dataclasses
 import functools
 import re
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from lingvo_gpipe.core import near_equal
 from lingvo_gpipe.core.hyperparams import ParamsError
@@ -145,6 +145,38 @@ def weight_gradient(m: int) -> Action:
 
 
 Times = float | Sequence[float]  # one for every cell, or one per cell
+
+
+def cell_lists(device_orders: Sequence[Sequence[tuple[int, Action]]], num_cells: int
+               ) -> tuple[tuple[Action, ...], ...]:
+  """Each cell's actions, in the order its device runs them: the cells' lists of
+  devices' orders of (cell, action) pairs."""
+  return tuple(tuple(a for order in device_orders for c, a in order if c == k)
+               for k in range(num_cells))
+
+
+class _WeightGroups(NamedTuple):
+  """A cell's backwards grouped by its W actions (`of`): groups, per W (by unit), the
+  units of the backwards since the previous W up to its own; left, the backwards after
+  the last W; orphan, the position of the first W with no backward of its own pending
+  (its B has not run, or an earlier W took it), or None."""
+  groups: dict[int, list[int]]
+  left: list[int]
+  orphan: int | None
+
+  @classmethod
+  def of(cls, cell_actions: Sequence[Action]) -> _WeightGroups:
+    groups: dict[int, list[int]] = {}
+    pending: list[int] = []
+    for i, action in enumerate(cell_actions):
+      if action.phase == BACKWARD:
+        pending.append(action.unit)
+      elif action.phase == WEIGHT_GRADIENT:
+        if action.unit not in pending:
+          return cls(groups, pending, i)
+        cut = pending.index(action.unit) + 1
+        groups[action.unit], pending = pending[:cut], pending[cut:]
+    return cls(groups, pending, None)
 
 
 def _per_cell(value: Times, num_cells: int, what: str) -> list[float]:
@@ -245,27 +277,24 @@ class PipelineSchedule:
     last = self.num_units - 1
     for k, cell_actions in enumerate(self.actions):
       seen: set[Action] = set()
-      pending: list[int] = []  # backwards since the last W, in order (cells that defer)
-      defers = any(a.phase == WEIGHT_GRADIENT for a in cell_actions)
       for i, action in enumerate(cell_actions):
         if not 0 <= action.unit <= last or action in seen:
           raise self._error(k, i, f"must run F0..F{last} and B0..B{last} once each; "
                                   f"{action} is {'repeated' if action in seen else 'unknown'}")
         seen.add(action)
-        if action.phase == BACKWARD:
-          if forward(action.unit) not in seen:
-            raise self._error(k, i, f"runs {action} before F{action.unit}")
-          pending.append(action.unit)
-        if action.phase == WEIGHT_GRADIENT:
-          if action.unit not in pending:
-            raise self._error(k, i, f"runs {action} with no backward of its own to finish: "
-                                    f"B{action.unit} has not run, or an earlier W "
-                                    "computed its weight gradients")
-          del pending[:pending.index(action.unit) + 1]
+        if action.phase == BACKWARD and forward(action.unit) not in seen:
+          raise self._error(k, i, f"runs {action} before F{action.unit}")
       if len([a for a in seen if a.phase != WEIGHT_GRADIENT]) != 2 * self.num_units:
         raise ScheduleError(f"{self.name}: cell {k} must run F0..F{last} and B0..B{last} "
                             f"once each; it runs {' '.join(map(str, cell_actions))}")
-      if defers and pending:
+      groups = _WeightGroups.of(cell_actions)
+      if groups.orphan is not None:
+        action = cell_actions[groups.orphan]
+        raise self._error(k, groups.orphan,
+                          f"runs {action} with no backward of its own to finish: "
+                          f"B{action.unit} has not run, or an earlier W computed its "
+                          "weight gradients")
+      if groups.groups and groups.left:
         raise self._error(k, len(cell_actions) - 1,
                           "ends with backwards whose weight gradients no W computes")
 
@@ -348,14 +377,7 @@ class PipelineSchedule:
   def weight_groups(self, k: int) -> dict[int, list[int]]:
     """Per W action of cell k (by unit): the units whose weight
     gradients it computes, the backwards since the previous W up to its own."""
-    groups, pending = {}, []
-    for action in self.actions[k]:
-      if action.phase == BACKWARD:
-        pending.append(action.unit)
-      elif action.phase == WEIGHT_GRADIENT:
-        cut = pending.index(action.unit) + 1
-        groups[action.unit], pending = pending[:cut], pending[cut:]
-    return groups
+    return _WeightGroups.of(self.actions[k]).groups
 
   def simulate(self, forward_time: Times = 1.0, backward_time: Times = 1.0,
                weight_time: Times = 1.0, transfer_time: float = 0.0,
@@ -489,9 +511,8 @@ class PipelineSchedule:
   def _rebuilt(self, device_orders: Sequence[Sequence[tuple[int, Action]]]
                ) -> PipelineSchedule:
     """This schedule with other device orders (the cells' lists follow from them)."""
-    actions = tuple(tuple(a for d in device_orders for c, a in d if c == k)
-                    for k in range(self.num_cells))
-    return PipelineSchedule(self.name, self.num_cells, self.num_units, actions,
+    return PipelineSchedule(self.name, self.num_cells, self.num_units,
+                            cell_lists(device_orders, self.num_cells),
                             self.device_of, tuple(tuple(o) for o in device_orders),
                             self.slices)
 
@@ -718,9 +739,8 @@ class _Rounds:
     return self._order(d, list(reversed(range(self.cells // self.devices))), backward)
 
   def schedule(self, orders: Sequence[tuple[tuple[int, Action], ...]]) -> PipelineSchedule:
-    actions = tuple(tuple(a for c, a in orders[k % self.devices] if c == k)
-                    for k in range(self.cells))
-    return PipelineSchedule(self.name, self.cells, self.micro_batches, actions,
+    return PipelineSchedule(self.name, self.cells, self.micro_batches,
+                            cell_lists(orders, self.cells),
                             placement(self.name, self.cells, self.cells // self.devices),
                             tuple(orders))
 
@@ -802,10 +822,8 @@ def zero_bubble_v(num_cells: int, num_micro_batches: int) -> PipelineSchedule:
     while count[(first, WEIGHT_GRADIENT)] < count[(first, BACKWARD)]:
       add(first, WEIGHT_GRADIENT)
     orders.append(tuple((k, a) for k, a in order if a.unit < m))
-  device_of = placement("zbv", num_cells)
-  actions = tuple(tuple(a for c, a in orders[device_of[k]] if c == k)
-                  for k in range(num_cells))
-  return PipelineSchedule("zbv", num_cells, m, actions, device_of, tuple(orders))
+  return PipelineSchedule("zbv", num_cells, m, cell_lists(orders, num_cells),
+                          placement("zbv", num_cells), tuple(orders))
 
 def _with_lagging_weights(cell: Sequence[Action], lag: int, num_micro_batches: int
                           ) -> tuple[Action, ...]:
@@ -982,8 +1000,7 @@ def from_device_lists(name: str, rows: Sequence[Sequence[str]]) -> PipelineSched
     if "B" in used and used & {"I", "W"} or ("I" in used) != ("W" in used):
       raise ScheduleError(f"{name}: cell {k} runs {''.join(sorted(used))}: a cell either "
                           "runs whole backwards (B) or splits them (I and W)")
-  actions = tuple(tuple(a for order in orders for c, a in order if c == k)
-                  for k in range(num_cells))
+  actions = cell_lists(orders, num_cells)
   num_micro = 1 + max((a.unit for cell in actions for a in cell), default=-1)
   return PipelineSchedule(name, num_cells, num_micro, actions,
                           tuple(device_of[k] for k in range(num_cells)), tuple(orders))

@@ -218,13 +218,9 @@ def layer_times(cost: LayerCost, batch: float) -> tuple[float, float]:
   apart from its forward (`LayerCost.backward_split_s`, where measured): a cell calls
   each layer as a function of its own, re-materialized or not, so TensorFlow
   differentiates each call by its own backward function."""
-  scale = batch / cost.batch
-  forward = cost.forward_fixed_s + (cost.forward_s - cost.forward_fixed_s) * scale
-  if cost.backward_split_s is not None:
-    backward = cost.backward_split_fixed_s + (
-        cost.backward_split_s - cost.backward_split_fixed_s) * scale
-  else:
-    backward = cost.backward_fixed_s + (cost.backward_s - cost.backward_fixed_s) * scale
+  forward = cost.at("forward_s", batch)
+  backward = cost.at("backward_split_s" if cost.backward_split_s is not None else "backward_s",
+                     batch)
   return max(forward, 0.0), max(backward, 0.0)
 
 
@@ -418,12 +414,8 @@ def layer_work_bytes(cost: LayerCost, batch: float) -> float:
   examples, beyond what it is given and what it leaves (measured by the allocator at
   two sizes: lines a + c·b, as the times; a backward's weight gradients are its
   fixed part)."""
-  scale = batch / cost.batch
-  forward = cost.forward_work_fixed_bytes + (
-      cost.forward_work_bytes - cost.forward_work_fixed_bytes) * scale
-  backward = cost.backward_work_fixed_bytes + (
-      cost.backward_work_bytes - cost.backward_work_fixed_bytes) * scale
-  return float(max(forward, backward, 0.0))
+  return float(max(cost.at("forward_work_bytes", batch), cost.at("backward_work_bytes", batch),
+                   0.0))
 
 
 def working_bytes(kept_bytes: Any, recompute: bool, cache_bytes: Any = 0.0,
