@@ -11,6 +11,7 @@ by polling under a generous deadline, not by a fixed sleep; read the process-wid
 allocator counts with no garbage collection between the reads (`cpu_allocator_stats`).
 """
 
+import atexit
 import os
 import sys
 from collections.abc import Iterator
@@ -21,6 +22,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
+from trainer_forkserver import TrainerServer  # noqa: E402
 
 from lingvo_gpipe.core.gc_pause import cyclic_gc_paused
 from lingvo_gpipe.runtime.devices import configure_devices
@@ -53,25 +55,33 @@ def sigint_as_default() -> None:
   signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def engine_loss_and_grads(model, wrapped, batch: dict, step: int, loss_scale=None):
-  """One training step's loss and gradients as the trainer computes them (the
-  pipeline's schedule, or TensorFlow's gradient of the whole batch):
-  train_step.loss_and_gradients of `wrapped` (a train_step.StackWithLoss of `model`) on
-  `batch`, traced in a tf.function at global step `step` (it seeds dropout), with the
-  loss scale `loss_scale` → (loss, one gradient per stacked_variables.trainable_weights
-  of `model`), numpy."""
+def engine_step(model, wrapped, batch: dict, step: int, loss_scale=None, variables=None):
+  """One training step as the trainer computes it, traced: train_step.loss_and_gradients
+  of `wrapped` (a train_step.StackWithLoss of `model`: the pipeline's schedule, or
+  TensorFlow's gradient of the whole batch) on `batch` at global step `step` (it seeds
+  dropout), with the loss scale `loss_scale` → a tf.function returning (loss, one
+  gradient per variable of `variables` (default: stacked_variables.trainable_weights
+  of `model`, a stack's rows apart), each reporting layer's batch statistics as
+  (layer path, statistics))."""
   from lingvo_gpipe import train_step
   from lingvo_gpipe.core import base_layer, stacked_variables
 
   @tf.function
   def run():
+    stats: list = []
     with base_layer.step_context(training=True, step=tf.constant(step, tf.int64),
-                                 loss_scale=loss_scale):
+                                 loss_scale=loss_scale, layer_stats=stats):
       metrics, grads = train_step.loss_and_gradients(
-          wrapped, batch, stacked_variables.trainable_weights(model))
-    return metrics["loss"][0], grads
+          wrapped, batch,
+          stacked_variables.trainable_weights(model) if variables is None else variables)
+    return metrics["loss"][0], grads, [(layer.path, s) for layer, s in stats]
 
-  loss, grads = run()
+  return run
+
+
+def engine_loss_and_grads(model, wrapped, batch: dict, step: int, loss_scale=None):
+  """`engine_step`'s loss and gradients, numpy."""
+  loss, grads, _ = engine_step(model, wrapped, batch, step, loss_scale)()
   return loss.numpy(), [g.numpy() for g in grads]
 
 
@@ -94,18 +104,29 @@ def cpu_devices() -> list[str]:
   return list(TEST_DEVICE_NAMES)
 
 
+_TRAINER_SERVER = TrainerServer()
+atexit.register(_TRAINER_SERVER.close)
+
+
 def run_trainer(*args: str, env: dict | None = None, timeout: int = 300,
-                file_size_limit: int | None = None):
-  """Runs tools/trainer.py in a subprocess; returns the CompletedProcess.
-  `file_size_limit`: no file may grow past this many bytes (RLIMIT_FSIZE): a write past
-  it fails with EFBIG, as a write to a full disk fails with ENOSPC."""
+                file_size_limit: int | None = None, fresh_process: bool = False):
+  """Runs tools/trainer.py ARGS in a process of its own; returns the CompletedProcess.
+  The process is forked from a server that imported TensorFlow once
+  (tests/trainer_forkserver.py); `fresh_process`, or an `env` of its own: a new
+  interpreter instead (what the trainer does while it imports TensorFlow, and the
+  variables TensorFlow reads then). `file_size_limit`: no file may grow past this many
+  bytes (RLIMIT_FSIZE): a write past it fails with EFBIG, as a write to a full disk
+  fails with ENOSPC."""
   import resource
   import subprocess
+
+  full_env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", **(env or {}))
+  if not fresh_process and env is None:
+    return _TRAINER_SERVER.run(list(args), full_env, timeout, file_size_limit)
 
   def limit():
     resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, file_size_limit))
 
-  full_env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", **(env or {}))
   return subprocess.run([sys.executable, str(REPO / "tools" / "trainer.py"), *args],
                         capture_output=True, text=True, timeout=timeout, env=full_env,
                         cwd=REPO, preexec_fn=limit if file_size_limit else None)

@@ -3,9 +3,9 @@ runs its layers (layer_function_test.py, scan_layers_test.py)."""
 
 import numpy as np
 import tensorflow as tf
+from conftest import engine_step
 
-from lingvo_gpipe import train_step
-from lingvo_gpipe.core import base_layer, layers
+from lingvo_gpipe.core import layers
 
 DIM = 8
 BATCH = 8
@@ -28,17 +28,7 @@ def batch() -> dict[str, tf.Tensor]:
 
 
 def step_function(model, wrapped):
-  """The traced training step of `model` (wrapped with its loss) on `batch()`:
-  → (loss, gradients, each batch norm's reported statistics as (path, stats))."""
-  data = batch()
-
-  @tf.function
-  def step():
-    stats = []
-    with base_layer.step_context(training=True, step=tf.constant(7, tf.int64),
-                                 layer_stats=stats):
-      metrics, grads = train_step.loss_and_gradients(wrapped, data,
-                                                      model.trainable_variables)
-    return metrics["loss"][0], grads, [(layer.path, s) for layer, s in stats]
-
-  return step
+  """The traced training step of `model` (wrapped with its loss) on `batch()` at step 7
+  (conftest.engine_step): → (loss, gradients of its trainable variables (a stack
+  whole), each batch norm's reported statistics as (path, stats))."""
+  return engine_step(model, wrapped, batch(), step=7, variables=model.trainable_variables)

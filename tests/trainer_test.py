@@ -274,6 +274,18 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, args, file
   assert not logdir.exists() and not (tmp_path / "no_data").exists()
 
 
+def test_a_fresh_trainer_process_holds_back_tensorflows_start_up_lines(tmp_path):
+  """The other tests fork their trainers from a process that imported TensorFlow
+  already (tests/trainer_forkserver.py); a new interpreter imports it in the trainer,
+  which holds back TensorFlow's start-up lines (oneDNN, absl): bad input is still one
+  line on stderr."""
+  result = run_trainer(MODEL, "--params_override=task.train.save_interval_steps=0",
+                       f"--logdir={tmp_path / 'run'}", fresh_process=True)
+  assert result.returncode == 2, result.stderr
+  assert result.stderr.count("\n") == 1, result.stderr
+  assert not (tmp_path / "run").exists()
+
+
 BUGGY_LAYER_PARAM_FILE = textwrap.dedent("""
     from lingvo_gpipe import model_registry
     from lingvo_gpipe.core import layers
