@@ -149,8 +149,8 @@ Times = float | Sequence[float]  # one for every cell, or one per cell
 
 def cell_lists(device_orders: Sequence[Sequence[tuple[int, Action]]], num_cells: int
                ) -> tuple[tuple[Action, ...], ...]:
-  """Each cell's actions, in the order its device runs them: the cells' lists of
-  devices' orders of (cell, action) pairs."""
+  """Each cell's actions in the order its device runs them, taken from the devices'
+  orders of (cell, action) pairs."""
   return tuple(tuple(a for order in device_orders for c, a in order if c == k)
                for k in range(num_cells))
 
