@@ -23,6 +23,7 @@ signal N).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -98,6 +99,10 @@ class TrainerServer:
 
   def __init__(self):
     self._process: subprocess.Popen | None = None
+    # What the server wrote past its last whole line: its replies are read with
+    # os.read, not a buffered readline, which could hold the next line where select()
+    # cannot see it.
+    self._unread = b""
 
   def _server(self) -> subprocess.Popen:
     if self._process is None or self._process.poll() is not None:
@@ -105,18 +110,22 @@ class TrainerServer:
           [sys.executable, str(Path(__file__).resolve())], stdin=subprocess.PIPE,
           stdout=subprocess.PIPE, text=True, cwd=REPO,
           env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+      self._unread = b""
     return self._process
 
   def _reply(self, server: subprocess.Popen, deadline: float | None) -> dict | None:
     """The server's next line (None: none before `deadline`)."""
-    timeout = None if deadline is None else max(deadline - time.monotonic(), 0)
-    ready, _, _ = select.select([server.stdout], [], [], timeout)
-    if not ready:
-      return None
-    line = server.stdout.readline()
-    if not line:
-      raise RuntimeError(f"the trainer fork server (pid {server.pid}) exited "
-                         f"with {server.wait()}")
+    fd = server.stdout.fileno()
+    while b"\n" not in self._unread:
+      timeout = None if deadline is None else max(deadline - time.monotonic(), 0)
+      if not select.select([fd], [], [], timeout)[0]:
+        return None
+      chunk = os.read(fd, 4096)
+      if not chunk:
+        raise RuntimeError(f"the trainer fork server (pid {server.pid}) exited "
+                           f"with {server.wait()}")
+      self._unread += chunk
+    line, self._unread = self._unread.split(b"\n", 1)
     return json.loads(line)
 
   def run(self, args: list[str], env: dict[str, str], timeout: float,
@@ -133,7 +142,8 @@ class TrainerServer:
       pid = self._reply(server, None)["pid"]
       ended = self._reply(server, time.monotonic() + timeout)
       if ended is None:
-        os.kill(pid, 9)
+        with contextlib.suppress(ProcessLookupError):  # (it may end meanwhile)
+          os.kill(pid, 9)
         self._reply(server, None)
         raise subprocess.TimeoutExpired([str(TRAINER), *args], timeout,
                                         out.read_text(), err.read_text())

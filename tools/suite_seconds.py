@@ -33,8 +33,8 @@ def seconds_by_file(lines) -> tuple[dict[str, float], dict[str, int], float | No
       value, _, path = match.groups()
       seconds[path] += float(value)
       tests[path].add(line.split("::", 1)[1].strip())
-    elif ("passed" in line or "failed" in line) and _WALL.search(line):
-      wall = float(_WALL.search(line).group(1))
+    elif ("passed" in line or "failed" in line) and (ended := _WALL.search(line)):
+      wall = float(ended.group(1))
   return dict(seconds), {path: len(names) for path, names in tests.items()}, wall
 
 

@@ -147,6 +147,19 @@ def _from_bits(t: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
   return tf.bitcast(t, dtype)
 
 
+def _consecutive(sizes: Sequence[int]) -> list[slice]:
+  """The slices of consecutive parts of these sizes in one flat list."""
+  starts = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+  return [slice(a, b) for a, b in zip(starts, starts[1:])]
+
+
+def _parts(flat: Sequence[Any], sizes: Sequence[int], what: str) -> list[list[Any]]:
+  """`flat` cut into consecutive parts of `sizes` (raises unless they cover it)."""
+  if sum(sizes) != len(flat):
+    raise ValueError(f"{len(flat)} {what} where the parts hold {sum(sizes)}")
+  return [list(flat[s]) for s in _consecutive(sizes)]
+
+
 class ProductSpecs(NamedTuple):
   """A cell's deferred weight products (cells with W actions): per product, its
   inputs [n, I] and output gradient [n, O]. probes: a cell not re-materialized that
@@ -177,13 +190,7 @@ class Saved(NamedTuple):
 
   def like(self, flat: Sequence[Any]) -> Saved:
     """`flat` (as `flat()` lists a record like this one) in this record's parts."""
-    flat, parts, start = list(flat), [], 0
-    for part in self:
-      parts.append(tuple(flat[start:start + len(part)]))
-      start += len(part)
-    if start != len(flat):
-      raise ValueError(f"{len(flat)} stashed tensors for a record of {start}")
-    return Saved(*parts)
+    return Saved(*map(tuple, _parts(flat, [len(part) for part in self], "stashed tensors")))
 
 
 class _ForwardResults(NamedTuple):
@@ -200,10 +207,7 @@ class _ForwardResults(NamedTuple):
   def split(cls, flat: Sequence[Any], sig: CallSignature) -> _ForwardResults:
     """The pair's concatenated results, in their parts as `sig` sizes them."""
     sizes = (len(sig.outputs), len(sig.stats), len(sig.cache), len(sig.products.probes))
-    starts = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
-    if starts[-1] != len(flat):
-      raise ValueError(f"{len(flat)} forward results where the signature has {starts[-1]}")
-    return cls(*(list(flat[a:b]) for a, b in zip(starts, starts[1:])))
+    return cls(*_parts(flat, sizes, "forward results"))
 
 
 class _Backward(NamedTuple):
@@ -231,8 +235,7 @@ class PairArguments(NamedTuple):
   def of(cls, sig: CallSignature) -> PairArguments:
     sizes = (len(sig.inputs), len(sig.head_inputs), 1, 1, len(sig.cache),
              len(sig.products.probes))
-    starts = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
-    return cls(*(slice(a, b) for a, b in zip(starts, starts[1:])), slice(starts[-1], None))
+    return cls(*_consecutive(sizes), slice(sum(sizes), None))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -697,9 +700,9 @@ class CellFunctions:
     if sig.pair is None:
       results = self._forward_fn(list(flat_inputs), list(flat_head), step, call_info,
                                  list(cache), sig.full_length)
-      return (list(results[0]), list(results[1]),
+      return (list(results.outputs), list(results.stats),
               Saved(inputs=tuple(flat_inputs), head_inputs=tuple(flat_head)),
-              list(results[2]))
+              list(results.cache))
     # Zeros: one tensor per distinct shape, passed as every probe of that shape.
     zeros: dict[tuple, tf.Tensor] = {}
     probes = [zeros.setdefault((tuple(spec.shape), spec.dtype), tf.zeros(spec.shape, spec.dtype))
