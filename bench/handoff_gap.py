@@ -87,8 +87,9 @@ def measure(where: str, models: list[str], schedules: list[str], micro_batches: 
           figures = {}
           for kind, values in per_kind.items():
             if values:
-              figures[f"{kind}_wait_ms"] = round(1e3 * float(statistics.median(w for w, _ in values)), 3)
-              figures[f"{kind}_cost_ms"] = round(1e3 * float(statistics.median(c for _, c in values)), 3)
+              for part, index in (("wait", 0), ("cost", 1)):
+                median = statistics.median(v[index] for v in values)
+                figures[f"{kind}_{part}_ms"] = round(1e3 * float(median), 3)
               figures[f"{kind}_count"] = len(values) // steps
           name = f"{where}_{model_name}_{schedule}_m{m}"
           print(name, figures, flush=True)

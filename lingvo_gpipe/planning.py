@@ -63,6 +63,19 @@ class MainStack:
     return cls(specs, tuple(layer_params), tf.nest.flatten(specs)[0].shape[0])
 
 
+def planned_batch(params: Params) -> str:
+  """What a plan is for, in words: the training batch, or with length buckets the
+  largest (the most tokens: the batch the memory must hold, and the one
+  `probe_main_stack` sizes the plan by)."""
+  train_input = params.train_input.instantiate()
+  buckets = train_input.buckets
+  if buckets is None:
+    return f"batch {train_input.params.batch_size}"
+  j = buckets.largest
+  return (f"the largest of {len(buckets.upper_bounds)} length buckets: batch "
+          f"{buckets.batch_sizes[j]} × {buckets.upper_bounds[j]} tokens")
+
+
 def layer_costs(stack: MainStack, setting: Setting) -> list[layer_profiler.LayerCost]:
   """Each layer's costs, measured on the first device or read from the cache."""
   device = setting.devices[0]

@@ -58,6 +58,7 @@ def preflight(params: Params, mode: str, devices: Sequence[str] = ()) -> None:
   made = {}
   if mode in TRAIN_MODES or mode == "plan":
     made["train_input"] = _made("train_input", params.train_input)
+    train_specs = made["train_input"].batch_specs()  # (checks its length buckets)
     train_spec = made["train_input"].batch_spec()
   if mode in EVAL_MODES + SERVING_MODES and params.eval_input is not None:
     made["eval_input"] = _made("eval_input", params.eval_input)
@@ -67,7 +68,8 @@ def preflight(params: Params, mode: str, devices: Sequence[str] = ()) -> None:
     check_pipeline_params(task.pipeline, "task.pipeline")
     if train_spec is not None:
       check_batch_splits(params)
-      _check_slices_against_tokens(task.pipeline, train_spec)
+      for spec in train_specs:  # every length bucket's tokens
+        _check_slices_against_tokens(task.pipeline, spec)
     # Serving builds one replica (exporter.inference_params), whatever training ran.
     pipeline = task.pipeline.copy().set(num_replicas=1) if mode in SERVING_MODES \
         else task.pipeline
@@ -150,23 +152,31 @@ def check_batch_splits(params: Params) -> None:
     hybrid.HybridError, layer.PipelineError: ValueErrors naming the keys and what
       would be valid.
   """
-  batch = params.train_input.batch_size
+  train_input = params.train_input
+  if "bucket_batch_sizes" in train_input and train_input.bucket_batch_sizes is not None:
+    batches = {f"train_input.bucket_batch_sizes[{j}]": size
+               for j, size in enumerate(train_input.bucket_batch_sizes)}
+  else:
+    batches = {"train_input.batch_size": train_input.batch_size}
   pipeline = params.task.pipeline
   num_replicas = pipeline.num_replicas
   if not isinstance(num_replicas, int) or num_replicas < 1:
     raise hybrid.HybridError(f"task.pipeline.num_replicas must be >= 1, got {num_replicas!r}")
-  if batch % num_replicas:
-    raise hybrid.HybridError(
-        f"train_input.batch_size={batch} is not divisible by task.pipeline.num_replicas="
-        f"{num_replicas}; use a multiple of {num_replicas}")
-  num_micro_batches = pipeline.num_micro_batches
-  per_replica = batch // num_replicas
-  if (requested_cells(pipeline) and isinstance(num_micro_batches, int)
-      and num_micro_batches > per_replica):  # (>= 1: check_pipeline_params)
-    shared = f" / {num_replicas} replicas" if num_replicas > 1 else ""
-    raise PipelineError(
-        f"task.pipeline.num_micro_batches={num_micro_batches} does not fit a batch of "
-        f"{per_replica} (train_input.batch_size={batch}{shared}); valid: 1..{per_replica}")
+  for key, batch in batches.items():
+    if not isinstance(batch, int) or isinstance(batch, bool):
+      continue  # the input refuses it, naming the key, when it is made
+    if batch % num_replicas:
+      raise hybrid.HybridError(
+          f"{key}={batch} is not divisible by task.pipeline.num_replicas="
+          f"{num_replicas}; use a multiple of {num_replicas}")
+    num_micro_batches = pipeline.num_micro_batches
+    per_replica = batch // num_replicas
+    if (requested_cells(pipeline) and isinstance(num_micro_batches, int)
+        and num_micro_batches > per_replica):  # (>= 1: check_pipeline_params)
+      shared = f" / {num_replicas} replicas" if num_replicas > 1 else ""
+      raise PipelineError(
+          f"task.pipeline.num_micro_batches={num_micro_batches} does not fit a batch of "
+          f"{per_replica} ({key}={batch}{shared}); valid: 1..{per_replica}")
 
 
 def _check_slices_against_tokens(pipeline: Params, spec: Any) -> None:

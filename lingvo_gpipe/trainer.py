@@ -291,7 +291,7 @@ class Trainer:
       return {}
     step_fn = self._build_train_step()
     writer = self._start_writing(found, start)  # the run is checked: from here on it writes
-    progress = _Progress(start, max_steps, self.train_input.params.batch_size)
+    progress = _Progress(start, max_steps)
     profiler = _StepProfiler(profile_steps, self.train_dir, self.log, start, max_steps)
     values: dict = {}
     try:
@@ -309,7 +309,7 @@ class Trainer:
           self.log(f"First step done in {progress.seconds_since_start():.1f} s")
         if on_step is not None:
           on_step(step, values)
-        examples_per_sec = progress.count_step()
+        examples_per_sec = progress.count_step(_examples_in(batch))
         if progress.due(train_p.summary_interval_steps):
           self._write_summaries(writer, step, values, examples_per_sec, timestamps)
         if progress.due(train_p.log_interval_steps):
@@ -460,12 +460,26 @@ class Trainer:
         what += f", {self.replicas.num_replicas} replicas"
     else:
       what = "not pipelined"
+    specs = self.train_input.batch_specs()
+    if len(specs) > 1:
+      what += f", {len(specs)} length buckets"
     self.log(f"Building the training step ({what}) ...")
     start = time.perf_counter()
-    traced = tf.function(self.train_step, input_signature=[self.train_input.batch_spec()])
-    with tf_internals.step_options(), cyclic_gc_paused():  # (its own Grappler settings)
-      traced.get_concrete_function()
-    self.log(f"Built the training step in {time.perf_counter() - start:.1f} s")
+    # One traced step per batch shape: every length bucket's up front unless
+    # task.train.trace_buckets says 'when_needed' (then a bucket's first batch traces
+    # its step, mid-run). Either way a bucket's first run still pays the executor's
+    # set-up (Grappler, kernels).
+    traced = _StepPerShape(self.train_step, specs, on_trace=lambda shape, seconds: self.log(
+        f"Built the training step for {'×'.join(map(str, shape[0]))} batches in "
+        f"{seconds:.1f} s"))
+    if len(specs) == 1 or self.params.task.train.trace_buckets == "up_front":
+      with tf_internals.step_options(), cyclic_gc_paused():  # (its own Grappler settings)
+        for spec in specs:
+          traced.trace(spec)
+      self.log(f"Built the training step in {time.perf_counter() - start:.1f} s"
+               + (" (one per bucket)" if len(specs) > 1 else ""))
+    else:
+      self.log("Each bucket's training step is built at its first batch")
 
     def step_fn(batch: Any) -> Any:
       with tf_internals.step_options():
@@ -494,7 +508,7 @@ class Trainer:
       raise TrainerError("this model has no eval_input")
     self.log(f"Evaluating at step {int(self.global_step.numpy())} ...")
     input_gen = self.params.eval_input.copy().set(repeat=False).instantiate()
-    step_fn = tf.function(self._eval_step, input_signature=[input_gen.batch_spec()])
+    step_fn = _StepPerShape(self._eval_step, input_gen.batch_specs())
     totals: dict[str, float] = {}
     weights: dict[str, float] = {}
     with tf_internals.step_options():
@@ -508,7 +522,7 @@ class Trainer:
     results = {name: totals[name] / weights[name] for name in totals}
     if getattr(self.task, "has_decoder", False):
       # Metrics of decoded outputs (BLEU) are computed on the host over the whole set.
-      decode_fn = tf.function(self._decode_step, input_signature=[input_gen.batch_spec()])
+      decode_fn = _StepPerShape(self._decode_step, input_gen.batch_specs())
       with tf_internals.step_options():
         decoded = [{k: v.numpy() for k, v in decode_fn(batch).items()}
                    for batch in input_gen.dataset()]
@@ -524,13 +538,50 @@ class Trainer:
     return results
 
 
+def _examples_in(batch: dict[str, tf.Tensor]) -> int:
+  """A batch's examples (its rows: with length buckets, each bucket has its own)."""
+  return int(tf.nest.flatten(batch)[0].shape[0])
+
+
+def _shape_of(structure: Any) -> tuple:
+  """The shapes of a batch's (or a batch spec's) tensors, in flattening order."""
+  return tuple(tuple(t.shape) for t in tf.nest.flatten(structure))
+
+
+class _StepPerShape:
+  """`step` as a tf.function of one batch, traced once per batch shape: with one shape
+  (no length buckets) for exactly that spec; with several, each when `trace` is
+  called for it or, failing that, at the first batch of its shape (then `on_trace`
+  hears the shape and the seconds it took). Traces go through get_concrete_function,
+  so a bucket's first batch is never a 'retrace' TensorFlow warns of."""
+
+  def __init__(self, step: Callable, specs: list[dict[str, tf.TensorSpec]],
+               on_trace: Callable[[tuple, float], None] | None = None):
+    self._traced = tf.function(step, input_signature=specs if len(specs) == 1 else None)
+    self._shapes: set[tuple] = set()
+    self._on_trace = on_trace
+
+  def trace(self, spec: Any) -> None:
+    self._traced.get_concrete_function(spec)
+    self._shapes.add(_shape_of(spec))
+
+  def __call__(self, batch: Any) -> Any:
+    shape = _shape_of(batch)
+    if shape not in self._shapes:
+      start = time.perf_counter()
+      self.trace(tf.nest.map_structure(tf.TensorSpec.from_tensor, batch))
+      if self._on_trace is not None:
+        self._on_trace(shape, time.perf_counter() - start)
+    return self._traced(batch)
+
+
 class _Progress:
   """Where one `Trainer.train` call is: the global step it has reached, the cadence of
   what is done at intervals, examples/sec over the steps since the last progress line
   (the window) and the ETA from the rate since the run started."""
 
-  def __init__(self, start: int, max_steps: int, batch_size: int):
-    self.start, self.max_steps, self.batch_size = start, max_steps, batch_size
+  def __init__(self, start: int, max_steps: int):
+    self.start, self.max_steps = start, max_steps
     self.step = start
     self.run_start = time.perf_counter()
     self.start_window()
@@ -547,14 +598,15 @@ class _Progress:
   def seconds_since_start(self) -> float:
     return time.perf_counter() - self.run_start
 
-  def count_step(self) -> float:
-    """Counts a step done in the window; returns examples/sec over the window."""
-    self.window_steps += 1
+  def count_step(self, examples: int) -> float:
+    """Counts a step of `examples` done in the window; returns examples/sec over the
+    window."""
+    self.window_examples += examples
     elapsed = time.perf_counter() - self.window_start
-    return self.window_steps * self.batch_size / max(elapsed, 1e-9)
+    return self.window_examples / max(elapsed, 1e-9)
 
   def start_window(self) -> None:
-    self.window_start, self.window_steps = time.perf_counter(), 0
+    self.window_start, self.window_examples = time.perf_counter(), 0
 
   def eta_seconds(self) -> float:
     """Seconds to max_steps at the rate since the run started."""

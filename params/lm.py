@@ -135,3 +135,20 @@ class TransformerTiny(SingleTaskModelParams):
 
   def eval_input(self):
     return self._corpus("eval", 512).set(repeat=False)
+
+
+@model_registry.register
+class TransformerTinyBuckets(TransformerTiny):
+  """TransformerTiny on long-tailed sentences (Zipf lengths, 4 to 46 words) batched by
+  length buckets: each batch padded to its bucket's bound only, about 400 tokens per
+  batch whatever the bucket (inputs/buckets.py)."""
+
+  BUCKET_UPPER_BOUNDS = [8, 12, 16, 24, 32, 48]
+  BUCKET_BATCH_SIZES = [48, 32, 24, 16, 12, 8]
+
+  def _corpus(self, split: str, num_examples: int):
+    return super()._corpus(split, num_examples).set(
+        max_length=46, sequence_length=48, length_distribution="zipf",
+        bucket_upper_bounds=self.BUCKET_UPPER_BOUNDS,
+        bucket_batch_sizes=self.BUCKET_BATCH_SIZES)
+

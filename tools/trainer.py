@@ -260,7 +260,8 @@ def _plan(params, devices: list[str]) -> int:
   except planner.PlanError as e:
     plans, no_plan = [], str(e)
   print(f"Planned in {time.perf_counter() - start:.1f} s: {len(devices)} device(s), "
-        f"{setting.memory_bytes / 2**30:.3g} GiB each after a 10% margin, batch {batch_size}")
+        f"{setting.memory_bytes / 2**30:.3g} GiB each after a 10% margin, "
+        f"{planning.planned_batch(params)}")
   if plans:
     print(planner.format_plans(plans))
   own = None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from lingvo_gpipe.core.hyperparams import Instantiable, InstantiableParams, ParamsError
+from lingvo_gpipe.inputs.buckets import Buckets, SequenceGroup
 
 
 class BaseInputGenerator(Instantiable):
@@ -12,6 +13,8 @@ class BaseInputGenerator(Instantiable):
 
   Subclasses implement `examples()` (a dataset of single examples); batching,
   repetition, shuffling and prefetching are done here, the same way for every input.
+  An input of padded sequences names them (`sequence_groups`) and can then batch by
+  length buckets (buckets.py): each batch from one bucket, padded to its bound.
   """
 
   @classmethod
@@ -23,6 +26,14 @@ class BaseInputGenerator(Instantiable):
     p.define("repeat", True, "Repeat forever (training) or go through once (eval).")
     p.define("shuffle_buffer", 0, "Shuffle buffer size; 0 disables shuffling.")
     p.define("prefetch", 2, "Batches to prefetch (tf.data.AUTOTUNE is -1).")
+    p.define("bucket_upper_bounds", None, "Length buckets (inputs of padded sequences): "
+             "increasing token bounds u_j; an example goes to the first bucket whose bound "
+             "its longest sequence fits, and its batch is padded to that bound only. The "
+             "last bound must be at least the padded length. None: every batch padded to "
+             "the full length, batch_size examples each.")
+    p.define("bucket_batch_sizes", None, "With bucket_upper_bounds: examples per batch of "
+             "each bucket (about tokens_per_batch / u_j keeps each step's work even). "
+             "batch_size is then unused.")
     return p
 
   def __init__(self, params: InstantiableParams):
@@ -31,19 +42,40 @@ class BaseInputGenerator(Instantiable):
       raise ParamsError(f"{params.name}: batch_size must be >= 1, got {params.batch_size}")
     self.params = params
 
+  def sequence_groups(self) -> list[SequenceGroup]:
+    """The padded sequences of an example, by their paddings key (none: this input
+    cannot be bucketed by length)."""
+    return []
+
+  @property
+  def buckets(self) -> Buckets | None:
+    """The length buckets the params ask for (None: one full-length batch shape).
+
+    Raises:
+      ParamsError: the bucket params are malformed or do not fit this input.
+    """
+    p = self.params
+    return Buckets.from_params(p.name, p.bucket_upper_bounds, p.bucket_batch_sizes,
+                               self.sequence_groups())
+
   def examples(self) -> tf.data.Dataset:
     """A dataset of single examples (dicts of tensors)."""
     raise NotImplementedError
 
   def dataset(self) -> tf.data.Dataset:
-    """Batches of `batch_size` (the last partial batch is dropped: shapes are static)."""
+    """Batches of `batch_size`, or with buckets of each bucket's batch size and bound
+    (a last partial batch is dropped: each batch shape is static)."""
     p = self.params
+    buckets = self.buckets
     ds = self.examples()
     if p.shuffle_buffer:
       ds = ds.shuffle(p.shuffle_buffer, seed=p.seed)
     if p.repeat:
       ds = ds.repeat()
-    ds = ds.batch(p.batch_size, drop_remainder=True)
+    if buckets is not None:
+      ds = buckets.batches(ds, self.sequence_groups())
+    else:
+      ds = ds.batch(p.batch_size, drop_remainder=True)
     return ds.prefetch(p.prefetch)
 
   def id_space_size(self) -> int | None:
@@ -52,7 +84,22 @@ class BaseInputGenerator(Instantiable):
     trainer then checks each batch as it comes)."""
     return None
 
-  def batch_spec(self) -> dict[str, tf.TensorSpec]:
-    """The TensorSpec of one batch, without reading any data."""
+  def full_batch_spec(self) -> dict[str, tf.TensorSpec]:
+    """The TensorSpec of a batch of `batch_size` padded to the full lengths, without
+    reading any data."""
     return {k: tf.TensorSpec([self.params.batch_size, *s.shape], s.dtype)
             for k, s in self.examples().element_spec.items()}
+
+  def batch_specs(self) -> list[dict[str, tf.TensorSpec]]:
+    """The TensorSpec of each batch shape this input gives: one per length bucket, or
+    the one full-length batch."""
+    buckets = self.buckets
+    if buckets is None:
+      return [self.full_batch_spec()]
+    return buckets.specs(self.full_batch_spec(), self.sequence_groups())
+
+  def batch_spec(self) -> dict[str, tf.TensorSpec]:
+    """The TensorSpec of one batch; with buckets, of the largest (most tokens): the
+    shape a step's memory is sized for and the planner plans."""
+    buckets = self.buckets
+    return self.batch_specs()[buckets.largest if buckets is not None else 0]

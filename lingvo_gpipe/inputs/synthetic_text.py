@@ -21,8 +21,10 @@ import tensorflow as tf
 from lingvo_gpipe.core.hyperparams import ParamsError
 from lingvo_gpipe.inputs import vocabulary
 from lingvo_gpipe.inputs.base_input import BaseInputGenerator
+from lingvo_gpipe.inputs.buckets import SequenceGroup
 
 _SPLIT_SEEDS = {"train": 1, "eval": 2, "test": 3}
+LENGTH_DISTRIBUTIONS = ("uniform", "zipf")
 WORD_ORDERS = ("same", "reversed", "swapped")
 
 
@@ -92,6 +94,10 @@ class _SyntheticText(BaseInputGenerator):
     p.define("min_length", 4, "Shortest sentence in words.")
     p.define("max_length", 10, "Longest sentence in words.")
     p.define("sequence_length", 12, "Padded length of every sequence (BOS/EOS included).")
+    p.define("length_distribution", "uniform", "How sentence lengths in [min_length, "
+             f"max_length] are drawn: one of {LENGTH_DISTRIBUTIONS}. 'uniform': each length "
+             "alike; 'zipf': P(n) ∝ 1 / (n − min_length + 1), mostly short sentences with a "
+             "long tail, as real text has (what length buckets are for).")
     p.define("language_seed", 4321, "Seed of the grammar and lexicons (shared by splits).")
     return p
 
@@ -107,6 +113,9 @@ class _SyntheticText(BaseInputGenerator):
     if p.num_examples < 1 or p.num_words < 2 or p.num_languages < 1:
       raise ParamsError(f"{p.name}: num_examples, num_languages must be >= 1 and num_words "
                        ">= 2")
+    if p.length_distribution not in LENGTH_DISTRIBUTIONS:
+      raise ParamsError(f"{p.name}: length_distribution must be one of "
+                        f"{LENGTH_DISTRIBUTIONS}, got {p.length_distribution!r}")
     self.languages = SyntheticLanguages(p.num_words, p.num_languages, p.shared_fraction,
                                         p.language_seed)
     self.vocab = self.languages.vocabulary()
@@ -116,7 +125,11 @@ class _SyntheticText(BaseInputGenerator):
     return self.vocab.size
 
   def _length(self) -> int:
-    return self._rng.randint(self.params.min_length, self.params.max_length + 1)
+    p = self.params
+    if p.length_distribution == "zipf":
+      ranks = np.arange(1, p.max_length - p.min_length + 2)
+      return p.min_length + int(self._rng.choice(len(ranks), p=(1 / ranks) / np.sum(1 / ranks)))
+    return self._rng.randint(p.min_length, p.max_length + 1)
 
   def _arrays(self) -> dict[str, np.ndarray]:
     raise NotImplementedError
@@ -131,6 +144,10 @@ class _SyntheticText(BaseInputGenerator):
 
 class SyntheticLm(_SyntheticText):
   """{'ids': [T] int32 (BOS + sentence), 'labels': [T] (sentence + EOS), 'paddings': [T]}."""
+
+  def sequence_groups(self) -> list[SequenceGroup]:
+    return [SequenceGroup("paddings", ("ids", "labels", "paddings"),
+                          self.params.sequence_length)]
 
   def _arrays(self):
     p = self.params
@@ -185,6 +202,12 @@ class SyntheticTranslation(_SyntheticText):
   @property
   def language_names(self) -> list[str]:
     return self.languages.language_names
+
+  def sequence_groups(self) -> list[SequenceGroup]:
+    return [SequenceGroup("src_paddings", ("src_ids", "src_paddings"),
+                          self.params.sequence_length),
+            SequenceGroup("tgt_paddings", ("tgt_ids", "tgt_labels", "tgt_paddings"),
+                          self.target_length)]
 
   def _arrays(self):
     p = self.params

@@ -15,6 +15,7 @@ import tensorflow as tf
 from lingvo_gpipe.core.hyperparams import ParamsError
 from lingvo_gpipe.inputs import vocabulary
 from lingvo_gpipe.inputs.base_input import BaseInputGenerator
+from lingvo_gpipe.inputs.buckets import SequenceGroup
 
 IMAGE_DATASETS = {"cifar10": 10, "cifar100": 100, "imagenet2012": 1000}
 # Per-channel statistics of the training sets, for pixels in [0, 1].
@@ -151,7 +152,7 @@ class TfdsImages(TfdsBase):
 
     return ds.map(convert, num_parallel_calls=tf.data.AUTOTUNE)
 
-  def batch_spec(self) -> dict[str, tf.TensorSpec]:
+  def full_batch_spec(self) -> dict[str, tf.TensorSpec]:
     p = self.params
     return {"image": tf.TensorSpec([p.batch_size, p.image_size, p.image_size, 3], tf.float32),
             "label": tf.TensorSpec([p.batch_size], tf.int32)}
@@ -205,6 +206,10 @@ class TfdsLm(_TfdsText):
     p.dataset = "lm1b"
     return p
 
+  def sequence_groups(self) -> list[SequenceGroup]:
+    return [SequenceGroup("paddings", ("ids", "labels", "paddings"),
+                          self.params.sequence_length)]
+
   def _corpus(self):
     p = self.params
     ds = _load(p.dataset, "train", p.data_dir, shuffle_files=False)
@@ -230,7 +235,7 @@ class TfdsLm(_TfdsText):
     ds = _load(p.dataset, p.split, p.data_dir, shuffle_files=p.training)
     return ds.map(convert, num_parallel_calls=tf.data.AUTOTUNE)
 
-  def batch_spec(self) -> dict[str, tf.TensorSpec]:
+  def full_batch_spec(self) -> dict[str, tf.TensorSpec]:
     p = self.params
     shape = [p.batch_size, p.sequence_length]
     return {"ids": tf.TensorSpec(shape, tf.int32), "labels": tf.TensorSpec(shape, tf.int32),
@@ -275,6 +280,11 @@ class TfdsManyToEnglish(_TfdsText):
 
   def _language_tags(self) -> list[str]:
     return ["en"]
+
+  def sequence_groups(self) -> list[SequenceGroup]:
+    length = self.params.sequence_length
+    return [SequenceGroup("src_paddings", ("src_ids", "src_paddings"), length),
+            SequenceGroup("tgt_paddings", ("tgt_ids", "tgt_labels", "tgt_paddings"), length)]
 
   def _corpus(self):
     p = self.params
@@ -321,7 +331,7 @@ class TfdsManyToEnglish(_TfdsText):
       return out
     return tf.data.Dataset.sample_from_datasets(datasets, self.weights, seed=p.seed)
 
-  def batch_spec(self) -> dict[str, tf.TensorSpec]:
+  def full_batch_spec(self) -> dict[str, tf.TensorSpec]:
     p = self.params
     shape = [p.batch_size, p.sequence_length]
     spec = {k: tf.TensorSpec(shape, tf.int32) for k in ("src_ids", "tgt_ids", "tgt_labels")}

@@ -39,6 +39,9 @@ from lingvo_gpipe.pipeline.layer import (
 Metrics = dict[str, tuple[tf.Tensor, tf.Tensor]]
 
 
+TRACE_BUCKETS = ("up_front", "when_needed")
+
+
 def train_params() -> Params:
   """Training settings shared by every task."""
   p = Params()
@@ -52,6 +55,12 @@ def train_params() -> Params:
   p.define("log_interval_steps", 10, "Print progress every this many steps.")
   p.define("eval_interval_steps", 0,
            "In train_and_eval mode, evaluate every this many steps (0: only at the end).")
+  p.define("trace_buckets", "up_front", "With length buckets (the train input's "
+           f"bucket_upper_bounds), when each bucket's step is traced: one of "
+           f"{TRACE_BUCKETS}. 'up_front': all before the first step (start-up pays for "
+           "every bucket, and a bucket that cannot be built fails before anything is "
+           "written); 'when_needed': each at its first batch (a faster start, then a "
+           "stall mid-run per bucket).")
   return p
 
 
@@ -83,6 +92,9 @@ def check_train_params(p: Params) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
       meaning = " (0: only at the end)" if key == "eval_interval_steps" else ""
       raise ParamsError(f"task.train.{key} must be an int >= {minimum}{meaning}, got {value!r}")
+  if p.trace_buckets not in TRACE_BUCKETS:
+    raise ParamsError(f"task.train.trace_buckets must be one of {TRACE_BUCKETS}, got "
+                      f"{p.trace_buckets!r}")
   loss_scale.check_loss_scale_params(p.loss_scale)
 
 
