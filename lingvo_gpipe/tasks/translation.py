@@ -113,7 +113,7 @@ class TranslationTask(BaseTask):
     bool (the source had more than S − 2 words and only its first S − 2 were
     translated). S and T are the eval input's lengths; ids must lie in [0, V)."""
     del options
-    spec = input_generator.batch_spec()
+    spec = input_generator.full_batch_spec()  # (the full lengths, whatever the buckets)
     source_length, target_length = spec["src_ids"].shape[1], spec["tgt_ids"].shape[1]
     vocab = input_generator.vocab
     bound = self.id_bounds(self.params).get("src_ids")  # (None: a stack of no vocab_size)
