@@ -19,7 +19,7 @@ import numpy as np
 import tensorflow as tf
 
 from lingvo_gpipe import train_step
-from lingvo_gpipe.core import layers, optimizers, stacked_variables, variable_chunks
+from lingvo_gpipe.core import base_layer, layers, optimizers, stacked_variables, variable_chunks
 from lingvo_gpipe.pipeline import layer_profiler, memory, step_model
 from lingvo_gpipe.pipeline.layer import PipeliningLayer
 
@@ -61,10 +61,11 @@ def training_step(device: str, layer_params: Sequence[Any], inputs: Any,
   the optimizer of `optimizer_params` with learning rate 0 (the step changes
   nothing)."""
 
-  stack = PipeliningLayer.Params().set(
-      name="calibration", num_cells=1, num_micro_batches=num_micro_batches,
-      devices=[device], random_seed=1, stack_variables=stack_variables,
-      recompute=recompute, layers=[p.copy() for p in layer_params]).instantiate()
+  with base_layer.stand_in_ties():  # a run of layers measured alone
+    stack = PipeliningLayer.Params().set(
+        name="calibration", num_cells=1, num_micro_batches=num_micro_batches,
+        devices=[device], random_seed=1, stack_variables=stack_variables,
+        recompute=recompute, layers=[p.copy() for p in layer_params]).instantiate()
 
   def loss(outputs: Any, _) -> dict:
     floating = [t for t in tf.nest.flatten(outputs) if t.dtype.is_floating]

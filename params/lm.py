@@ -109,7 +109,9 @@ class Transformer48(TransformerLm):
 
 @model_registry.register
 class TransformerTiny(SingleTaskModelParams):
-  """2-layer, 64-wide LM on the synthetic corpus, 2 cells and 4 micro-batches (CPU)."""
+  """2-layer, 64-wide LM on the synthetic corpus, 2 cells and 4 micro-batches (CPU); the
+  softmax projects with the embedding table (tied: one [V, 64] variable, read by the
+  first cell and the last)."""
 
   def task(self):
     vocab_size = self.train_input().instantiate().vocab.size
@@ -117,7 +119,7 @@ class TransformerTiny(SingleTaskModelParams):
     p.stack = transformer.lm_stack(vocab_size, model_dim=64, hidden_dim=256, num_heads=4,
                                    num_layers=2, residual_keep_prob=0.9,
                                    atten_keep_prob=0.9, relu_keep_prob=0.9,
-                                   logits_abs_max=30.0)
+                                   logits_abs_max=30.0, tie_embedding_softmax=True)
     p.pipeline.set(num_cells=2, num_micro_batches=4, round_robin_devices=True)
     p.train.optimizer = optimizers.Adam.Params().set(
         learning_rate=3e-3, beta1=0.9, beta2=0.98, epsilon=1e-9,

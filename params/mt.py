@@ -100,14 +100,15 @@ class Multilingual128L6B(MultilingualTransformer):
 
 @model_registry.register
 class MultilingualTiny(SingleTaskModelParams):
-  """T(2, 256, 4) at model dim 64 on the synthetic many-to-English corpus (CPU)."""
+  """T(2, 256, 4) at model dim 64 on the synthetic many-to-English corpus (CPU); source
+  embedding, target embedding and softmax share one table."""
 
   def task(self):
     vocab_size = self.train_input().instantiate().vocab.size
     p = TranslationTask.Params().set(name="multilingual_tiny", label_smoothing=0.1)
     p.stack = transformer.encoder_decoder_stack(
         vocab_size, model_dim=64, hidden_dim=256, num_heads=4, num_layers=2, dim_per_head=16,
-        logits_abs_max=30.0)
+        logits_abs_max=30.0, tie_embedding_softmax=True)
     p.pipeline.set(num_cells=2, num_micro_batches=4, round_robin_devices=True)
     p.train.optimizer = optimizers.Adam.Params().set(
         learning_rate=3e-3, beta1=0.9, beta2=0.98, epsilon=1e-9,

@@ -172,8 +172,10 @@ def test_a_softmax_smaller_than_the_data_is_refused_before_anything_is_written(t
 
 
 def test_an_id_past_the_embedding_stops_training_naming_it(tmp_path):
-  """Pre-flight is skipped (the library's Trainer): the per-batch check names the id."""
-  params = registered("lm.TransformerTiny", f"{SMALL};task.stack.layers[0].vocab_size=10")
+  """Pre-flight is skipped (the library's Trainer): the per-batch check names the id.
+  (The softmax untied: tied to a 10-row table it would be refused when built.)"""
+  params = registered("lm.TransformerTiny", f"{SMALL};task.stack.layers[0].vocab_size=10;"
+                      "task.stack.layers[3].tie_to=None")
   run = trainer_lib.Trainer(params.freeze(), str(tmp_path), log=lambda _: None)
   batch = next(iter(params.train_input.instantiate().dataset()))
   worst = int(batch["ids"].numpy().max())  # the first batch's, numpy's own maximum

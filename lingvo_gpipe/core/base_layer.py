@@ -296,11 +296,12 @@ def seed_source(source: Callable[[BaseLayer, str], tf.Tensor]) -> Iterator[None]
 
 @contextlib.contextmanager
 def variables_read_as(layers: Sequence[BaseLayer], variables: Sequence[Any]) -> Iterator[None]:
-  """Within, the variables of `layers` (each layer's own, in creation order, layer after
+  """Within, the variables of `layers` (each layer's `read_variables()`, layer after
   layer) are the attributes `variables` instead, e.g. a traced function's variable
   arguments; restored on exit. Checkpoint tracking is not touched (the attributes
   are set past tf.Module's tracking)."""
-  replaced = [(layer, name) for layer in layers for name in layer._var_names]
+  replaced = [(layer, name) for layer in layers
+              for name in layer._var_names + layer._tied_names]
   if len(replaced) != len(variables):
     raise ValueError(f"{len(variables)} variables given for {len(replaced)}")
   originals = [getattr(layer, name) for layer, name in replaced]
@@ -315,6 +316,25 @@ def variables_read_as(layers: Sequence[BaseLayer], variables: Sequence[Any]) -> 
 
 def _layer_stack() -> list:
   return _STATE.__dict__.setdefault("building", [])
+
+
+def _built_variables() -> dict[str, Any]:
+  """{path: variable} of every variable the layers of the build in progress created
+  (the root layer's build: a new root starts an empty one)."""
+  return _STATE.__dict__.setdefault("built_variables", {})
+
+
+@contextlib.contextmanager
+def stand_in_ties(enabled: bool = True) -> Iterator[None]:
+  """Within, layers are built alone (to be measured or counted, each as the only
+  layer of its build): a layer tying to another's variable gets one of its own of the
+  shape it asks for, standing in for the tied one, which it reads where it runs."""
+  with _thread_setting("stand_in_ties", enabled):
+    yield
+
+
+class TieError(hyperparams.ParamsError):
+  """A layer names a weight to tie to that its build does not hold, or holds twice."""
 
 
 # Observers notified around every layer call; `model_stats` uses this to attribute
@@ -366,6 +386,8 @@ class BaseLayer(hyperparams.Instantiable, tf.Module):
           "scope and its variables (e.g. 'task', 'conv1')")
     stack = _layer_stack()
     parent = stack[-1] if stack else None
+    if parent is None:
+      _STATE.built_variables = {}
     super().__init__(params, name=_module_name(params.name))
     self._params = params
     self._parent_path = parent.path if parent is not None else ""
@@ -378,6 +400,7 @@ class BaseLayer(hyperparams.Instantiable, tf.Module):
     self._child_order: tuple[str, ...] = ()
     self._var_names: tuple[str, ...] = ()
     self._var_shapes: tuple[tuple[tuple[int, ...], bool], ...] = ()
+    self._tied_names: tuple[str, ...] = ()
 
   @property
   def params(self) -> InstantiableParams:
@@ -494,28 +517,72 @@ class BaseLayer(hyperparams.Instantiable, tf.Module):
     shape = [int(d) for d in shape]
     self._var_names = self._var_names + (name,)
     self._var_shapes = self._var_shapes + ((tuple(shape), trainable),)
+    path = f"{self.path}/{name}"
     if getattr(_STATE, "shapes_only", False):
-      setattr(self, name, VariableShape(f"{self.path}/{name}", tuple(shape), dtype, trainable))
-      return getattr(self, name)
-    seed = (self.seed_for(name), 0)
-    if make_initial is None:
-      def make_initial() -> tf.Tensor:
-        return initial_value(init, shape, dtype, seed)
-    if stacked_variables.deferring() and trainable and tf.as_dtype(dtype).is_floating:
-      # A row of its cell's stacked variable, made by the pipeline once its cell is built.
-      var = stacked_variables.RowVariable(
-          f"{self.path}/{name}", shape, dtype, trainable,
-          initial_value=make_initial)
-      setattr(self, name, var)
-      return var
-    var = tf.Variable(make_initial, trainable=trainable,
-                      name=f"{self.path}/{name}", dtype=dtype)
+      var = VariableShape(path, tuple(shape), dtype, trainable)
+    else:
+      seed = (self.seed_for(name), 0)
+      if make_initial is None:
+        def make_initial() -> tf.Tensor:
+          return initial_value(init, shape, dtype, seed)
+      if (stacked_variables.deferring(path) and trainable
+          and tf.as_dtype(dtype).is_floating):
+        # A row of its cell's stacked variable, made by the pipeline once its cell is
+        # built.
+        var = stacked_variables.RowVariable(path, shape, dtype, trainable,
+                                            initial_value=make_initial)
+      else:
+        var = tf.Variable(make_initial, trainable=trainable, name=path, dtype=dtype)
     setattr(self, name, var)
+    _built_variables()[path] = var
+    return var
+
+  def tie_variable(self, name: str, to: str, shape: Sequence[int]) -> Any:
+    """Makes self.<name> the variable another layer of this build created at path
+    `to`, relative to the nearest enclosing layer that holds one there (e.g.
+    'embedding/emb/emb' from a softmax inside the stack whose layer 'embedding' made
+    it): one variable, read by both layers (in a pipeline, on whichever devices their
+    cells run), its gradient the sum of both uses. It must exist already (its layer
+    built first) and have `shape`. It is not this layer's own: not in
+    `own_variables()`, not counted by `num_params()`. Under `stand_in_ties()` it is a
+    new variable of `shape` instead (a layer built alone).
+
+    Raises:
+      TieError: no such variable, or one of another shape.
+    """
+    if name in self._var_names or name in self._tied_names or hasattr(self, name):
+      raise hyperparams.ParamsError(f"{self.path}: variable name {name!r} is already used")
+    built = _built_variables()
+    parts = self.path.split("/")
+    enclosing = ["/".join(parts[:n]) for n in range(len(parts) - 1, 0, -1)]
+    if getattr(_STATE, "stand_in_ties", False):
+      return self.create_variable(name, shape)
+    found = next((f"{a}/{to}" for a in enclosing if f"{a}/{to}" in built), None)
+    if found is None:
+      tried = ", ".join(f"{a}/{to}" for a in enclosing)
+      raise TieError(f"{self.path}: cannot tie {name!r} to {to!r}: no variable built before "
+                     f"it is at {tried}; the layer owning it must come first, and `to` is "
+                     "its path below an enclosing layer (e.g. 'embedding/emb/emb')")
+    var = built[found]
+    if tuple(var.shape) != tuple(int(d) for d in shape):
+      raise TieError(f"{self.path}: cannot tie {name!r} to {found}: its shape is "
+                     f"{list(var.shape)}, this layer needs {list(shape)}")
+    setattr(self, name, var)
+    self._tied_names = self._tied_names + (name,)
     return var
 
   def own_variables(self) -> list[tf.Variable]:
     """Variables created by this layer itself (not its children)."""
     return [getattr(self, n) for n in self._var_names]
+
+  def ties(self) -> list[tuple[str, Any]]:
+    """(attribute name, variable) of each variable this layer ties to (`tie_variable`)."""
+    return [(n, getattr(self, n)) for n in self._tied_names]
+
+  def read_variables(self) -> list[Any]:
+    """Every variable this layer itself reads: its own, then those it ties to
+    (`tie_variable`), as its attributes hold them now."""
+    return [getattr(self, n) for n in self._var_names + self._tied_names]
 
   def num_params(self) -> int:
     """Number of trainable weights in this layer and its children (from their shapes)."""

@@ -105,6 +105,21 @@ def project(inputs: tf.Tensor, weight: tf.Tensor) -> tf.Tensor:
   return tf.ensure_shape(out, inputs.shape[:-1].concatenate(weight.shape[-1:]))
 
 
+def project_transposed(inputs: tf.Tensor, weight: Any) -> tf.Tensor:
+  """[..., I] · [O, I]ᵀ → [..., O] as one 2-D matmul in the inputs' dtype (a tied
+  softmax's embedding table read as its projection). Its weight gradient is computed
+  with the input gradient (no weight product is recorded for a split backward's W)."""
+  weight = tf.convert_to_tensor(weight)
+  if weight.dtype != inputs.dtype:
+    weight = tf.cast(weight, inputs.dtype)
+  dims = shape_list(inputs)
+  out = tf.matmul(tf.reshape(inputs, [-1, dims[-1]]), weight, transpose_b=True)
+  out = tf.reshape(out, dims[:-1] + [weight.shape[0]])
+  if inputs.shape.is_fully_defined():
+    return out
+  return tf.ensure_shape(out, inputs.shape[:-1].concatenate(weight.shape[:1]))
+
+
 def _check_positive(layer: BaseLayer, **values: Any) -> None:
   for key, value in values.items():
     if value is None or value <= 0:
@@ -661,6 +676,11 @@ class Softmax(BaseLayer):
     p.define("num_classes", 0, "Number of classes.")
     p.define("label_smoothing", 0.0, "Label smoothing ε in [0, 1).")
     p.define("logits_abs_max", None, "If set, logits are clipped to ±this value.")
+    p.define("tie_to", None, "Tied weights: the path, below an enclosing layer (e.g. "
+             "'embedding/emb/emb' in a stack), of an embedding table [num_classes, "
+             "input_dim] built before this layer, used as the projection transposed "
+             "(logits = x·Eᵀ + b) instead of a weight of its own: one variable for both "
+             "(Press & Wolf 2017).")
     return p
 
   def __init__(self, params):
@@ -670,11 +690,17 @@ class Softmax(BaseLayer):
     if not 0.0 <= p.label_smoothing < 1.0:
       raise ParamsError(f"{self.path}: label_smoothing must be in [0, 1), "
                        f"got {p.label_smoothing}")
-    self.create_variable("w", [p.input_dim, p.num_classes])
+    if p.tie_to:
+      self.tie_variable("emb", p.tie_to, [p.num_classes, p.input_dim])
+    else:
+      self.create_variable("w", [p.input_dim, p.num_classes])
     self.create_variable("b", [p.num_classes], init=weight_init("constant", 0.0))
 
   def fprop(self, inputs: tf.Tensor) -> tf.Tensor:
-    logits = at_least_float32(project(inputs, self.w))
+    if self.params.tie_to:
+      logits = at_least_float32(project_transposed(inputs, self.emb))
+    else:
+      logits = at_least_float32(project(inputs, self.w))
     logits = logits + tf.cast(self.b, logits.dtype)
     if self.params.logits_abs_max is not None:
       limit = self.params.logits_abs_max

@@ -278,19 +278,26 @@ def per_weight(weights: Sequence[Any], variables: Sequence[Any], values: Sequenc
 
 
 @contextlib.contextmanager
-def deferred(enabled: bool = True) -> Iterator[None]:
+def deferred(enabled: bool = True, kept_whole: Sequence[str] = ()) -> Iterator[None]:
   """Within (this thread), `BaseLayer.create_variable` makes unbound RowVariables for
-  trainable floating-point variables, to be stacked by `stack`."""
-  previous = getattr(_STATE, "deferred", False)
-  _STATE.deferred = enabled
+  trainable floating-point variables, to be stacked by `stack`; except those whose
+  path ends in '/' + one of `kept_whole`: variables other layers tie to
+  (BaseLayer.tie_variable), which cells on other devices read, stay variables of
+  their own."""
+  previous = getattr(_STATE, "deferred", False), getattr(_STATE, "kept_whole", ())
+  _STATE.deferred, _STATE.kept_whole = enabled, tuple(kept_whole)
   try:
     yield
   finally:
-    _STATE.deferred = previous
+    _STATE.deferred, _STATE.kept_whole = previous
 
 
-def deferring() -> bool:
-  return getattr(_STATE, "deferred", False)
+def deferring(path: str | None = None) -> bool:
+  """Whether a variable (at `path`, if given) is made a row to stack now."""
+  if not getattr(_STATE, "deferred", False):
+    return False
+  return path is None or not any(path.endswith("/" + k)
+                                 for k in getattr(_STATE, "kept_whole", ()))
 
 
 def stack(rows: Sequence[RowVariable], name: str, keys: Sequence[Any] | None = None

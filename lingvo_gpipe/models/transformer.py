@@ -221,6 +221,8 @@ class SoftmaxLogits(BaseLayer):
     p.define("input_dim", 0, "Model dimension D.")
     p.define("vocab_size", 0, "Vocabulary size V.")
     p.define("logits_abs_max", None, "Clip logits to ±this (GPipe's deep-model stability).")
+    p.define("tie_to", None, "The path (or its end) of the embedding table [V, D] the "
+             "projection is tied to (layers.Softmax.tie_to); None: a weight of its own.")
     return p
 
   def __init__(self, params):
@@ -228,11 +230,16 @@ class SoftmaxLogits(BaseLayer):
     p = self.params
     self.create_child("norm", layers.LayerNorm.Params().set(dim=p.input_dim))
     self.create_child("softmax", layers.Softmax.Params().set(
-        input_dim=p.input_dim, num_classes=p.vocab_size, logits_abs_max=p.logits_abs_max))
+        input_dim=p.input_dim, num_classes=p.vocab_size, logits_abs_max=p.logits_abs_max,
+        tie_to=p.tie_to))
 
   def fprop(self, *carry: tf.Tensor) -> tf.Tensor:
     x = carry[0] if len(carry) == 2 else carry[2]
     return self.softmax(self.norm(x))
+
+
+# The embedding table a tied softmax reads: layer 'embedding', child 'emb', variable 'emb'.
+TIED_EMBEDDING = "embedding/emb/emb"
 
 
 def _layer_params(cls, p_common: dict, num_layers_for_init: int, **extra):
@@ -243,8 +250,10 @@ def _layer_params(cls, p_common: dict, num_layers_for_init: int, **extra):
 def lm_stack(vocab_size: int, model_dim: int, hidden_dim: int, num_heads: int,
              num_layers: int, dim_per_head: int = 0, residual_keep_prob: float = 1.0,
              atten_keep_prob: float = 1.0, relu_keep_prob: float = 1.0,
-             logits_abs_max: float | None = None) -> InstantiableParams:
-  """Sequential params of a decoder-only LM: embedding, num_layers layers, softmax."""
+             logits_abs_max: float | None = None,
+             tie_embedding_softmax: bool = False) -> InstantiableParams:
+  """Sequential params of a decoder-only LM: embedding, num_layers layers, softmax
+  (tie_embedding_softmax: the softmax projects with the embedding table, transposed)."""
   common = dict(input_dim=model_dim, hidden_dim=hidden_dim, num_heads=num_heads,
                 dim_per_head=dim_per_head, residual_keep_prob=residual_keep_prob,
                 atten_keep_prob=atten_keep_prob, relu_keep_prob=relu_keep_prob)
@@ -255,7 +264,9 @@ def lm_stack(vocab_size: int, model_dim: int, hidden_dim: int, num_heads: int,
             for i in range(num_layers)]
   stack.append(SoftmaxLogits.Params().set(name="logits", input_dim=model_dim,
                                           vocab_size=vocab_size,
-                                          logits_abs_max=logits_abs_max))
+                                          logits_abs_max=logits_abs_max,
+                                          tie_to=TIED_EMBEDDING if tie_embedding_softmax
+                                          else None))
   return layers.Sequential.Params().set(name="stack", layers=stack)
 
 
@@ -263,8 +274,10 @@ def encoder_decoder_stack(vocab_size: int, model_dim: int, hidden_dim: int, num_
                           num_layers: int, dim_per_head: int = 0,
                           residual_keep_prob: float = 1.0, atten_keep_prob: float = 1.0,
                           relu_keep_prob: float = 1.0,
-                          logits_abs_max: float | None = None) -> InstantiableParams:
-  """Sequential params of T(L, H, A): L encoder and L decoder layers, shared embedding."""
+                          logits_abs_max: float | None = None,
+                          tie_embedding_softmax: bool = False) -> InstantiableParams:
+  """Sequential params of T(L, H, A): L encoder and L decoder layers, shared embedding
+  (tie_embedding_softmax: also the softmax's projection, transposed)."""
   common = dict(input_dim=model_dim, hidden_dim=hidden_dim, num_heads=num_heads,
                 dim_per_head=dim_per_head, residual_keep_prob=residual_keep_prob,
                 atten_keep_prob=atten_keep_prob, relu_keep_prob=relu_keep_prob)
@@ -279,5 +292,7 @@ def encoder_decoder_stack(vocab_size: int, model_dim: int, hidden_dim: int, num_
             for i in range(num_layers)]
   stack.append(SoftmaxLogits.Params().set(name="logits", input_dim=model_dim,
                                           vocab_size=vocab_size,
-                                          logits_abs_max=logits_abs_max))
+                                          logits_abs_max=logits_abs_max,
+                                          tie_to=TIED_EMBEDDING if tie_embedding_softmax
+                                          else None))
   return layers.Sequential.Params().set(name="stack", layers=stack)

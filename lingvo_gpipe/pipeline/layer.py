@@ -52,6 +52,7 @@ from lingvo_gpipe.pipeline import (
   layer_profiler,
   partition,
   schedule,
+  tied_weights,
 )
 from lingvo_gpipe.pipeline.cell_function import CellFunctions, Head, call_layers
 from lingvo_gpipe.pipeline.layer_function import LayerFunctions
@@ -292,7 +293,12 @@ class PipeliningLayer(BaseLayer):
     self.cell_devices = self._assign_devices(len(self.cells))
     layer_devices = [self.cell_devices[k] for k, cell in enumerate(self.cells)
                      for _ in range(cell.start, cell.end)]
-    with stacked_variables.deferred(p.stack_variables):
+    # A weight another layer ties to (a softmax reading the embedding) is read by two
+    # cells, on their own devices: it stays a variable of its own, never a row of its
+    # cell's stack, which only that cell's bodies bind.
+    tie_targets = [value for lp in p.layers for key, value in lp.flatten()
+                   if key.rsplit(".", 1)[-1] == "tie_to" and value]
+    with stacked_variables.deferred(p.stack_variables, kept_whole=tie_targets):
       self.create_children("layers", p.layers, devices=layer_devices)
     if p.num_token_slices > 1:
       try:
@@ -301,6 +307,8 @@ class PipeliningLayer(BaseLayer):
         raise PipelineError(str(e)) from None
     self._function_cache = _FunctionCache(p.share_layer_functions, p.scan_layers)
     self._function_cache.stacks = self._stack_variables()
+    self._function_cache.tied = tied_weights.make_copies(
+        [self.cell_layers(k) for k in range(len(self.cells))], self.cell_devices)
     self._channel_prefix = channels.channel_prefix(self.path)
     # Made once (a schedule these cells and micro-batches cannot run fails here).
     self._function_cache.plan = self._make_plan()
@@ -448,8 +456,17 @@ class PipeliningLayer(BaseLayer):
     sizes, offsets = self._micro_batches(inputs, self.params.num_micro_batches)
     lengths = self._slice_lengths(inputs, head_inputs)
     inputs = self._in_fprop_dtype(inputs)
-    return device_loop.run(self.cell_functions(head), self.plan(), inputs, head_inputs, sizes,
-                           offsets, self._channel_prefix, lengths)
+    # A weight tied across devices is read through its copy on each reading cell's
+    # device, refreshed here once per step (tied_weights.py).
+    copies = self._function_cache.tied
+    tied_weights.refresh(copies)
+    with tied_weights.read_as_copies(copies):
+      result = device_loop.run(self.cell_functions(head), self.plan(), inputs, head_inputs,
+                               sizes, offsets, self._channel_prefix, lengths)
+    if copies:
+      result.variables, result.gradients = tied_weights.onto_variables(
+          result.variables, result.gradients, copies)
+    return result
 
   def _slice_lengths(self, inputs: Any, head_inputs: Any) -> list[int] | None:
     """The token slices' lengths (params.num_token_slices > 1; else None): those of
@@ -591,3 +608,5 @@ class _FunctionCache:
     self.plan: schedule.PipelineSchedule | None = None
     # Per cell, its stacked variables (stacked_variables.VariableStack).
     self.stacks: list[list[stacked_variables.VariableStack]] = []
+    # Copies of weights tied across devices, where their readers run (tied_weights.py).
+    self.tied: list[tied_weights.TiedCopy] = []

@@ -175,7 +175,7 @@ class _KindFunction:
     run so (a weight not a stack's row, rows not evenly spaced in one stack, or outputs
     not shaped as the inputs): the caller calls them one by one."""
     sublayers = [list(layer.walk()) for layer in layers]
-    weights = [[v for sub in subs for v in sub.own_variables()] for subs in sublayers]
+    weights = [[v for sub in subs for v in sub.read_variables()] for subs in sublayers]
     slices = _row_slices(weights)
     if slices is None:
       return None
@@ -225,7 +225,7 @@ class _KindFunction:
     sublayers = list(layer.walk())
     # A stacked variable's row enters as the tensor its cell read (stacked_variables).
     variables = [v.value() if isinstance(v, stacked_variables.RowVariable) else v
-                 for sublayer in sublayers for v in sublayer.own_variables()]
+                 for sublayer in sublayers for v in sublayer.read_variables()]
     token_slice = ctx.token_slice
     full_length = token_slice.full_length if token_slice is not None else 0
     specs = (self._cache_specs(variables, inputs, info, full_length) if token_slice is not None

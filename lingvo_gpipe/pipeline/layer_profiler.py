@@ -99,6 +99,14 @@ class LayerCost:
     return fixed + (value - fixed) * (batch / self.batch)
 
 
+def built_alone(layer_params: Any) -> Any:
+  """The layer of `layer_params`, built as the only layer of its build: a weight it
+  ties to another layer's is a stand-in of its own (base_layer.stand_in_ties), which
+  costs what the tied one costs where the layer runs."""
+  with base_layer.stand_in_ties():
+    return layer_params.copy().instantiate()
+
+
 def random_like(spec: tf.TensorSpec) -> tf.Tensor:
   """A tensor of spec's shape and dtype: normal floats, zeros otherwise (ids, masks)."""
   if spec.dtype.is_floating:
@@ -172,7 +180,7 @@ def _measure_layer_costs(layer_params, input_specs, steps, full, small_batch):
   call_s = median_seconds(lambda: empty(zero), 2 * steps)
   costs = []
   for p in layer_params:
-    layer = p.copy().instantiate()
+    layer = built_alone(p)
     structure: dict[str, Any] = {}
     call = _flat_call(layer, inputs, structure)
     # In the layer's compute dtype, as a pipeline hands them over and keeps them (a
@@ -233,7 +241,7 @@ def layer_work(layer_params: Any, input_specs: Any) -> Callable[[str], Callable[
   tf.function, returning a scalar."""
   def build(device: str) -> Callable[[], Any]:
     with tf.device(device):
-      layer = layer_params.copy().instantiate()
+      layer = built_alone(layer_params)
       inputs = tf.nest.map_structure(random_like, input_specs)
       flat = [tf.Variable(layer.to_fprop_dtype(t), trainable=False, name="calibration_input")
               for t in tf.nest.flatten(inputs)]
@@ -253,7 +261,7 @@ def layer_input_specs(layer_params: Sequence[Any], input_specs: Any) -> list[Any
     current = tf.nest.map_structure(lambda s: tf.compat.v1.placeholder(s.dtype, s.shape),
                                     input_specs)
     for p in layer_params[:-1]:
-      layer = p.copy().instantiate()
+      layer = built_alone(p)
       with base_layer.step_context(training=True, layer_stats=[]):
         current = base_layer.call_with(layer, current)
       specs.append(tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), current))
@@ -461,7 +469,7 @@ def measure_layer_memory(layer_params: Sequence[Any], input_specs: Any,
   with tf.device(device), cyclic_gc_paused(collect_first=True):
     inputs = tf.nest.map_structure(random_like, input_specs)
     for p in layer_params:
-      layer = p.copy().instantiate()
+      layer = built_alone(p)
       structure: dict[str, Any] = {}
       flat = [layer.to_fprop_dtype(t) for t in tf.nest.flatten(inputs)]
       pair, kept = _forward_backward_pair(_flat_call(layer, inputs, structure), flat)

@@ -89,7 +89,11 @@ class ServingModel(tf.Module):
       with tf.device(variable.device or None):
         copies.append(tf.Variable(value, trainable=False, name=key))
     self.weights = dict(zip(keys, copies))
-    with base_layer.variables_read_as(layers, copies):
+    # Each layer reads the copies of what it reads: its own, and a weight it ties to
+    # another layer's (a tied softmax reads the embedding table's copy).
+    copy_of = {v.ref(): c for v, c in zip(originals, copies)}
+    read = [copy_of[v.ref()] for layer in layers for v in layer.read_variables()]
+    with base_layer.variables_read_as(layers, read):
       self.functions = {name: fn.get_concrete_function()
                         for name, fn in task.serving_functions(self, input_generator,
                                                                options).items()}
