@@ -20,6 +20,8 @@
   placement_audit.py where a traced step's ops would run, and whether a GPU kernel
                     admits each; `on_host`, ops on the host on purpose
   hybrid.py         R replicas of a pipeline, gradients averaged by all-reduce
+  tied_weights.py   a weight two cells read (a tied softmax): its per-step copy on the
+                    other cell's device, the copy's gradient added back
 
 Below it, core/tf_internals.py names the TensorFlow behaviours relied on beyond its
 documented API; above it, lingvo_gpipe/calibration.py measures the machine's figures
