@@ -112,7 +112,8 @@ class TrainStep:
               replicas.replicas[r], shard, replicas.trainable_variables[r])
         per_replica.append(metrics)
         grads.append(replica_grads)
-    grads = replicas.all_reduce_gradients(grads)
+    # Weighted by each replica's loss weight (an LM's tokens differ between shards).
+    grads = replicas.all_reduce_gradients(grads, [m["loss"][1] for m in per_replica])
     metrics = device_loop.weighted_mean(per_replica)
     loss = metrics["loss"][0]
     timestamps = timeline.fetches(ctx.spans)

@@ -172,11 +172,26 @@ class Replicas:
     with self.replica_context(replica, inputs):
       return self.replicas[replica](*inputs)
 
-  def all_reduce_gradients(self, grads: Sequence[Sequence[tf.Tensor]]) -> list[list[tf.Tensor]]:
-    """grads[r][i]: replica r's gradient of its variable i → the mean over replicas,
-    on each replica's device (same structure)."""
+  def all_reduce_gradients(self, grads: Sequence[Sequence[tf.Tensor]],
+                           loss_weights: Sequence[tf.Tensor] | None = None
+                           ) -> list[list[tf.Tensor]]:
+    """grads[r][i]: replica r's gradient of its variable i → the whole batch's, on each
+    replica's device (same structure). Each replica's gradient is of its own weighted
+    mean loss; the whole batch's weights them by `loss_weights` (one scalar per
+    replica: the weight of its loss, e.g. its non-padding tokens): Σ w_r g_r / Σ w_r,
+    made as the all-reduce's mean of (R · w_r / Σ w) g_r. Without weights, or where
+    they are equal (as examples are), the plain mean."""
     if self._all_reduce is None:
       return [list(g) for g in grads]
+    if loss_weights is not None:
+      weights = [tf.cast(w, tf.float32) for w in loss_weights]
+      total = tf.add_n(weights)
+      scaled = []
+      for r, (g_r, w_r) in enumerate(zip(grads, weights)):
+        with tf.device(self.input_devices[r]):
+          factor = tf.math.divide_no_nan(self.num_replicas * w_r, total)
+          scaled.append([g * tf.cast(factor, g.dtype) for g in g_r])
+      grads = scaled
     return self._all_reduce(grads)
 
   def apply_layer_stats(self, layer_stats: list[tuple[base_layer.BaseLayer, Any]]) -> None:
