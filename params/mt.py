@@ -126,3 +126,20 @@ class MultilingualTiny(SingleTaskModelParams):
 
   def eval_input(self):
     return self._corpus("eval", 512).set(repeat=False)
+
+
+@model_registry.register
+class MultilingualTinyBuckets(MultilingualTiny):
+  """MultilingualTiny on long-tailed sentences (Zipf lengths, 4 to 30 words) batched by
+  length buckets of about 384 tokens per batch (inputs/buckets.py): each batch padded to
+  its bucket's bound, source and target alike."""
+
+  BUCKET_UPPER_BOUNDS = [8, 12, 16, 24, 32]
+  BUCKET_BATCH_SIZES = [48, 32, 24, 16, 12]
+
+  def _corpus(self, split: str, num_examples: int):
+    return super()._corpus(split, num_examples).set(
+        max_length=30, sequence_length=32, length_distribution="zipf",
+        bucket_upper_bounds=self.BUCKET_UPPER_BOUNDS,
+        bucket_batch_sizes=self.BUCKET_BATCH_SIZES)
+
