@@ -27,25 +27,28 @@ def test_each_batch_is_one_bucket_padded_to_its_bound_and_nothing_is_cut():
   gen = lm_input()
   paddings = np.stack([e["paddings"] for e in gen.examples().as_numpy_iterator()])
   lengths = (paddings < 0.5).sum(axis=1)  # numpy: each example's tokens
-  bucket_of = np.searchsorted(BOUNDS, lengths, side="left")
-  # A pass drops each bucket's last partial batch: b_j · floor(n_j / b_j) examples.
-  want = sum(size * (np.sum(bucket_of == j) // size) for j, size in enumerate(SIZES))
-  seen = 0
-  shapes = set()
-  for batch in gen.dataset():
+  per_bucket = np.bincount(np.searchsorted(BOUNDS, lengths, side="left"),
+                           minlength=len(BOUNDS))
+  seen = np.zeros(len(BOUNDS), np.int64)
+  partial = np.zeros(len(BOUNDS), np.int64)
+  for batch in gen.dataset():  # one pass (repeat=False): partial batches are kept
     ids, paddings = batch["ids"].numpy(), batch["paddings"].numpy()
     rows, bound = ids.shape
     j = BOUNDS.index(bound)
-    assert rows == SIZES[j]
+    assert rows <= SIZES[j]
+    partial[j] += rows < SIZES[j]
     tokens = (paddings < 0.5).sum(axis=1)
     assert tokens.max() <= bound and tokens.min() > ([0] + BOUNDS)[j]  # its own bucket
     assert batch["labels"].shape == ids.shape == paddings.shape
-    shapes.add((rows, bound))
-    seen += rows
-  assert seen == want
-  assert shapes == set(zip(SIZES, BOUNDS))
+    seen[j] += rows
+  np.testing.assert_array_equal(seen, per_bucket)  # every example, in its bucket
+  assert list(partial) == [int(n % b != 0) for n, b in zip(per_bucket, SIZES)]
   assert [tuple(s["ids"].shape) for s in gen.batch_specs()] == list(zip(SIZES, BOUNDS))
   assert tuple(gen.batch_spec()["ids"].shape) == (6, 9)  # the most tokens: 6 · 9 = 54
+  repeated = lm_input(repeat=True)
+  for batch, _ in zip(repeated.dataset(), range(40)):  # training: full batches only
+    rows, bound = batch["ids"].shape
+    assert rows == SIZES[BOUNDS.index(bound)]
 
 
 def test_translation_buckets_cut_each_side_to_its_own_length():

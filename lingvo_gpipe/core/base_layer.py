@@ -321,7 +321,10 @@ def _layer_stack() -> list:
 def _built_variables() -> dict[str, Any]:
   """{path: variable} of every variable the layers of the build in progress created
   (the root layer's build: a new root starts an empty one)."""
-  return _STATE.__dict__.setdefault("built_variables", {})
+  built = getattr(_STATE, "built_variables", None)
+  if built is None:
+    built = _STATE.built_variables = {}
+  return built
 
 
 @contextlib.contextmanager
@@ -329,12 +332,16 @@ def stand_in_ties(enabled: bool = True) -> Iterator[None]:
   """Within, layers are built alone (to be measured or counted, each as the only
   layer of its build): a layer tying to another's variable gets one of its own of the
   shape it asks for, standing in for the tied one, which it reads where it runs."""
-  with _thread_setting("stand_in_ties", enabled):
+  # A registry of its own: what layers built alone create is no tie target for the
+  # build around them (a probe's embedding must not stand in for the model's).
+  with _thread_setting("stand_in_ties", enabled), \
+      _thread_setting("built_variables", {} if enabled else _built_variables()):
     yield
 
 
 class TieError(hyperparams.ParamsError):
-  """A layer names a weight to tie to that its build does not hold, or holds twice."""
+  """A layer names a weight to tie to that its build does not hold (or of another
+  shape)."""
 
 
 # Observers notified around every layer call; `model_stats` uses this to attribute

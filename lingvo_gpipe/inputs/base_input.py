@@ -64,7 +64,8 @@ class BaseInputGenerator(Instantiable):
 
   def dataset(self) -> tf.data.Dataset:
     """Batches of `batch_size`, or with buckets of each bucket's batch size and bound
-    (a last partial batch is dropped: each batch shape is static)."""
+    (a last partial batch is dropped: each batch shape is static; with buckets and
+    `repeat` False, each bucket's last partial batch is kept)."""
     p = self.params
     buckets = self.buckets
     ds = self.examples()
@@ -73,7 +74,9 @@ class BaseInputGenerator(Instantiable):
     if p.repeat:
       ds = ds.repeat()
     if buckets is not None:
-      ds = buckets.batches(ds, self.sequence_groups())
+      # A pass that does not repeat (eval, decode) keeps each bucket's last partial
+      # batch: with n buckets, dropping them would leave out up to Σ (b_j − 1) examples.
+      ds = buckets.batches(ds, self.sequence_groups(), keep_partial=not p.repeat)
     else:
       ds = ds.batch(p.batch_size, drop_remainder=True)
     return ds.prefetch(p.prefetch)

@@ -99,10 +99,12 @@ class Buckets:
       out.append(spec)
     return out
 
-  def batches(self, examples: tf.data.Dataset, groups: Sequence[SequenceGroup]
-              ) -> tf.data.Dataset:
+  def batches(self, examples: tf.data.Dataset, groups: Sequence[SequenceGroup],
+              keep_partial: bool = False) -> tf.data.Dataset:
     """`examples` (dicts padded to the full lengths) → batches of one bucket each,
-    cut to its bound; partial batches are dropped (shapes are static per bucket)."""
+    cut to its bound. Each bucket's last partial batch is dropped (a training step's
+    shapes are static per bucket), or kept with `keep_partial` (a pass over an eval
+    set: every example counts; its partial batches are shapes of their own)."""
     bounds = tf.constant(self.upper_bounds, tf.int32)
 
     def length(example: dict[str, tf.Tensor]) -> tf.Tensor:
@@ -121,7 +123,7 @@ class Buckets:
     # tf.data's buckets are [0, c_0), [c_0, c_1), ..., [c_{n-2}, ∞): c_j = u_j + 1.
     grouped = examples.bucket_by_sequence_length(
         length, [u + 1 for u in self.upper_bounds[:-1]], list(self.batch_sizes),
-        no_padding=True, drop_remainder=True)
+        no_padding=True, drop_remainder=not keep_partial)
     return grouped.map(cut)
 
 

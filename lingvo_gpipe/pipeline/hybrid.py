@@ -6,13 +6,14 @@ weights (initializers are seeded by layer path, not by build order). A training 
 
   batch [R·B, ...] → R shards [B, ...], shard r through replica r (M micro-batches,
   examples offset by r·B so dropout draws what one pipeline on the whole batch would)
-  → per-replica loss and gradients → each variable's gradient averaged over the R
+  → per-replica loss and gradients → each variable's gradient, weighted by its
+  replica's loss weight (examples, or an LM's non-padding tokens), averaged over the R
   copies of that variable with TensorFlow's collective all-reduce (one group per cell
   position k: the R devices holding cell k) → every replica applies the same update.
 
-With equal shards the averaged gradient is the gradient of the mean loss over the
-R·B examples, so R replicas of (K cells, M micro-batches) train exactly like one
-pipeline of K cells over R·M micro-batches of the R-times larger batch (tested).
+The weighted mean is the gradient of the whole batch's weighted mean loss, so R
+replicas of (K cells, M micro-batches) train exactly like one pipeline of K cells over
+R·M micro-batches of the R-times larger batch (tested).
 
 Batch statistics (batch norm) are shared the same way: each replica's layer is
 updated with the statistics every replica reported (`apply_layer_stats`).
@@ -187,10 +188,13 @@ class Replicas:
       weights = [tf.cast(w, tf.float32) for w in loss_weights]
       total = tf.add_n(weights)
       scaled = []
-      for r, (g_r, w_r) in enumerate(zip(grads, weights)):
-        with tf.device(self.input_devices[r]):
-          factor = tf.math.divide_no_nan(self.num_replicas * w_r, total)
-          scaled.append([g * tf.cast(factor, g.dtype) for g in g_r])
+      for g_r, w_r in zip(grads, weights):
+        factor = tf.math.divide_no_nan(self.num_replicas * w_r, total)
+        row = []
+        for g in g_r:
+          with tf.device(g.device):  # where the gradient is: only the scalar travels
+            row.append(g * tf.cast(factor, g.dtype))
+        scaled.append(row)
       grads = scaled
     return self._all_reduce(grads)
 

@@ -14,11 +14,12 @@ incompatible assigned devices"). So each such cell reads a copy on its own devic
 
 The copy is not checkpointed, not in the optimizer nor in any module's variables (it
 is trainable only so that the reading cell's tape watches it): one variable,
-one checkpoint key, one update. It holds V·D bytes on its device for the run, what a
+one checkpoint key, one update. It holds V·D values on its device for the run, what a
 Megatron-style copy holds; instead of all-reducing two copies' gradients and updating
 both, the variable's value travels to the copy and the copy's gradient back, once per
-step each. Only the training step's loops read the copies: eval, serving and the
-fprop differentiated by TensorFlow read the variable itself, outside any loop.
+step each. Only the training step's device loops read the copies: eval, serving,
+decoding and the fprop differentiated by TensorFlow read the variable itself (their
+ops, loops included, are placed with it).
 """
 
 from __future__ import annotations
@@ -63,8 +64,14 @@ def make_copies(cells: Sequence[Sequence[BaseLayer]], devices: Sequence[str]
   for layers, device in zip(cells, devices):
     for layer in (sub for top in layers for sub in top.walk()):
       for name, variable in layer.ties():
-        if not isinstance(variable, tf.Variable) or _same_device(variable.device, device):
+        if _same_device(variable.device, device):
           continue
+        if not isinstance(variable, tf.Variable):
+          raise ValueError(
+              f"{layer.path}.{name} ties to {variable.name}, a row of another cell's "
+              "stacked variable, which only that cell's bodies read; tie through a "
+              "`tie_to` param (the pipeline keeps those targets whole) or set "
+              "stack_variables=False")
         key = (variable.ref(), device)
         if key not in made:
           with tf.device(device):
