@@ -31,7 +31,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from lingvo_gpipe.core.base_layer import BaseLayer
+from lingvo_gpipe.core.base_layer import BaseLayer, VariableShape
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,8 +64,8 @@ def make_copies(cells: Sequence[Sequence[BaseLayer]], devices: Sequence[str]
   for layers, device in zip(cells, devices):
     for layer in (sub for top in layers for sub in top.walk()):
       for name, variable in layer.ties():
-        if _same_device(variable.device, device):
-          continue
+        if isinstance(variable, VariableShape) or _same_device(variable.device, device):
+          continue  # (a shapes-only build has nothing to copy)
         if not isinstance(variable, tf.Variable):
           raise ValueError(
               f"{layer.path}.{name} ties to {variable.name}, a row of another cell's "
