@@ -247,9 +247,10 @@ class Trainer:
     with base_layer.step_context(training=False, step=self.global_step.read_value()):
       return self.task(batch)
 
-  def _decode_step(self, batch: dict[str, tf.Tensor]) -> dict[str, tf.Tensor]:
+  def _decode_step(self, batch: dict[str, tf.Tensor],
+                   full_spec: dict[str, tf.TensorSpec]) -> dict[str, tf.Tensor]:
     with base_layer.step_context(training=False, step=self.global_step.read_value()):
-      return self.task.decode(batch)
+      return self.task.decode(batch, full_spec)
 
   # -- loops ---------------------------------------------------------------------------
 
@@ -522,7 +523,9 @@ class Trainer:
     results = {name: totals[name] / weights[name] for name in totals}
     if getattr(self.task, "has_decoder", False):
       # Metrics of decoded outputs (BLEU) are computed on the host over the whole set.
-      decode_fn = _StepPerShape(self._decode_step, input_gen.batch_specs())
+      full_spec = input_gen.full_batch_spec()
+      decode_fn = _StepPerShape(lambda batch: self._decode_step(batch, full_spec),
+                                input_gen.batch_specs())
       with tf_internals.step_options():
         decoded = [{k: v.numpy() for k, v in decode_fn(batch).items()}
                    for batch in input_gen.dataset()]

@@ -184,8 +184,10 @@ def test_translate_in_a_fresh_process_returns_what_the_mt_eval_decodes(trained, 
   outputs, inputs = exported
   params, _, trainer = trained["mt"]
   batch = inputs["mt"]
-  decoded = trainer._decode_step({k: tf.constant(v) for k, v in batch.items()})
-  vocab = params.eval_input.instantiate().vocab
+  eval_input = params.eval_input.instantiate()
+  decoded = trainer._decode_step({k: tf.constant(v) for k, v in batch.items()},
+                                 eval_input.full_batch_spec())
+  vocab = eval_input.vocab
   np.testing.assert_array_equal(outputs["mt"]["translate_ids"]["ids"],
                                 decoded["hyp_ids"].numpy())
   np.testing.assert_array_equal(outputs["mt"]["translate"]["ids"], decoded["hyp_ids"].numpy())
@@ -441,6 +443,42 @@ def test_decode_writes_records_and_the_evals_metric(trained, tmp_path, name, met
   expected = trainer.evaluate()[metric]
   assert metrics[metric] == pytest.approx(expected, abs=1e-3 if metric != "bleu" else 1e-6)
   assert list((copy / "decode").glob("events.*"))
+
+
+def test_a_bucketed_eval_input_decodes_as_the_full_length_one(trained, tmp_path):
+  """Length buckets cut each eval batch to its bound. Decode mode pads a bucket's sources
+  back to the signature's length, and the trainer's eval decodes every hypothesis to the
+  full target length, so both give the unbucketed input's hypotheses (a
+  hypothesis cut at its bucket's bound would differ)."""
+  params, logdir, _ = trained["mt"]
+  bucketed = params.copy()
+  bucketed.eval_input.set(bucket_upper_bounds=[7, 12], bucket_batch_sizes=[8, 8])
+  bucketed.freeze()
+  paths = {}
+  for name, p in [("full", params), ("bucketed", bucketed)]:
+    shutil.copytree(os.path.join(logdir, "train"), tmp_path / name / "train")
+    paths[name], _ = decoder.decode(p, str(tmp_path / name), log=lambda _: None)
+  records = {name: sorted((json.loads(line) for line in Path(path).read_text().splitlines()),
+                          key=lambda r: r["source_ids"][:r["source_ids"].index(
+                              vocabulary.EOS_ID) + 1])
+             for name, path in paths.items()}
+  assert len(records["bucketed"]) == 16
+  for full, cut in zip(records["full"], records["bucketed"]):
+    assert cut["hypothesis_ids"] == full["hypothesis_ids"], (cut, full)
+  short = [r for r in records["bucketed"] if r["source_ids"].index(vocabulary.EOS_ID) < 7]
+  assert short and any(len(r["hypothesis"].split()) > 7 for r in short), (
+      "no hypothesis of the short bucket runs past its bound: the test cannot tell")
+  trainer = Trainer(bucketed, str(tmp_path / "bucketed"), log=lambda _: None)
+  assert trainer.restore_latest() == 3
+  decoded = []  # what the trainer's eval decodes, bucket by bucket
+  trainer.task.decode_metrics = lambda outputs, _: decoded.extend(outputs) or {}
+  trainer.evaluate()
+  assert {out["src_ids"].shape[1] for out in decoded} == {7, 12}
+  by_source = {tuple(r["source_ids"][:r["source_ids"].index(vocabulary.EOS_ID) + 1]):
+               r["hypothesis_ids"] for r in records["full"]}
+  for out in decoded:
+    for source, hyp in zip(out["src_ids"].tolist(), out["hyp_ids"].tolist()):
+      assert hyp == by_source[tuple(source[:source.index(vocabulary.EOS_ID) + 1])]
 
 
 def test_bad_exports_exit_2_with_one_line_and_write_nothing(trained, tmp_path):

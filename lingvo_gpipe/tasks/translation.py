@@ -67,40 +67,50 @@ class TranslationTask(BaseTask):
                            tf.cast(head_inputs["tgt_paddings"], tf.float32),
                            self.params.label_smoothing)
 
-  def decode(self, batch: dict[str, tf.Tensor]) -> dict[str, tf.Tensor]:
+  def decode(self, batch: dict[str, tf.Tensor],
+             full_spec: dict[str, tf.TensorSpec]) -> dict[str, tf.Tensor]:
     """Greedy decoding of an eval batch: hyp_ids [B, T] (`greedy_ids`) beside the
-    references, sources and languages."""
-    tgt = batch["tgt_labels"]
+    references, sources and languages. T is the input's full target length
+    (`full_spec`, its `full_batch_spec()`), not the batch's: a batch of a length bucket is
+    cut to its bound, and a hypothesis may run past its reference, as a served model's
+    does (`translate_ids` decodes to the full length)."""
     hyp = self.greedy_ids(batch["src_ids"], tf.cast(batch["src_paddings"], tf.float32),
-                          tgt.shape[1], self.stack)
-    return {"hyp_ids": hyp, "ref_ids": tgt, "src_ids": batch["src_ids"],
+                          full_spec["tgt_labels"].shape[1], self.stack)
+    return {"hyp_ids": hyp, "ref_ids": batch["tgt_labels"], "src_ids": batch["src_ids"],
             "language": batch["language"]}
 
   def greedy_ids(self, src_ids: tf.Tensor, src_paddings: tf.Tensor, length: int,
                  run_stack) -> tf.Tensor:
     """Greedy decoding: hyp_ids [B, length] (B may be unknown), each position the
-    argmax given the ones before; `run_stack(src_ids, src_paddings, tgt_ids,
-    tgt_paddings)` → logits [B, length, V].
+    argmax given the ones before, PAD after a row's first EOS; `run_stack(src_ids,
+    src_paddings, tgt_ids, tgt_paddings)` → logits [B, length, V].
 
-    Runs the stack `length` times on a growing target prefix (causal attention makes
-    the unfilled positions irrelevant); no cache (cross-attention layers do not run on
-    token slices), which is fine for eval-sized models.
+    Runs the stack on a growing target prefix (causal attention makes the unfilled
+    positions irrelevant) until every row has emitted EOS or `length` positions are
+    filled; no cache (cross-attention layers do not run on token slices), which is fine
+    for eval-sized models.
     """
     batch_size = tf.shape(src_ids)[0]
     no_paddings = tf.zeros([batch_size, length], tf.float32)
     prefix = tf.pad(tf.fill([batch_size, 1], vocabulary.BOS_ID), [[0, 0], [0, length - 1]])
     hyp = tf.zeros([batch_size, length], tf.int32)
+    ended = tf.zeros([batch_size], tf.bool)  # [B]: the row has emitted EOS
 
-    def step(t, prefix, hyp):
+    def step(t, prefix, hyp, ended):
       logits = run_stack(src_ids, src_paddings, prefix, no_paddings)
       best = tf.argmax(logits[:, t], axis=-1, output_type=tf.int32)  # [B]
+      best = tf.where(ended, vocabulary.PAD_ID, best)
       at_t = tf.one_hot(t, length, dtype=tf.int32)[None, :]
       hyp = hyp * (1 - at_t) + best[:, None] * at_t
       at_next = tf.one_hot(t + 1, length, dtype=tf.int32)[None, :]  # zeros past the end
       prefix = prefix * (1 - at_next) + best[:, None] * at_next
-      return t + 1, prefix, hyp
+      return t + 1, prefix, hyp, ended | tf.equal(best, vocabulary.EOS_ID)
 
-    _, _, hyp = tf.while_loop(lambda t, *_: t < length, step, [tf.constant(0), prefix, hyp])
+    def going(t, prefix, hyp, ended):
+      del prefix, hyp
+      return tf.logical_and(t < length, tf.logical_not(tf.reduce_all(ended)))
+
+    _, _, hyp, _ = tf.while_loop(going, step, [tf.constant(0), prefix, hyp, ended])
     return hyp
 
   # -- serving --------------------------------------------------------------------------
@@ -150,11 +160,17 @@ class TranslationTask(BaseTask):
     return functions
 
   def serving_examples(self, model, batch: dict, input_generator) -> list[dict]:
-    """decode mode: one eval batch through `translate_ids` → one record per example
+    """decode mode: one eval batch through `translate_ids` (a length bucket's sources
+    padded back to the signature's length) → one record per example
     {language, source, hypothesis, reference (texts), hypothesis_ids, reference_ids,
     source_ids}."""
-    out = model("translate_ids", src_ids=batch["src_ids"],
-                src_paddings=tf.cast(batch["src_paddings"], tf.float32))
+    source_length = input_generator.full_batch_spec()["src_ids"].shape[1]
+    cut = source_length - batch["src_ids"].shape[1]  # > 0: a length bucket's batch
+    out = model("translate_ids",
+                src_ids=tf.pad(batch["src_ids"], [[0, 0], [0, cut]],
+                               constant_values=vocabulary.PAD_ID),
+                src_paddings=tf.pad(tf.cast(batch["src_paddings"], tf.float32),
+                                    [[0, 0], [0, cut]], constant_values=1.0))
     hyp, ref, src = (out["ids"].numpy(), batch["tgt_labels"].numpy(),
                      batch["src_ids"].numpy())
     language, vocab = batch["language"].numpy(), input_generator.vocab
