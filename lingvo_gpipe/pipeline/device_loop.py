@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -923,20 +923,29 @@ def _mean_gradients(cells: Sequence[CellFunctions], signatures: list[list[CallSi
     if loss_scale is not None:
       loss_weight = loss_weight * tf.cast(loss_scale, loss_weight.dtype)
     inverse_weight = tf.math.divide_no_nan(1.0, loss_weight)
-  variables: list[tf.Variable] = []
-  gradients: list[tf.Tensor] = []
-  position: dict[Any, int] = {}
+  pairs: list[tuple[tf.Variable, tf.Tensor]] = []
   for k, cell in enumerate(cells):
     sig = signatures[k][0]
     with tf.device(cell.device):
       scale = tf.identity(inverse_weight)
-      gradients_of = sig.layout.by_variable([s * tf.cast(scale, s.dtype)
-                                             for s in finals[k].sums])
-    for v, g in gradients_of:
-      if v.ref() in position:  # a variable shared by two cells (tied weights)
+      pairs += sig.layout.by_variable([s * tf.cast(scale, s.dtype) for s in finals[k].sums])
+  return summed_per_variable(pairs)
+
+
+def summed_per_variable(pairs: Iterable[tuple[Any, tf.Tensor]]
+                        ) -> tuple[list[Any], list[tf.Tensor]]:
+  """(variables, gradients) from (variable, gradient) pairs: one per variable, in
+  first-use order; a variable met twice (read by two cells: a tied weight) gets the sum
+  of its gradients, added on the variable's device."""
+  variables: list[Any] = []
+  gradients: list[tf.Tensor] = []
+  position: dict[Any, int] = {}
+  for v, g in pairs:
+    if v.ref() in position:
+      with tf.device(v.device):
         gradients[position[v.ref()]] += g
-      else:
-        position[v.ref()] = len(variables)
-        variables.append(v)
-        gradients.append(g)
+    else:
+      position[v.ref()] = len(variables)
+      variables.append(v)
+      gradients.append(g)
   return variables, gradients

@@ -32,6 +32,7 @@ from typing import Any
 import tensorflow as tf
 
 from lingvo_gpipe.core.base_layer import BaseLayer, VariableShape
+from lingvo_gpipe.pipeline import device_loop
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,16 +117,5 @@ def onto_variables(variables: Sequence[Any], gradients: Sequence[tf.Tensor],
   """A step's (variables, gradients) with each copy's gradient added to its variable's,
   on the variable's device (the copy itself leaves the list)."""
   master = {c.copy.ref(): c.variable for c in copies}
-  out_variables: list[Any] = []
-  out_gradients: list[tf.Tensor] = []
-  position: dict[Any, int] = {}
-  for v, g in zip(variables, gradients):
-    v = master.get(v.ref(), v)
-    if v.ref() in position:
-      with tf.device(v.device):
-        out_gradients[position[v.ref()]] = out_gradients[position[v.ref()]] + g
-    else:
-      position[v.ref()] = len(out_variables)
-      out_variables.append(v)
-      out_gradients.append(g)
-  return out_variables, out_gradients
+  return device_loop.summed_per_variable(
+      (master.get(v.ref(), v), g) for v, g in zip(variables, gradients))
