@@ -76,7 +76,18 @@ def preflight(params: Params, mode: str, devices: Sequence[str] = ()) -> None:
     _check_cells_against_devices(pipeline, devices)
   if "train" in task and mode in TRAIN_MODES:
     check_train_params(task.train)
+    check_calls_against_buckets(task.train, train_specs)
     _trace_keras_units(task, train_spec)
+
+
+def check_calls_against_buckets(train: Params, train_specs: list[Any]) -> None:
+  """Several steps in one call take batches of one shape: refuses steps_per_call > 1
+  with length buckets."""
+  if train.steps_per_call > 1 and len(train_specs) > 1:
+    raise ParamsError(
+        f"task.train.steps_per_call={train.steps_per_call} needs batches of one shape, and "
+        f"the train input has {len(train_specs)} length buckets "
+        "(train_input.bucket_upper_bounds): set steps_per_call=1 or drop the buckets")
 
 
 def _trace_keras_units(task_params: Params, batch_spec: Any) -> None:

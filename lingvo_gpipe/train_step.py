@@ -98,7 +98,38 @@ class TrainStep:
     self.plan = pipeline.plan() if pipeline is not None else None
 
   @tf.autograph.experimental.do_not_convert  # plain Python on static values
-  def __call__(self, batch: Any) -> tuple[dict[str, tf.Tensor], list[tf.Tensor]]:
+  def steps(self, batches: Sequence[Any]
+            ) -> list[tuple[dict[str, tf.Tensor], list[tf.Tensor]]]:
+    """len(batches) steps in one traced function, each `__call__`'s outputs in order:
+    one client call for several steps (task.train.steps_per_call). Once a step would
+    stop a run (a loss, gradient norm or update not finite, beyond what dynamic loss
+    scaling skips), the steps after it still run but update nothing, so the state is
+    the one the stopping step left, as if it had been called alone."""
+    results = []
+    proceed = tf.constant(True)
+    for batch in batches:
+      outputs, timestamps = self(batch, proceed)
+      results.append((outputs, timestamps))
+      proceed = tf.logical_and(proceed, self._run_goes_on(outputs))
+    return results
+
+  def _run_goes_on(self, outputs: dict[str, tf.Tensor]) -> tf.Tensor:
+    """Whether a run goes on after a step with these outputs: it was finite and so is
+    its update, or its gradient overflowed at a loss scale that can still halve
+    (the trainer's `_overflow_skipped`)."""
+    goes_on = tf.logical_and(outputs["finite"], outputs["update_finite"])
+    if "loss_scale" in outputs:
+      skipped = tf.logical_and(tf.math.is_finite(outputs["loss"]),
+                               outputs["loss_scale"] > self.scale.params.min_scale)
+      goes_on = tf.logical_or(goes_on, tf.logical_and(tf.logical_not(outputs["finite"]),
+                                                      skipped))
+    return goes_on
+
+  @tf.autograph.experimental.do_not_convert  # plain Python on static values
+  def __call__(self, batch: Any, proceed: tf.Tensor | None = None
+               ) -> tuple[dict[str, tf.Tensor], list[tf.Tensor]]:
+    """One step on `batch`. `proceed` (bool scalar; None: True): when false, the step
+    runs but updates nothing and reports itself not finite (`steps`)."""
     step = self.global_step.read_value()
     scale = self.scale.scale.read_value() if self.scale is not None else None
     replicas = self.replicas
@@ -119,6 +150,8 @@ class TrainStep:
     timestamps = timeline.fetches(ctx.spans)
     grad_norm = variable_chunks.global_norm(grads[0], replicas.trainable_variables[0])
     finite = tf.logical_and(tf.math.is_finite(loss), tf.math.is_finite(grad_norm))
+    if proceed is not None:
+      finite = tf.logical_and(finite, proceed)
 
     # The update happens only where `finite`: inside each chunk of the optimizer's
     # update (a tf.cond around the whole update captured every variable and slot once
@@ -133,7 +166,7 @@ class TrainStep:
     tf.cond(finite, apply_stats, lambda: tf.constant(False))
     self.global_step.assign_add(tf.cast(finite, tf.int64))
     if self.scale is not None:
-      self.scale.update(finite)
+      self.scale.update(finite, applies=proceed)
     # Read after the updates (automatic control dependencies order the calls that
     # take the same variables); where the step was skipped, nothing changed.
     update_finite = tf.logical_or(tf.logical_not(finite),

@@ -28,8 +28,10 @@ checkpoints set aside, the index repaired and params.txt written.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import datetime
+import itertools
 import os
 import re
 import threading
@@ -46,7 +48,7 @@ from lingvo_gpipe.core.gc_pause import cyclic_gc_paused
 from lingvo_gpipe.core.hyperparams import Params
 from lingvo_gpipe.pipeline import hybrid, schedule_chart, timeline
 from lingvo_gpipe.pipeline.layer import requested_cells
-from lingvo_gpipe.preflight import check_batch_splits
+from lingvo_gpipe.preflight import check_batch_splits, check_calls_against_buckets
 from lingvo_gpipe.tasks import base_task
 
 # The checkpoint key of the dynamic loss scale's variables (saved only where a layer
@@ -295,15 +297,24 @@ class Trainer:
     progress = _Progress(start, max_steps)
     profiler = _StepProfiler(profile_steps, self.train_dir, self.log, start, max_steps)
     values: dict = {}
+    # Steps run but not yet looked at: a call runs up to task.train.steps_per_call.
+    ran: collections.deque = collections.deque()
     try:
-      for batch in self.train_iterator:
-        step = progress.step + 1  # the global step this update makes (as progress lines count)
-        self._check_batch(batch, "train_input", step)
-        checked = self._run_checked_step(step_fn, batch, step, profiler)
-        if checked is None:  # skipped (a loss-scaled gradient overflowed): same step again
+      while True:
+        if not ran:
+          if progress.step >= max_steps:
+            break
           self._stop_if_requested(progress.step)
+          ran.extend(self._run_call(step_fn, self._call_size(progress, eval_fn, profiler),
+                                    progress.step + 1, profiler))
+          if not ran:  # the input has ended
+            break
+        batch, outputs, timestamps = ran.popleft()
+        step = progress.step + 1  # the global step this update makes (as progress lines count)
+        checked = self._checked_step(outputs, step)
+        if checked is None:  # skipped (a loss-scaled gradient overflowed): same step again
           continue
-        values, timestamps = checked
+        values = checked
         progress.step = step
         if step == start + 1:
           # The first call also builds the executable graph and warms the cells up.
@@ -319,9 +330,6 @@ class Trainer:
           self.save()
         if eval_fn is not None and progress.due_before_the_end(train_p.eval_interval_steps):
           eval_fn()
-        if step >= max_steps:
-          break
-        self._stop_if_requested(step)
     except BaseException:
       # Summaries reach the disk if they can; the error in flight is the one to report.
       with contextlib.suppress(tf.errors.OpError):
@@ -356,26 +364,53 @@ class Trainer:
       tf.summary.text("params", "```\n" + self.params.to_text() + "```", step=start)
     return writer
 
-  def _run_checked_step(self, step_fn: Callable, batch: Any, step: int,
-                        profiler: _StepProfiler) -> tuple[dict, list[tf.Tensor]] | None:
-    """Runs the training step that makes global step `step` (profiled if asked for).
+  def _call_size(self, progress: _Progress, eval_fn: Callable | None,
+                 profiler: _StepProfiler) -> int:
+    """How many steps the next call runs: task.train.steps_per_call, fewer where a
+    checkpoint, an eval, a profile's start or end, or max_steps comes sooner (a call
+    ends at each: what they read is the state after a whole call)."""
+    train_p = self.params.task.train
+    step = progress.step
+    size = min(train_p.steps_per_call, progress.max_steps - step)
+    intervals = [train_p.save_interval_steps]
+    if eval_fn is not None and train_p.eval_interval_steps:
+      intervals.append(train_p.eval_interval_steps)
+    for interval in intervals:
+      size = min(size, interval - step % interval)
+    for edge in profiler.edges():
+      if edge > step:
+        size = min(size, edge - step)
+    return max(size, 1)
 
-    Returns:
-      (values, timestamps): the step's values as numpy scalars, and the timeline
-      timestamps it fetched (empty when not pipelined); None when the step was
-      skipped because its loss-scaled gradient overflowed (the scale has halved).
+  def _run_call(self, step_fn: Callable, count: int, first_step: int,
+                profiler: _StepProfiler) -> list[tuple[Any, dict, list[tf.Tensor]]]:
+    """Runs up to `count` steps in one call, from global step `first_step` (profiled if
+    asked for); each step's (batch, values as numpy, timestamps), in order. Fewer
+    when the input ends; a batch with a bad id raises BadDataError before the call,
+    nothing of that call applied."""
+    batches = list(itertools.islice(self.train_iterator, count))
+    for j, batch in enumerate(batches):
+      self._check_batch(batch, "train_input", first_step + j)
+    if not batches:
+      return []
+    profiler.before(first_step)
+    start = time.perf_counter()
+    results = [(batch, {k: v.numpy() for k, v in outputs.items()}, timestamps)
+               for batch, (outputs, timestamps) in zip(batches, step_fn(batches))]
+    seconds = time.perf_counter() - start
+    self.step_seconds += [seconds / len(batches)] * len(batches)
+    self.last_timestamps = results[-1][2]
+    profiler.after(first_step + len(batches) - 1)
+    return results
+
+  def _checked_step(self, values: dict, step: int) -> dict | None:
+    """The values of the step that made global step `step`; None when the step was
+    skipped because its loss-scaled gradient overflowed (the scale has halved).
 
     Raises:
       NonFiniteLossError: the loss or gradient norm was not finite (nothing was updated).
       NonFiniteUpdateError: the update made a variable non-finite (nothing is saved).
     """
-    profiler.before(step)
-    start = time.perf_counter()
-    outputs, timestamps = step_fn(batch)
-    values = {k: v.numpy() for k, v in outputs.items()}
-    self.step_seconds.append(time.perf_counter() - start)
-    self.last_timestamps = timestamps
-    profiler.after(step)
     if not values["finite"] and self._overflow_skipped(step, values):
       return None
     if not values["finite"]:
@@ -385,7 +420,7 @@ class Trainer:
           f"at step {step}; stopped without applying it. Last good checkpoint: {last}")
     if not values["update_finite"]:
       self._stop_non_finite_update(step, values)
-    return values, timestamps
+    return values
 
   def _check_batch(self, batch: dict, input_name: str, step: int | None = None) -> None:
     """Raises BadDataError for an id or label outside the model's sizes (id_bounds),
@@ -404,8 +439,10 @@ class Trainer:
     used = float(values["loss_scale"])
     if used <= self.loss_scale.params.min_scale:
       return False
+    # (The step's own halving: with several steps per call, the variable is the call's.)
+    halved = max(used * 0.5, self.loss_scale.params.min_scale)
     self.log(f"step {step}: gradient overflow at loss scale {used:g}; update skipped, "
-             f"loss scale now {float(self.loss_scale.scale.numpy()):g}")
+             f"loss scale now {halved:g}")
     return True
 
   def _write_summaries(self, writer: tf.summary.SummaryWriter, step: int, values: dict,
@@ -462,6 +499,7 @@ class Trainer:
     else:
       what = "not pipelined"
     specs = self.train_input.batch_specs()
+    check_calls_against_buckets(self.params.task.train, specs)
     if len(specs) > 1:
       what += f", {len(specs)} length buckets"
     self.log(f"Building the training step ({what}) ...")
@@ -482,9 +520,36 @@ class Trainer:
     else:
       self.log("Each bucket's training step is built at its first batch")
 
-    def step_fn(batch: Any) -> Any:
+    per_call = self.params.task.train.steps_per_call
+    if per_call > 1:
+      return self._steps_per_call_fn(specs[0], per_call, start)
+
+    def step_fn(batches: list[Any]) -> list[Any]:
       with tf_internals.step_options():
-        return traced(batch)
+        return [traced(batch) for batch in batches]
+
+    return step_fn
+
+  def _steps_per_call_fn(self, spec: Any, per_call: int, start: float) -> Callable:
+    """step_fn(batches) → each step's (outputs, timestamps): `TrainStep.steps`, one
+    tf.function per number of batches, traced for `per_call` here and for fewer (a
+    call cut short by a checkpoint, an eval or max_steps) when first needed."""
+    traced: dict[int, Any] = {}
+
+    def calls_of(count: int) -> Any:
+      if count not in traced:
+        traced[count] = tf.function(self.train_step.steps).get_concrete_function(
+            [spec] * count)
+      return traced[count]
+
+    with tf_internals.step_options(), cyclic_gc_paused():
+      calls_of(per_call)
+    self.log(f"Built the training step in {time.perf_counter() - start:.1f} s "
+             f"({per_call} steps per call)")
+
+    def step_fn(batches: list[Any]) -> list[Any]:
+      with tf_internals.step_options():
+        return calls_of(len(batches))(batches)
 
     return step_fn
 
@@ -629,6 +694,11 @@ class _StepProfiler:
       log(f"--profile_steps {steps[0]},{steps[1]} lie outside the steps this run trains "
           f"({start + 1}..{max_steps}); nothing is profiled")
       self.steps = None
+
+  def edges(self) -> list[int]:
+    """The global steps after which a call must end so that the profile holds steps
+    steps[0]..steps[1] (task.train.steps_per_call): steps[0] − 1 and steps[1]."""
+    return [] if self.steps is None else [self.steps[0] - 1, self.steps[1]]
 
   def before(self, step: int) -> None:
     if self.steps is not None and not self.active and self.steps[0] <= step <= self.steps[1]:

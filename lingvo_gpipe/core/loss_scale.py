@@ -78,16 +78,21 @@ class DynamicLossScale(tf.Module):
     self.good_steps = tf.Variable(0, dtype=tf.int64, trainable=False,
                                   name="loss_scale_good_steps")
 
-  def update(self, finite: tf.Tensor) -> tf.Tensor:
+  def update(self, finite: tf.Tensor, applies: tf.Tensor | None = None) -> tf.Tensor:
     """After a step whose gradients were `finite` (bool []) or not: S doubled after
     growth_interval finite steps in a row, halved (not below min_scale) after a
-    non-finite one. Returns the new S."""
+    non-finite one; nothing changes where `applies` (bool []) is false (a step after
+    one that stopped the run). Returns the new S."""
     good = self.good_steps + 1
     grow = tf.logical_and(finite, good >= self.params.growth_interval)
     scale = tf.where(finite, tf.where(grow, self.scale * 2.0, self.scale),
                      tf.maximum(self.scale * 0.5, self.params.min_scale))
-    self.good_steps.assign(tf.where(tf.logical_and(finite, tf.logical_not(grow)), good,
-                                    tf.constant(0, tf.int64)))
+    good_steps = tf.where(tf.logical_and(finite, tf.logical_not(grow)), good,
+                          tf.constant(0, tf.int64))
+    if applies is not None:
+      scale = tf.where(applies, scale, self.scale)
+      good_steps = tf.where(applies, good_steps, self.good_steps)
+    self.good_steps.assign(good_steps)
     self.scale.assign(scale)
     return scale
 

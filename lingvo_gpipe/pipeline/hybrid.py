@@ -96,6 +96,7 @@ class GradientAllReduce:
       raise HybridError(f"replicas hold different numbers of variables: {sorted(counts)}")
     groups: dict[tuple[str, ...], CollectiveMean] = {}
     self._group_of_variable = []
+    self._calls = itertools.count()
     for copies in zip(*variables):
       devices = tuple(v.device for v in copies)
       if len(set(devices)) != len(devices):
@@ -109,9 +110,12 @@ class GradientAllReduce:
     if len(grads) != self.num_replicas:
       raise HybridError(f"gradients of {len(grads)} replicas for {self.num_replicas}")
     reduced: list[list[tf.Tensor]] = [[] for _ in grads]
+    # Keys no other all-reduce of this process's traces uses: two steps traced into one
+    # function (task.train.steps_per_call) must not share one.
+    first_key = next(self._calls) * len(self._group_of_variable) + 1
     for i, group in enumerate(self._group_of_variable):
       for r, mean in enumerate(group([tf.convert_to_tensor(g[i]) for g in grads],
-                                     instance_key=i + 1)):
+                                     instance_key=first_key + i)):
         reduced[r].append(mean)
     return reduced
 

@@ -461,8 +461,12 @@ class PipeliningLayer(BaseLayer):
     copies = self._function_cache.tied
     tied_weights.refresh(copies)
     with tied_weights.read_as_copies(copies):
+      # Hand-offs are matched by name within one step id, so each traced step gets names
+      # of its own: two steps traced into one function (task.train.steps_per_call)
+      # would otherwise take each other's hand-offs (they deadlocked).
       result = device_loop.run(self.cell_functions(head), self.plan(), inputs, head_inputs,
-                               sizes, offsets, self._channel_prefix, lengths)
+                               sizes, offsets, channels.channel_prefix(self._channel_prefix),
+                               lengths)
     if copies:
       result.variables, result.gradients = tied_weights.onto_variables(
           result.variables, result.gradients, copies)

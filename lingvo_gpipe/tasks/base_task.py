@@ -55,6 +55,13 @@ def train_params() -> Params:
   p.define("log_interval_steps", 10, "Print progress every this many steps.")
   p.define("eval_interval_steps", 0,
            "In train_and_eval mode, evaluate every this many steps (0: only at the end).")
+  p.define("steps_per_call", 1, "Training steps run by one call of the traced step "
+           "(Keras's steps_per_execution): the client's round trip to the devices is "
+           "paid once per call, which matters where steps are short. A call ends early at "
+           "a checkpoint, an eval, a profile's edge or max_steps; summaries and progress "
+           "lines still see every step; a step that stops the run (not finite) stops the "
+           "call's later steps from updating. Needs batches of one shape (no length "
+           "buckets).")
   p.define("trace_buckets", "up_front", "With length buckets (the train input's "
            f"bucket_upper_bounds), when each bucket's step is traced: one of "
            f"{TRACE_BUCKETS}. 'up_front': all before the first step (start-up pays for "
@@ -86,6 +93,7 @@ def check_train_params(p: Params) -> None:
   """Raises ParamsError naming the first `task.train` value no run accepts (the
   optimizer checks its own params when it is built)."""
   at_least = {"max_steps": 0, "save_interval_steps": 1, "max_checkpoints_to_keep": 1,
+              "steps_per_call": 1,
               "summary_interval_steps": 1, "log_interval_steps": 1, "eval_interval_steps": 0}
   for key, minimum in at_least.items():
     value = getattr(p, key)
