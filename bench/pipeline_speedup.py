@@ -61,6 +61,11 @@ dX = dY·Wᵀ) then runs 4-5× slower than the same product untransposed (measur
 (TF_ENABLE_ONEDNN_OPTS=1, for the workers and the client) unless the environment
 says otherwise; the JSON records which.
 
+`--steps_per_call N` runs N training steps per call of the traced step (the trainer's
+task.train.steps_per_call), ours and the plain model's alike (the plain one as a Python
+loop in its tf.function), and reports a call's time ÷ N as the step: the client's round
+trip to the workers, paid per call, is then shared by N steps.
+
 The last line printed is one JSON object: `results` per configuration;
 `per_action_<model>_k2_<schedule>[_never]`: milliseconds per action at each M and what
 one more action adds (bench/action_cost.py; bench/torch_pipeline.py reports PyTorch's
@@ -152,6 +157,12 @@ def keras_transformer_units(layers: int = 8, dim: int = 512, hidden: int = 2048,
 PLAIN = ("plain",)  # the runner key of plain TensorFlow on one worker
 
 
+# Training steps per call of the traced step (`--steps_per_call`, the trainer's
+# task.train.steps_per_call), for our runs and the plain model's alike: a step's time
+# is its call's ÷ this.
+STEPS_PER_CALL = 1
+
+
 def make_step(model_name: str, num_cells: int, num_micro_batches: int, devices: list[str],
               schedule: str = "gpipe", weight_gradient_group: int = 1,
               recompute: str = "always"):
@@ -181,8 +192,7 @@ def make_plain_step(model_name: str, device: str, **shape: int):
                                            random_seed=1).instantiate()
   variables = model.trainable_variables
 
-  @tf.function
-  def step(inputs):
+  def one_step(inputs):
     with tf.device(device):  # the backward too: a tape's gradient ops get no device
       with tf.GradientTape() as tape:
         with base_layer.step_context(training=True):
@@ -192,10 +202,14 @@ def make_plain_step(model_name: str, device: str, **shape: int):
         v.assign_sub(1e-4 * g)
       return loss
 
+  @tf.function
+  def step(inputs):  # STEPS_PER_CALL steps, as a user's own loop in a tf.function would
+    return [one_step(inputs) for _ in range(STEPS_PER_CALL)][-1]
+
   def run() -> tuple[float, None]:
     start = time.perf_counter()
     step(inputs).numpy()
-    return time.perf_counter() - start, None
+    return (time.perf_counter() - start) / STEPS_PER_CALL, None
 
   run()  # trace and warm up
   return run
@@ -224,7 +238,8 @@ def _make_step(model_name: str, num_cells: int, num_micro_batches: int, devices:
     return {"loss": (tf.reduce_mean(tf.square(out)), tf.cast(tf.shape(out)[0], tf.float32))}
 
   run = train_step_runner(model, mean_square, inputs, devices[0])
-  run.graph_def = run.step_fn.get_concrete_function(run.batch).graph.as_graph_def()
+  run.graph_def = run.step_fn.get_concrete_function(
+      *run.call_args).graph.as_graph_def()
   return run
 
 
@@ -232,8 +247,8 @@ def train_step_runner(model, head, inputs, input_device: str):
   """The trainer's step (`train_step.TrainStep`, plain SGD) of the pipeline `model`
   with `head` on the batch {"inputs": inputs}, traced and run once: run() → (seconds,
   measured schedule); run.plan is its schedule, run.first_step_seconds what the
-  first call took (tracing included), run.step_fn and run.batch the traced step and
-  its batch."""
+  first call took (tracing included), run.step_fn and run.call_args the traced step and
+  its arguments."""
   import tensorflow as tf
 
   from lingvo_gpipe import train_step
@@ -245,21 +260,26 @@ def train_step_runner(model, head, inputs, input_device: str):
   optimizer.create_slots(wrapped.trainable_variables)
   step = train_step.TrainStep(wrapped, optimizer, tf.Variable(0, dtype=tf.int64),
                               input_device=input_device)
-  step_fn = tf.function(step)
   batch = {"inputs": inputs}
+  if STEPS_PER_CALL == 1:
+    step_fn, call_args = tf.function(step), (batch,)
+  else:  # (the trainer's task.train.steps_per_call)
+    step_fn, call_args = tf.function(step.steps), ([batch] * STEPS_PER_CALL,)
 
   def run() -> tuple[float, timeline.MeasuredTimeline]:
-    """One step: its wall time (seconds) and its measured schedule."""
+    """One step: its wall time (seconds; a call's ÷ STEPS_PER_CALL) and its measured
+    schedule (the call's last step's)."""
     start = time.perf_counter()
-    outputs, fetched = step_fn(batch)
+    results = step_fn(*call_args)
+    outputs, fetched = results if STEPS_PER_CALL == 1 else results[-1]
     outputs["loss"].numpy()
-    seconds = time.perf_counter() - start
+    seconds = (time.perf_counter() - start) / STEPS_PER_CALL
     return seconds, timeline.MeasuredTimeline.from_fetched([t.numpy() for t in fetched])
 
   started = time.perf_counter()
   run()  # trace and warm up
   run.first_step_seconds = time.perf_counter() - started
-  run.plan, run.step_fn, run.batch = step.plan, step_fn, batch
+  run.plan, run.step_fn, run.call_args = step.plan, step_fn, call_args
   return run
 
 
@@ -332,8 +352,13 @@ def main() -> None:
   parser.add_argument("--peak_schedules", default="1f1b,zbv",
                       help="schedules (of --schedules) whose workers' peaks are measured, "
                       "each K>1, M and recompute policy in fresh workers; empty: none")
+  parser.add_argument("--steps_per_call", type=int, default=1,
+                      help="training steps per call of the traced step, ours and the "
+                      "plain model's (the trainer's task.train.steps_per_call)")
   parser.add_argument("--peak_of", help=argparse.SUPPRESS)  # MODEL,K,M,SCHEDULE,RECOMPUTE
   args = parser.parse_args()
+  global STEPS_PER_CALL
+  STEPS_PER_CALL = args.steps_per_call
   if args.peak_of:
     _print_worker_peaks(args.peak_of)
     return
@@ -449,6 +474,7 @@ def main() -> None:
         "bench": "pipeline_speedup",
         "machine": f"{platform.machine()} {os.cpu_count()} cores, TF {tf.__version__}",
         "workers": args.max_workers, "steps_per_config": args.steps,
+        "steps_per_call": args.steps_per_call,
         "onednn": os.environ["TF_ENABLE_ONEDNN_OPTS"],
         "results": results,
     }
