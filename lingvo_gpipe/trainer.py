@@ -504,6 +504,9 @@ class Trainer:
       what += f", {len(specs)} length buckets"
     self.log(f"Building the training step ({what}) ...")
     start = time.perf_counter()
+    per_call = self.params.task.train.steps_per_call
+    if per_call > 1:  # (one batch shape: check_calls_against_buckets)
+      return self._steps_per_call_fn(specs[0], per_call, start)
     # One traced step per batch shape: every length bucket's up front unless
     # task.train.trace_buckets says 'when_needed' (then a bucket's first batch traces
     # its step, mid-run). Either way a bucket's first run still pays the executor's
@@ -519,10 +522,6 @@ class Trainer:
                + (" (one per bucket)" if len(specs) > 1 else ""))
     else:
       self.log("Each bucket's training step is built at its first batch")
-
-    per_call = self.params.task.train.steps_per_call
-    if per_call > 1:
-      return self._steps_per_call_fn(specs[0], per_call, start)
 
     def step_fn(batches: list[Any]) -> list[Any]:
       with tf_internals.step_options():
