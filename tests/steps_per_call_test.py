@@ -89,14 +89,14 @@ def test_a_non_finite_step_inside_a_call_stops_there_leaving_the_state_before_it
 
 
 def test_loss_scale_overflows_inside_a_call_are_skipped_as_one_per_call(tmp_path):
-  """TransformerTiny in float16 from a scale of 2^24: the overflowing steps inside a
-  call are skipped and the later ones go on at the halved scale, as one per call."""
-  overrides = ("task.pipeline.num_cells=2;task.pipeline.num_micro_batches=2;"
-               "task.fprop_dtype='float16';task.train.loss_scale.initial_scale=16777216.0")
+  """TinyConvNet in float16 from a scale of 2^24 (8 overflows before the first update):
+  the overflowing steps inside a call are skipped and the later ones go on at the
+  halved scale, as one per call."""
+  overrides = CONV + ";task.fprop_dtype='float16';task.train.loss_scale.initial_scale=16777216.0"
   results = {}
   for per_call in (1, 4):
     logs: list = []
-    run, losses, _ = train(make_params("lm.TransformerTiny", overrides +
+    run, losses, _ = train(make_params("demo.TinyConvNet", overrides +
                                        f";task.train.steps_per_call={per_call}"),
                            tmp_path / str(per_call), 3, logs)
     skips = [line for line in logs if "gradient overflow" in line]
