@@ -14,6 +14,7 @@ language. Everything is a function of (seed, split), identical on every machine.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import numpy as np
 import tensorflow as tf
@@ -26,6 +27,16 @@ from lingvo_gpipe.inputs.buckets import SequenceGroup
 _SPLIT_SEEDS = {"train": 1, "eval": 2, "test": 3}
 LENGTH_DISTRIBUTIONS = ("uniform", "zipf")
 WORD_ORDERS = ("same", "reversed", "swapped")
+
+
+def choices(rng: np.random.RandomState, probs: np.ndarray, n: int | None = None) -> Any:
+  """`rng.choice(len(probs), n, p=probs)`, the same draws from the same stream (one
+  uniform double per choice, looked up in the cumulative sums, as numpy's legacy
+  `choice` does) without its per-call checks, which were most of the time of making
+  20,000 sentences (2.4 s per input generator, paid by every trainer start)."""
+  cdf = np.cumsum(probs)
+  cdf /= cdf[-1]
+  return cdf.searchsorted(rng.random_sample(n), side="right")
 
 
 @dataclasses.dataclass
@@ -64,8 +75,7 @@ class SyntheticLanguages:
 
   def sentence(self, rng: np.random.RandomState, length: int) -> list[int]:
     words = [rng.randint(self.num_words)]
-    while len(words) < length:
-      choice = rng.choice(3, p=self.successor_probs)
+    for choice in choices(rng, self.successor_probs, length - 1):
       words.append(int(self.successors[words[-1], choice]))
     return words
 
@@ -128,7 +138,7 @@ class _SyntheticText(BaseInputGenerator):
     p = self.params
     if p.length_distribution == "zipf":
       ranks = np.arange(1, p.max_length - p.min_length + 2)
-      return p.min_length + int(self._rng.choice(len(ranks), p=(1 / ranks) / np.sum(1 / ranks)))
+      return p.min_length + int(choices(self._rng, (1 / ranks) / np.sum(1 / ranks)))
     return self._rng.randint(p.min_length, p.max_length + 1)
 
   def _arrays(self) -> dict[str, np.ndarray]:
@@ -215,7 +225,7 @@ class SyntheticTranslation(_SyntheticText):
                            "tgt_paddings", "language")}
     tag = self.vocab.tag_id("en")
     for _ in range(p.num_examples):
-      lang = int(self._rng.choice(p.num_languages, p=self.rates))
+      lang = int(choices(self._rng, self.rates))
       words = self.languages.sentence(self._rng, self._length())
       target = self.vocab.encode(" ".join(self.languages.target_words[w] for w in words))
       source = self.vocab.encode(" ".join(self.languages.translate_to_source(words, lang)))
