@@ -7,6 +7,7 @@ import tensorflow as tf
 
 from lingvo_gpipe import train_step
 from lingvo_gpipe.core import base_layer, layers
+from lingvo_gpipe.pipeline import device_loop, schedule
 from lingvo_gpipe.pipeline.layer import PipeliningLayer
 
 DIM = 8
@@ -117,3 +118,43 @@ def test_deferred_weight_gradients_add_each_stack_whole(cpu_devices, recompute):
     assert (ops["BatchMatMulV2"], ops["MatMul"], ops["Pack"]) == (0, 4, 1), \
         body.signature.name
     assert (ops["InplaceAdd"], ops["DeepCopy"]) == (0, 0), body.signature.name
+
+
+@pytest.mark.parametrize("name, num_cells, virtual_stages", [
+    ("1f1b", 2, 1), ("gpipe", 4, 1), ("zbv", 4, 2), ("interleaved_1f1b", 4, 2)])
+def test_each_cells_first_backward_has_a_branch_of_its_own(name, num_cells, virtual_stages):
+  """In every device's table, each cell's first B (in the device's order; nothing adds to
+  its sums before it) runs the cell's `first` branch, and no other row does. Uneven
+  micro-batches (two shape classes): the later Bs of each class have their own
+  branches."""
+  plan = schedule.build(name, num_cells, 3, virtual_stages=virtual_stages)
+  shape_class = [0, 1, 1]
+  for d, order in enumerate(plan.device_orders):
+    table = device_loop.action_table(plan, d, shape_class, [0, 5, 9], 2)
+    branches = [table.branches[row[device_loop.COLUMNS.branch]] for row in table.rows]
+    first_rows = {}
+    for i, (k, action) in enumerate(order):
+      if action.phase == schedule.BACKWARD:
+        first_rows.setdefault(k, i)
+      assert branches[i].cell == k and branches[i].phase == action.phase
+    assert [i for i, b in enumerate(branches) if b.first] == sorted(first_rows.values())
+    assert {(b.cell, b.shape_class) for b in branches if b.phase == schedule.BACKWARD
+            and not b.first} == {(k, shape_class[a.unit]) for i, (k, a) in enumerate(order)
+                                 if a.phase == schedule.BACKWARD and i not in
+                                 first_rows.values()}
+
+
+@pytest.mark.parametrize("num_micro_batches, adds", [(1, 0), (3, 4)])
+def test_a_first_backward_takes_its_gradient_as_the_sum_without_an_add(
+    cpu_devices, num_micro_batches, adds):
+  """Without re-materialization each cell's stack of weights gets its gradient whole
+  (the unstack's gradient); the cell's first B takes it as the sum, and only the later
+  Bs add to it: no add at M=1; at M=3 one per stack (weights, biases) in the later B's
+  branch of each of the 2 cells (a weight-sized pass each; 2-3% of an MLP's step at
+  M=1, docs/benchmarks.md). The values are the unpartitioned model's (gpipe_test's
+  grid, recompute 'never')."""
+  model, wrapped = build(2, num_micro_batches, cpu_devices, "1f1b", "never")
+  graph_def = traced_step(model, wrapped, 2 * num_micro_batches).graph.as_graph_def()
+  stack_adds = [n.name for f in graph_def.library.function for n in f.node_def
+                if n.op == "AddV2" and "/accumulate/add" in n.name]
+  assert len(stack_adds) == adds, stack_adds

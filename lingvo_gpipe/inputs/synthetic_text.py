@@ -29,7 +29,7 @@ LENGTH_DISTRIBUTIONS = ("uniform", "zipf")
 WORD_ORDERS = ("same", "reversed", "swapped")
 
 
-def choices(rng: np.random.RandomState, probs: np.ndarray, n: int | None = None) -> Any:
+def _choices(rng: np.random.RandomState, probs: np.ndarray, n: int | None = None) -> Any:
   """`rng.choice(len(probs), n, p=probs)`, the same draws from the same stream (one
   uniform double per choice, looked up in the cumulative sums, as numpy's legacy
   `choice` does) without its per-call checks, which were most of the time of making
@@ -75,7 +75,7 @@ class SyntheticLanguages:
 
   def sentence(self, rng: np.random.RandomState, length: int) -> list[int]:
     words = [rng.randint(self.num_words)]
-    for choice in choices(rng, self.successor_probs, length - 1):
+    for choice in _choices(rng, self.successor_probs, length - 1):
       words.append(int(self.successors[words[-1], choice]))
     return words
 
@@ -138,7 +138,7 @@ class _SyntheticText(BaseInputGenerator):
     p = self.params
     if p.length_distribution == "zipf":
       ranks = np.arange(1, p.max_length - p.min_length + 2)
-      return p.min_length + int(choices(self._rng, (1 / ranks) / np.sum(1 / ranks)))
+      return p.min_length + int(_choices(self._rng, (1 / ranks) / np.sum(1 / ranks)))
     return self._rng.randint(p.min_length, p.max_length + 1)
 
   def _arrays(self) -> dict[str, np.ndarray]:
@@ -225,7 +225,7 @@ class SyntheticTranslation(_SyntheticText):
                            "tgt_paddings", "language")}
     tag = self.vocab.tag_id("en")
     for _ in range(p.num_examples):
-      lang = int(choices(self._rng, self.rates))
+      lang = int(_choices(self._rng, self.rates))
       words = self.languages.sentence(self._rng, self._length())
       target = self.vocab.encode(" ".join(self.languages.target_words[w] for w in words))
       source = self.vocab.encode(" ".join(self.languages.translate_to_source(words, lang)))

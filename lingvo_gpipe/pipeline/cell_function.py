@@ -108,14 +108,15 @@ def _dense(g: Any) -> Any:
 
 
 def _accumulate(layout: gradient_sums.StackedLayout, sums: Sequence[tf.Tensor],
-                grads: Sequence[Any], stack_grads: dict[int, Any] | None = None
-                ) -> list[tf.Tensor]:
-  """sums (the stacked tensors of `layout`) + grads (one per variable; None adds
-  nothing) + stack_grads ({id(VariableStack): its whole gradient [n, *shape] or
-  None})."""
+                grads: Sequence[Any], stack_grads: dict[int, Any] | None = None,
+                sums_zero: bool = False) -> list[tf.Tensor]:
+  """sums (the stacked tensors of `layout`; `sums_zero`: known to be zeros) + grads
+  (one per variable; None adds nothing) + stack_grads ({id(VariableStack): its whole
+  gradient [n, *shape] or None})."""
   with tf.name_scope(ACCUMULATE_SCOPE):
     return layout.add(sums, [None if g is None else _dense(g) for g in grads],
-                      {k: _dense(g) for k, g in (stack_grads or {}).items() if g is not None})
+                      {k: _dense(g) for k, g in (stack_grads or {}).items() if g is not None},
+                      zero=sums_zero)
 
 
 def _zeros_where_none(grads: Sequence[Any], like: Sequence[Any]) -> list[Any]:
@@ -717,7 +718,7 @@ class CellFunctions:
   def backward(self, sig: CallSignature, saved: Saved,
                output_grads: Sequence[tf.Tensor], sums: Sequence[tf.Tensor], step: tf.Tensor,
                call_info: tf.Tensor, cache: Sequence[tf.Tensor] = (),
-               cache_grads: Sequence[tf.Tensor] = ()
+               cache_grads: Sequence[tf.Tensor] = (), sums_zero: bool = False
                ) -> tuple[list[tf.Tensor], list[tf.Tensor], list[tf.Tensor], list[tf.Tensor],
                           list[tf.Tensor]]:
     """One backward call (on the caller's device).
@@ -732,6 +733,10 @@ class CellFunctions:
     tensors) plus this call's variable gradients, and per deferred weight product its
     inputs [n, I] and output gradient [n, O] (empty lists unless weight gradients are
     deferred).
+    `sums_zero`: `sums` are zeros (the cell's first backward of the step), so a stack's
+    gradient, made whole, becomes its sum without an add (where the sums are added to
+    outside a traced body, sig.pair's; a re-materialized cell's backward adds inside its
+    one traced body, to the zeros). At M=1 that add was 2-3% of an MLP's step.
     """
     if sig.pair is None:
       input_grads, cache_in_grads, new_sums, product_inputs, product_grads = self._backward_fn(
@@ -767,7 +772,7 @@ class CellFunctions:
                       else by_handle.get(id(v.handle)) for v in sig.variables]
     stack_grads = {id(s): by_handle.get(id(s.variable.handle)) for s in self.stacks}
     return (input_grads, cache_in_grads,
-            _accumulate(sig.layout, sums, variable_grads, stack_grads),
+            _accumulate(sig.layout, sums, variable_grads, stack_grads, sums_zero),
             product_inputs, product_grads)
 
   def weight_gradients(self, sums: Sequence[tf.Tensor], inputs: Sequence[tf.Tensor],

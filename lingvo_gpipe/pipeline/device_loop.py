@@ -162,23 +162,32 @@ class Branch(NamedTuple):
   """One Case branch of a device's loop (a row of `ActionTable.branches`, whose index
   is the branch's): cell k's F or B of the units of shape class c, or its W of a group
   of n backwards; `receive`, the hand-off it takes (None: its inputs come from no
-  other cell, or it is a W)."""
+  other cell, or it is a W). `first`: a B that is its cell's first in the step, so
+  the sums it adds to are still zeros (no F or W adds to them before it): it makes
+  them from its gradients instead of adding (`CellFunctions.backward`'s `sums_zero`)."""
   cell: int
   phase: str          # FORWARD, BACKWARD or WEIGHT_GRADIENT
   shape_class: int = 0  # F, B
   group_size: int = 0   # W
   receive: ReceiveKind | None = None
+  first: bool = False   # B
 
 
-def _branches(plan: PipelineSchedule, cells: Sequence[int], num_classes: int) -> list[Branch]:
-  """The Case branches of a device holding `cells`: per cell, F and B of each unit
-  shape class, then W of each group size its W actions have."""
+def _branches(plan: PipelineSchedule, cells: Sequence[int], num_classes: int,
+              first_backwards: dict[int, int], later_backwards: set[tuple[int, int]]
+              ) -> list[Branch]:
+  """The Case branches of a device holding `cells`: per cell, F of each unit shape
+  class, its first B (of the shape class `first_backwards[k]`), B of each shape class
+  c with (k, c) in `later_backwards`, then W of each group size its W actions have."""
   out = []
   for k in cells:
     for c in range(num_classes):
-      for phase, neighbour in ((FORWARD, k - 1), (BACKWARD, k + 1)):
-        receive = ReceiveKind(k, phase, c) if 0 <= neighbour < plan.num_cells else None
-        out.append(Branch(k, phase, shape_class=c, receive=receive))
+      receive = ReceiveKind(k, FORWARD, c) if k > 0 else None
+      out.append(Branch(k, FORWARD, shape_class=c, receive=receive))
+    for c, first in ([(first_backwards[k], True)] if k in first_backwards else []) + [
+        (c, False) for c in range(num_classes) if (k, c) in later_backwards]:
+      receive = ReceiveKind(k, BACKWARD, c) if k + 1 < plan.num_cells else None
+      out.append(Branch(k, BACKWARD, shape_class=c, receive=receive, first=first))
     for n in sorted({len(g) for g in plan.weight_groups(k).values()}):
       out.append(Branch(k, WEIGHT_GRADIENT, group_size=n))
   return out
@@ -264,21 +273,32 @@ def action_table(plan: PipelineSchedule, d: int, shape_class: Sequence[int],
   slices = plan.slices
   token_offsets = token_offsets or [0] * len(offsets)
   cells = sorted({k for k, _ in plan.device_orders[d]})
-  branches = _branches(plan, cells, num_classes)
-  branch_of = {(b.cell, b.phase, b.shape_class, b.group_size): i
+  first_backwards: dict[int, tuple[int, int]] = {}  # cell → (its first B's row, unit)
+  later_backwards: set[tuple[int, int]] = set()     # (cell, shape class) of the others
+  for row, (k, action) in enumerate(plan.device_orders[d]):
+    if action.phase == BACKWARD:
+      if k in first_backwards:
+        later_backwards.add((k, shape_class[action.unit]))
+      else:
+        first_backwards[k] = (row, action.unit)
+  branches = _branches(plan, cells, num_classes,
+                       {k: shape_class[u] for k, (_, u) in first_backwards.items()},
+                       later_backwards)
+  branch_of = {(b.cell, b.phase, b.shape_class, b.group_size, b.first): i
                for i, b in enumerate(branches)}
   stash = {k: _LowestFree() for k in cells}
   cache = {k: _LowestFree() for k in cells}
   products = {k: _ProductRing(plan.max_awaiting_weights(k)) for k in cells}
   groups = {k: plan.weight_groups(k) for k in cells}
-  receives = [b.receive for b in branches if b.receive is not None]
+  # (a cell's first B receives what its other B of that shape class receives)
+  receives = list(dict.fromkeys(b.receive for b in branches if b.receive is not None))
   rows: list[TableRow] = []
-  for k, action in plan.device_orders[d]:
+  for index, (k, action) in enumerate(plan.device_orders[d]):
     u, phase = action.unit, action.phase
     m, j = divmod(u, slices)
     if phase == WEIGHT_GRADIENT:
       group = groups[k][u]
-      rows.append(TableRow(branch_of[k, phase, 0, len(group)], u, offsets[u],
+      rows.append(TableRow(branch_of[k, phase, 0, len(group), False], u, offsets[u],
                            first_product_slot=products[k].first(group)))
       continue
     first_slice = j == 0 and slices > 1  # takes (F) or frees (B) the micro-batch's cache
@@ -290,7 +310,8 @@ def action_table(plan: PipelineSchedule, d: int, shape_class: Sequence[int],
       stash_slot, product_slot = stash[k].release(u), products[k].write(u)
       if first_slice:
         cache[k].release(m)
-    branch = branch_of[k, phase, shape_class[u], 0]
+    branch = branch_of[k, phase, shape_class[u], 0,
+                       phase == BACKWARD and first_backwards[k][0] == index]
     receive = branches[branch].receive
     rows.append(TableRow(
         branch, u, offsets[u], stash_slot=stash_slot, product_slot=product_slot,
@@ -499,7 +520,7 @@ class CellLoop:
     if branch.phase == FORWARD:
       return functools.partial(self.forward, branch.shape_class)
     if branch.phase == BACKWARD:
-      return functools.partial(self.backward, branch.shape_class)
+      return functools.partial(self.backward, branch.shape_class, branch.first)
     return functools.partial(self.weight_gradient, branch.group_size)
 
   def receive_specs(self, phase: str, c: int) -> list[tf.TensorSpec]:
@@ -578,10 +599,12 @@ class CellLoop:
         stats=[ta.write(row.unit, t) for ta, t in zip(state.stats, stats)],
         cache=self._write_cache(state.cache, row, cache))
 
-  def backward(self, c: int, state: CellState, args: ActionArgs) -> ActionResult:
+  def backward(self, c: int, first: bool, state: CellState, args: ActionArgs
+               ) -> ActionResult:
     """B: the backward of the row's unit of shape class c on its stash slot; input
-    gradients sent back, variable gradients added to the sums, deferred products
-    written to the row's product slot."""
+    gradients sent back, variable gradients added to the sums (`first`: the cell's
+    first B, whose sums are still zeros), deferred products written to the row's
+    product slot."""
     sig, cell, row = self.signatures[c], self.cell, args.row
     if self.following is None:
       loss_index, weight_index = sig.loss_positions()
@@ -599,7 +622,7 @@ class CellLoop:
                                       row.token_slice < self.slices - 1)
     input_grads, cache_grads, sums, product_inputs, product_grads = cell.backward(
         sig, sig.saved.like(taken), seeds, state.sums, self.step_inputs.step,
-        self._call_info(row), cache, cache_grads)
+        self._call_info(row), cache, cache_grads, sums_zero=first)
     if self.previous is not None:
       self.previous.backward.send(input_grads)
     later_slices = row.token_slice > 0  # whose backwards still need the cache

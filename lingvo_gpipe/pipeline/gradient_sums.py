@@ -80,15 +80,23 @@ class StackedLayout:
     return [tf.zeros(spec.shape, spec.dtype) for spec in self.specs()]
 
   def add(self, stacked: Sequence[tf.Tensor], tensors: Sequence[Any],
-          stack_tensors: dict[int, tf.Tensor] | None = None) -> list[tf.Tensor]:
+          stack_tensors: dict[int, tf.Tensor] | None = None, zero: bool = False
+          ) -> list[tf.Tensor]:
     """stacked + one tensor (or None: nothing) per variable, + stack_tensors[id(stack)]
-    (a stack's whole [n, *shape], where given) (`stacked` unchanged)."""
+    (a stack's whole [n, *shape], where given) (`stacked` unchanged). `zero`: `stacked`
+    are known to be zeros, so a stack's whole gradient, the only one given for its
+    tensor, is that tensor's sum as it is (no add: one weight-sized pass less)."""
     out = []
     for s, (positions, shape, _, stack) in zip(stacked, self._groups):
       whole = (stack_tensors or {}).get(id(stack)) if stack is not None else None
+      rows = [tensors[i] for i in positions]
+      if whole is not None and zero and all(t is None for t in rows):
+        whole.shape.assert_is_compatible_with(s.shape)
+        out.append(whole)
+        continue
       if whole is not None:
         s = s + whole
-      out.append(_add_rows(s, [tensors[i] for i in positions], shape))
+      out.append(_add_rows(s, rows, shape))
     return out
 
   def by_variable(self, stacked: Sequence[tf.Tensor]) -> list[tuple[tf.Variable, tf.Tensor]]:
