@@ -91,7 +91,7 @@ class StackedLayout:
       whole = (stack_tensors or {}).get(id(stack)) if stack is not None else None
       rows = [tensors[i] for i in positions]
       if whole is not None and zero and all(t is None for t in rows):
-        whole.shape.assert_is_compatible_with(s.shape)
+        whole.set_shape(s.shape)  # (a loop variable keeps its shape)
         out.append(whole)
         continue
       if whole is not None:
