@@ -184,8 +184,10 @@ def _branches(plan: PipelineSchedule, cells: Sequence[int], num_classes: int,
     for c in range(num_classes):
       receive = ReceiveKind(k, FORWARD, c) if k > 0 else None
       out.append(Branch(k, FORWARD, shape_class=c, receive=receive))
-    for c, first in ([(first_backwards[k], True)] if k in first_backwards else []) + [
-        (c, False) for c in range(num_classes) if (k, c) in later_backwards]:
+    backwards = [(c, False) for c in range(num_classes) if (k, c) in later_backwards]
+    if k in first_backwards:
+      backwards.insert(0, (first_backwards[k], True))
+    for c, first in backwards:
       receive = ReceiveKind(k, BACKWARD, c) if k + 1 < plan.num_cells else None
       out.append(Branch(k, BACKWARD, shape_class=c, receive=receive, first=first))
     for n in sorted({len(g) for g in plan.weight_groups(k).values()}):
