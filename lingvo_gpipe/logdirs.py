@@ -13,7 +13,8 @@ params.txt falls in one row of RESUME_RULES (docs/trainer.md, "Resuming"):
   allowed                       how the step runs (task.pipeline.*: K, splits,
                                 placement, schedule, micro-batches, recompute, token
                                 slices, replicas), compute dtype float32 ↔ bfloat16,
-                                the training loop's settings, the eval input
+                                the training loop's settings, the eval input,
+                                the training input's data_dir and autotune
   allowed with a consequence    float16 ↔ another compute dtype: the dynamic loss
                                 scale (float16's only) starts at its initial value,
                                 or is dropped
@@ -70,6 +71,8 @@ class ResumeRule:
 # The first rule whose keys match a changed key decides (the module docstring's table).
 RESUME_RULES = (
     ResumeRule(r"train_input\.data_dir", ALLOWED, "where the prepared data lives"),
+    ResumeRule(r"train_input\.autotune", ALLOWED, "how tf.data runs the input, not what "
+               "it gives: the same batches in the same order"),
     ResumeRule(r"train_input\..*", REFUSED, "the checkpoints hold the training input's "
                "position, which belongs to the input they were written with"),
     ResumeRule(r"task\.pipeline\..*", ALLOWED, "how the step runs, not what it trains: a "

@@ -37,7 +37,7 @@ SERVING_RULES = (
     # Not the keys that make the vocabulary (vocab_file, target_vocab_size, num_words,
     # language_seed, ...): the serving functions' token tables come from the eval input.
     (r"eval_input\.(batch_size|num_examples|split|repeat|prefetch|shuffle_buffer|seed"
-     r"|data_dir|name|bucket_upper_bounds|bucket_batch_sizes|length_distribution)",
+     r"|data_dir|name|bucket_upper_bounds|bucket_batch_sizes|length_distribution|autotune)",
      "which eval examples decode reads, and how"),
     (r"train_input\..*", "the training input, which serving does not read"),
 )
@@ -136,7 +136,7 @@ def apply_serving_overrides(params: Params, overrides: list[tuple[str, str]]
           "only these may change at export: task.pipeline.*, fprop_dtype, task.train.*, "
           "train_input.*, and eval_input's batch_size, num_examples, split, repeat, "
           "prefetch, shuffle_buffer, seed, data_dir, name, bucket_upper_bounds, "
-          "bucket_batch_sizes, length_distribution")
+          "bucket_batch_sizes, length_distribution, autotune")
     changed.append({"key": key, "trained": repr(before), "served": repr(after)})
   return changed
 

@@ -48,3 +48,16 @@ def test_eval_pass_is_finite_and_bad_params_are_named():
     SyntheticImages.Params().set(split="dev").instantiate()
   with pytest.raises(ValueError, match="batch_size must be >= 1, got 0"):
     SyntheticImages.Params().set(batch_size=0).instantiate()
+
+
+def test_autotuning_is_off_unless_asked_and_changes_no_batch():
+  """tf.data's autotuning (its model thread, whose end can stall a freed iterator for
+  up to a minute: docs/library.md) is off by default and on when asked; the batches
+  are the same either way."""
+  gen, _ = first_batch()
+  assert gen.dataset().options().autotune.enabled is False
+  tuned = gen.params.copy().set(autotune=True).instantiate()
+  assert tuned.dataset().options().autotune.enabled is True
+  for a, b in zip(gen.dataset().take(3), tuned.dataset().take(3)):
+    for key in a:
+      np.testing.assert_array_equal(a[key].numpy(), b[key].numpy())

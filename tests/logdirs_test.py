@@ -45,6 +45,7 @@ def test_each_change_falls_in_its_row_of_the_resume_rules(tmp_path):
                            "eval_input.batch_size": 8, "task.pipeline.num_cells": 2,
                            "task.fprop_dtype": "bfloat16",
                            "task.train.optimizer.learning_rate": 0.5,
+                           "train_input.autotune": True,
                            "task.softmax.num_classes": 3})
   change = logdirs.check_resumable(str(logdir), changed)
   rows = {key: rule.verdict for key, _, _, rule in change.changes}
@@ -54,10 +55,18 @@ def test_each_change_falls_in_its_row_of_the_resume_rules(tmp_path):
       "task.pipeline.num_cells": logdirs.ALLOWED,
       "task.softmax.num_classes": logdirs.CHECKED,
       "task.train.log_interval_steps": logdirs.ALLOWED,
-      "task.train.optimizer.learning_rate": logdirs.ALLOWED}
+      "task.train.optimizer.learning_rate": logdirs.ALLOWED,
+      "train_input.autotune": logdirs.ALLOWED}
   float16 = logdirs.check_resumable(str(logdir), demo_params(**{"task.fprop_dtype": "float16"}))
   assert [rule.verdict for *_, rule in float16.changes] == [logdirs.CONSEQUENCE]
   assert "loss scale" in float16.describe()
+  # A logdir written before the inputs had `autotune` resumes.
+  params_txt = logdir / "params.txt"
+  params_txt.write_text("".join(line for line in params_txt.read_text().splitlines(True)
+                                if "_input.autotune" not in line))
+  older = logdirs.check_resumable(str(logdir), demo_params())
+  assert {key: rule.verdict for key, _, _, rule in older.changes} == {
+      "eval_input.autotune": logdirs.ALLOWED, "train_input.autotune": logdirs.ALLOWED}
 
 
 def test_without_a_checkpoint_any_change_is_only_a_note(tmp_path):

@@ -26,6 +26,10 @@ class BaseInputGenerator(Instantiable):
     p.define("repeat", True, "Repeat forever (training) or go through once (eval).")
     p.define("shuffle_buffer", 0, "Shuffle buffer size; 0 disables shuffling.")
     p.define("prefetch", 2, "Batches to prefetch (tf.data.AUTOTUNE is -1).")
+    p.define("autotune", False, "tf.data's autotuning (its model thread). Off by default: "
+             "in TensorFlow 2.21 freeing an iterator can wait out the model thread's "
+             "period, up to 60 s (docs/library.md, 'Stalls'); a parallel map then runs at "
+             "min(16, CPU cores), what autotuning starts from.")
     p.define("bucket_upper_bounds", None, "Length buckets (inputs of padded sequences): "
              "increasing token bounds u_j; an example goes to the first bucket whose bound "
              "its longest sequence fits, and its batch is padded to that bound only. The "
@@ -79,7 +83,9 @@ class BaseInputGenerator(Instantiable):
       ds = buckets.batches(ds, self.sequence_groups(), keep_partial=not p.repeat)
     else:
       ds = ds.batch(p.batch_size, drop_remainder=True)
-    return ds.prefetch(p.prefetch)
+    options = tf.data.Options()
+    options.autotune.enabled = p.autotune
+    return ds.prefetch(p.prefetch).with_options(options)
 
   def id_space_size(self) -> int | None:
     """N where every id and label this input gives lies in [0, N) (a vocabulary's
