@@ -28,7 +28,7 @@ class BaseInputGenerator(Instantiable):
     p.define("prefetch", 2, "Batches to prefetch (tf.data.AUTOTUNE is -1).")
     p.define("autotune", False, "tf.data's autotuning (its model thread). Off by default: "
              "in TensorFlow 2.21 freeing an iterator can wait out the model thread's "
-             "period, up to 60 s (docs/library.md, 'Stalls'); a parallel map then runs at "
+             "period, up to 60 s (docs/library.md, 'Testing'); a parallel map then runs at "
              "min(16, CPU cores), what autotuning starts from.")
     p.define("bucket_upper_bounds", None, "Length buckets (inputs of padded sequences): "
              "increasing token bounds u_j; an example goes to the first bucket whose bound "
