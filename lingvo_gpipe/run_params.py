@@ -29,15 +29,18 @@ import tensorflow as tf
 from lingvo_gpipe import checkpoints, logdirs
 from lingvo_gpipe.core.hyperparams import Params, ParamsError
 
+# The eval input's keys an export may change: which examples decode reads, and how. Not
+# the keys that make the vocabulary (vocab_file, target_vocab_size, num_words,
+# language_seed, ...): the serving functions' token tables come from the eval input.
+SERVABLE_EVAL_INPUT_KEYS = ("batch_size", "num_examples", "split", "repeat", "prefetch",
+                            "shuffle_buffer", "seed", "data_dir", "name", "bucket_upper_bounds",
+                            "bucket_batch_sizes", "length_distribution", "autotune")
 # (key pattern, why an export may change it): the first match decides; no match refuses.
 SERVING_RULES = (
     (r"task\.pipeline\..*", "how the stack runs (devices, cells, micro-batches)"),
     (r"task(\..*)?\.fprop_dtype", "the compute dtype"),
     (r"task\.train\..*", "the training loop's settings, which serving does not read"),
-    # Not the keys that make the vocabulary (vocab_file, target_vocab_size, num_words,
-    # language_seed, ...): the serving functions' token tables come from the eval input.
-    (r"eval_input\.(batch_size|num_examples|split|repeat|prefetch|shuffle_buffer|seed"
-     r"|data_dir|name|bucket_upper_bounds|bucket_batch_sizes|length_distribution|autotune)",
+    (r"eval_input\.(" + "|".join(SERVABLE_EVAL_INPUT_KEYS) + ")",
      "which eval examples decode reads, and how"),
     (r"train_input\..*", "the training input, which serving does not read"),
 )
@@ -134,9 +137,7 @@ def apply_serving_overrides(params: Params, overrides: list[tuple[str, str]]
           f"--params_override {key}={value}: an export serves the params the run "
           f"trained with ({key}={before!r}), and {key} is part of the trained model; "
           "only these may change at export: task.pipeline.*, fprop_dtype, task.train.*, "
-          "train_input.*, and eval_input's batch_size, num_examples, split, repeat, "
-          "prefetch, shuffle_buffer, seed, data_dir, name, bucket_upper_bounds, "
-          "bucket_batch_sizes, length_distribution, autotune")
+          f"train_input.*, and eval_input's {', '.join(SERVABLE_EVAL_INPUT_KEYS)}")
     changed.append({"key": key, "trained": repr(before), "served": repr(after)})
   return changed
 
