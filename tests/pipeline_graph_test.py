@@ -112,7 +112,9 @@ def test_deferred_weight_gradients_add_each_stack_whole(cpu_devices, recompute):
   model, wrapped = build(2, 4, cpu_devices, schedule="zb_h1", recompute=recompute)
   graph_def = traced_step(model, wrapped, 8).graph.as_graph_def()
   bodies = [f for f in graph_def.library.function if "_weight_body" in f.signature.name]
-  assert len(bodies) == 2  # one per cell: its W at group size 1
+  # Per cell, its W at group size 1; without re-materialization a second for its first
+  # W, which takes the stack's gradient as the sum (the test below).
+  assert len(bodies) == (2 if recompute == "always" else 4)
   for body in bodies:
     ops = collections.Counter(n.op for n in body.node_def)
     assert (ops["BatchMatMulV2"], ops["MatMul"], ops["Pack"]) == (0, 4, 1), \
@@ -137,11 +139,51 @@ def test_each_cells_first_backward_has_a_branch_of_its_own(name, num_cells, virt
       if action.phase == schedule.BACKWARD:
         first_rows.setdefault(k, i)
       assert branches[i].cell == k and branches[i].phase == action.phase
-    assert [i for i, b in enumerate(branches) if b.first] == sorted(first_rows.values())
+    assert [i for i, b in enumerate(branches)
+            if b.first and b.phase == schedule.BACKWARD] == sorted(first_rows.values())
     assert {(b.cell, b.shape_class) for b in branches if b.phase == schedule.BACKWARD
             and not b.first} == {(k, shape_class[a.unit]) for i, (k, a) in enumerate(order)
                                  if a.phase == schedule.BACKWARD and i not in
                                  first_rows.values()}
+
+
+def test_each_cells_first_weight_gradient_has_a_branch_of_its_own():
+  """In every device's table of the split-backward schedules, each cell's first W (in
+  the device's order) runs the cell's `first` W branch, and no other row does; a cell
+  whose sums W is not the only one to add to (`first_weight_cells`) has none."""
+  for name, num_cells, virtual_stages in [("zb_h1", 2, 1), ("zbv", 4, 2),
+                                          ("interleaved_zb", 4, 2)]:
+    plan = schedule.build(name, num_cells, 3, virtual_stages=virtual_stages)
+    for d, order in enumerate(plan.device_orders):
+      first_rows = {}
+      for i, (k, action) in enumerate(order):
+        if action.phase == schedule.WEIGHT_GRADIENT:
+          first_rows.setdefault(k, i)
+      assert len(first_rows) == len({k for k, _ in order}), (name, d)
+      for cells in (None, [0]):
+        table = device_loop.action_table(plan, d, [0, 0, 0], [0, 4, 8], 1,
+                                         first_weight_cells=cells)
+        branches = [table.branches[row[device_loop.COLUMNS.branch]] for row in table.rows]
+        assert [i for i, b in enumerate(branches)
+                if b.first and b.phase == schedule.WEIGHT_GRADIENT] == sorted(
+                    i for k, i in first_rows.items() if cells is None or k in cells), (name, d)
+
+
+@pytest.mark.parametrize("num_micro_batches, adds", [(1, 0), (3, 4)])
+def test_a_first_weight_gradient_takes_its_stack_as_the_sum_without_an_add(
+    cpu_devices, num_micro_batches, adds):
+  """zb_h1 without re-materialization: each cell's stack of projection weights gets
+  its gradient from the W actions only (the backward, TensorFlow's pair, gives it
+  none: `CallSignature.weight_only_sums`), so the cell's first W takes its stacked
+  products as the sum, and the first B takes the biases' stack: no add at M=1; at M=3,
+  one per stack in each later branch (B: biases, W: weights) of the 2 cells. The
+  values are the unpartitioned model's (gpipe_test's zb_h1, zbv and interleaved_zb
+  grids)."""
+  model, wrapped = build(2, num_micro_batches, cpu_devices, "zb_h1", "never")
+  graph_def = traced_step(model, wrapped, 2 * num_micro_batches).graph.as_graph_def()
+  stack_adds = [n.name for f in graph_def.library.function for n in f.node_def
+                if n.op == "AddV2" and "accumulate/add" in n.name]
+  assert len(stack_adds) == adds, stack_adds
 
 
 @pytest.mark.parametrize("num_micro_batches, adds", [(1, 0), (3, 4)])

@@ -264,6 +264,12 @@ class ForwardBackwardPair:
     outputs = list(self.forward_call(*flat_args, *self.captured_inputs))
     return outputs[:self.num_outputs], [outputs[i] for i in self.kept_positions]
 
+  def captured_gradients(self) -> list[Any]:
+    """Per captured input, what `backward` gives as its gradient, as traced: a tensor
+    of the backward's graph, or None where it gives none (in every call)."""
+    flat = tf.nest.flatten(self.backward_fn.structured_outputs, expand_composites=False)
+    return flat[len(flat) - len(self.captured_inputs):]
+
   def backward(self, output_grads: Sequence[tf.Tensor], kept: Sequence[tf.Tensor]) -> list[Any]:
     captures = [kept[c] if isinstance(c, int) else c for c in self.backward_captures]
     return tf.nest.flatten(self.backward_fn._call_flat(list(output_grads), captures),  # noqa: SLF001

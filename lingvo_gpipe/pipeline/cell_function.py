@@ -61,7 +61,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any, NamedTuple
 
 import tensorflow as tf
@@ -109,14 +109,14 @@ def _dense(g: Any) -> Any:
 
 def _accumulate(layout: gradient_sums.StackedLayout, sums: Sequence[tf.Tensor],
                 grads: Sequence[Any], stack_grads: dict[int, Any] | None = None,
-                sums_zero: bool = False) -> list[tf.Tensor]:
-  """sums (the stacked tensors of `layout`; `sums_zero`: known to be zeros) + grads
-  (one per variable; None adds nothing) + stack_grads ({id(VariableStack): its whole
-  gradient [n, *shape] or None})."""
+                zeros: Collection[int] = ()) -> list[tf.Tensor]:
+  """sums (the stacked tensors of `layout`; `zeros`: the positions of those known to
+  be zeros) + grads (one per variable; None adds nothing) + stack_grads
+  ({id(VariableStack): its whole gradient [n, *shape] or None})."""
   with tf.name_scope(ACCUMULATE_SCOPE):
     return layout.add(sums, [None if g is None else _dense(g) for g in grads],
                       {k: _dense(g) for k, g in (stack_grads or {}).items() if g is not None},
-                      zero=sums_zero)
+                      zeros=zeros)
 
 
 def _zeros_where_none(grads: Sequence[Any], like: Sequence[Any]) -> list[Any]:
@@ -213,10 +213,12 @@ class _ForwardResults(NamedTuple):
 
 class _Backward(NamedTuple):
   """How a cell's backward gets what it needs: `saved`, what the forward keeps (specs);
-  the forward/backward pair (None: re-materialized); the deferred products."""
+  the forward/backward pair (None: re-materialized); the deferred products; the
+  positions of the sums it never adds to (`CallSignature.weight_only_sums`)."""
   saved: Saved
   pair: tf_internals.ForwardBackwardPair | None
   products: ProductSpecs
+  weight_only_sums: frozenset[int] = frozenset()
 
 
 class PairArguments(NamedTuple):
@@ -246,7 +248,11 @@ class CallSignature:
   inputs, head_inputs: the flat arguments; outputs, stats: the forward's flat results;
   saved: what a forward keeps for its backward (`Saved`); pair: the
   forward/backward pair of a cell that is not re-materialized; products: its
-  deferred weight products (`ProductSpecs`).
+  deferred weight products (`ProductSpecs`); weight_only_sums: the positions of the
+  sums (`layout`'s tensors) that a backward of this shape never adds to, so only the
+  W actions do: a stack of projection weights whose gradients are all deferred (its
+  backward, TensorFlow's pair, gives it none). Empty for a re-materialized cell: its
+  backward adds inside its one traced body, and is not looked into.
 
   output_structure: the nest the layers (and the head) return, `outputs` flattened
   from it; stats_structure: per layer that reported batch statistics, the layer and
@@ -266,6 +272,7 @@ class CallSignature:
   layout: gradient_sums.StackedLayout
   pair: tf_internals.ForwardBackwardPair | None = None
   products: ProductSpecs = ProductSpecs()  # () each: no deferred weight products
+  weight_only_sums: frozenset[int] = frozenset()
   # Token slices: the sequences' length T (0: whole sequences) and the cell's cache
   # entries (full-length, one per `TokenSlice.extend` of a call, in call order).
   full_length: int = 0
@@ -523,11 +530,12 @@ class CellFunctions:
             [p.inputs for p in products],
             product_grads)
 
-  def _weight_body(self, sums, inputs, output_grads):
+  def _weight_body(self, sums, inputs, output_grads, zeros):
     """sums + the deferred weight products' gradients over a group of micro-batches:
     inputs[i]ᵀ · output_grads[i] ([n, I]ᵀ·[n, O] → [I, O]) for each product i, in
     their (compute) dtype, then added in the variable's (the sums' float32 under
-    mixed precision)."""
+    mixed precision); `zeros`, a tuple of the positions of the sums known to be zeros
+    (traced once per value)."""
     traced = self._traced
     grads: dict[int, tf.Tensor] = {}
     with tf.name_scope(WEIGHT_SCOPE):
@@ -544,7 +552,7 @@ class CellFunctions:
         grad = tf.cast(tf.matmul(x, dy, transpose_a=True), traced.variables[v].dtype)
         grads[v] = grad if v not in grads else grads[v] + grad
     return _accumulate(traced.layout, sums,
-                       [grads.get(v) for v in range(len(traced.variables))], stack_grads)
+                       [grads.get(v) for v in range(len(traced.variables))], stack_grads, zeros)
 
   def _batched_stacks(self, inputs: Sequence[Any], output_grads: Sequence[Any]
                       ) -> list[tuple[stacked_variables.VariableStack, list[int]]]:
@@ -640,6 +648,7 @@ class CellFunctions:
         saved=backward.saved, output_structure=traced.output_structure,
         stats_structure=traced.stats_structure, variables=tuple(traced.variables),
         layout=traced.layout, pair=backward.pair, products=backward.products,
+        weight_only_sums=backward.weight_only_sums,
         full_length=full_length, cache=tuple(cache))
     self._signatures[key] = signature
     return signature
@@ -688,7 +697,18 @@ class CellFunctions:
     saved = Saved(product_bits=tuple(tf.TensorSpec(s.shape, _BITS[s.dtype.size])
                                      for s in products.inputs),
                   kept=tuple(_specs([forward.graph.outputs[i] for i in pair.kept_positions])))
-    return _Backward(saved, pair, products)
+    return _Backward(saved, pair, products, self._sums_the_pair_leaves(pair))
+
+  def _sums_the_pair_leaves(self, pair: tf_internals.ForwardBackwardPair) -> frozenset[int]:
+    """The positions of the sums the backward of `pair` never adds to: those whose
+    variables (a stack's: the stack, read whole) get no gradient from it (None among
+    its traced outputs, as in every call of it)."""
+    given = {id(c) for c, g in zip(pair.captured_inputs, pair.captured_gradients())
+             if g is not None}
+    added = {id(v) for v in self._traced.variables
+             if not isinstance(v, stacked_variables.RowVariable) and id(v.handle) in given}
+    added |= {id(row) for s in self.stacks if id(s.variable.handle) in given for row in s.rows}
+    return self._traced.layout.untouched(added)
 
   def forward(self, sig: CallSignature, flat_inputs: Sequence[tf.Tensor],
               flat_head: Sequence[tf.Tensor], step: tf.Tensor, call_info: tf.Tensor,
@@ -772,15 +792,20 @@ class CellFunctions:
                       else by_handle.get(id(v.handle)) for v in sig.variables]
     stack_grads = {id(s): by_handle.get(id(s.variable.handle)) for s in self.stacks}
     return (input_grads, cache_in_grads,
-            _accumulate(sig.layout, sums, variable_grads, stack_grads, sums_zero),
+            _accumulate(sig.layout, sums, variable_grads, stack_grads,
+                        range(len(sums)) if sums_zero else ()),
             product_inputs, product_grads)
 
   def weight_gradients(self, sums: Sequence[tf.Tensor], inputs: Sequence[tf.Tensor],
-                       output_grads: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+                       output_grads: Sequence[tf.Tensor], zeros: Collection[int] = ()
+                       ) -> list[tf.Tensor]:
     """One call: `sums` plus the deferred weight gradients of a group of micro-batches,
     each one product: inputs[i] [n, I] and output_grads[i] [n, O] are projection i's,
-    the group's micro-batches concatenated."""
-    return list(self._weight_fn(list(sums), list(inputs), list(output_grads)))
+    the group's micro-batches concatenated. `zeros`: the positions of the sums known to
+    be zeros (the cell's first W of the step, at its `weight_only_sums`): a stack
+    batched whole there becomes its sum without an add."""
+    return list(self._weight_fn(list(sums), list(inputs), list(output_grads),
+                                tuple(sorted(zeros))))
 
   def call_forward(self, inputs: Any, head_inputs: Any, step: tf.Tensor, call_info: tf.Tensor
                    ) -> tuple[Any, list]:

@@ -22,7 +22,9 @@ A unit u is a micro-batch, or with token slices a slice (m, j) of one (schedule.
         added to the sums
 
 An uneven split has two unit shapes; each has its own F and B branch (the cell's
-functions are traced once per shape); W has a branch per group size. Each action's
+functions are traced once per shape); W has a branch per group size. A cell's first B
+and first W of the step have branches of their own, which make the sums still zero
+from their gradients instead of adding to them (`Branch.first`). Each action's
 start (its inbox there) and end (its Case done) are timestamped on the device's
 host, around the Case in the loop's body (the measured timeline).
 
@@ -57,7 +59,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -162,36 +164,65 @@ class Branch(NamedTuple):
   """One Case branch of a device's loop (a row of `ActionTable.branches`, whose index
   is the branch's): cell k's F or B of the units of shape class c, or its W of a group
   of n backwards; `receive`, the hand-off it takes (None: its inputs come from no
-  other cell, or it is a W). `first`: a B that is its cell's first in the step, so
-  the sums it adds to are still zeros (no F or W adds to them before it): it makes
-  them from its gradients instead of adding (`CellFunctions.backward`'s `sums_zero`)."""
+  other cell, or it is a W). `first`: a B or W that is the first of its kind of its
+  cell in the step, so the sums it adds to are still zeros: before a cell's first B
+  nothing adds to its sums (F adds nothing, a W follows a B), and before its first W
+  only Bs do, which leave the sums of deferred weights alone (`weight_only_sums`). It
+  makes those sums from its gradients instead of adding (`CellFunctions.backward`'s
+  `sums_zero`, `CellFunctions.weight_gradients`' `zeros`)."""
   cell: int
   phase: str          # FORWARD, BACKWARD or WEIGHT_GRADIENT
   shape_class: int = 0  # F, B
   group_size: int = 0   # W
   receive: ReceiveKind | None = None
-  first: bool = False   # B
+  first: bool = False   # B, W
+
+
+class _Variants(NamedTuple):
+  """The B or W actions of a device's cells, by what sets their branch (a B's shape
+  class, a W's group size): each cell's first action's row and variant, and the
+  (cell, variant) pairs of the later ones."""
+  first: dict[int, tuple[int, int]]
+  later: set[tuple[int, int]]
+
+  @classmethod
+  def of(cls, variants: Sequence[tuple[int, int, int]],
+         firsts: Collection[int] | None = None) -> _Variants:
+    """From (row, cell, variant) of each such action, in the device's order; `firsts`:
+    the cells whose first action is told apart (None: every cell)."""
+    out = cls({}, set())
+    for row, k, v in variants:
+      if k in out.first or (firsts is not None and k not in firsts):
+        out.later.add((k, v))
+      else:
+        out.first[k] = (row, v)
+    return out
+
+  def branches(self, k: int) -> list[tuple[int, bool]]:
+    """Cell k's (variant, first) branches: its first action's, then each later variant."""
+    later = sorted(v for cell, v in self.later if cell == k)
+    return ([(self.first[k][1], True)] if k in self.first else []) + [(v, False) for v in later]
+
+  def is_first(self, k: int, row: int) -> bool:
+    return k in self.first and self.first[k][0] == row
 
 
 def _branches(plan: PipelineSchedule, cells: Sequence[int], num_classes: int,
-              first_backwards: dict[int, int], later_backwards: set[tuple[int, int]]
-              ) -> list[Branch]:
+              backwards: _Variants, weights: _Variants) -> list[Branch]:
   """The Case branches of a device holding `cells`: per cell, F of each unit shape
-  class, its first B (of the shape class `first_backwards[k]`), B of each shape class
-  c with (k, c) in `later_backwards`, then W of each group size its W actions have."""
+  class, its first B (of that B's shape class), B of each shape class its later Bs
+  have, then its first W (of that W's group size) and W of each group size its later
+  Ws have."""
   out = []
   for k in cells:
     for c in range(num_classes):
       receive = ReceiveKind(k, FORWARD, c) if k > 0 else None
       out.append(Branch(k, FORWARD, shape_class=c, receive=receive))
-    backwards = [(c, False) for c in range(num_classes) if (k, c) in later_backwards]
-    if k in first_backwards:
-      backwards.insert(0, (first_backwards[k], True))
-    for c, first in backwards:
+    for c, first in backwards.branches(k):
       receive = ReceiveKind(k, BACKWARD, c) if k + 1 < plan.num_cells else None
       out.append(Branch(k, BACKWARD, shape_class=c, receive=receive, first=first))
-    for n in sorted({len(g) for g in plan.weight_groups(k).values()}):
-      out.append(Branch(k, WEIGHT_GRADIENT, group_size=n))
+    for n, first in weights.branches(k):
+      out.append(Branch(k, WEIGHT_GRADIENT, group_size=n, first=first))
   return out
 
 
@@ -262,10 +293,13 @@ class _ProductRing:
 
 def action_table(plan: PipelineSchedule, d: int, shape_class: Sequence[int],
                  offsets: Sequence[int], num_classes: int,
-                 token_offsets: Sequence[int] | None = None) -> ActionTable:
+                 token_offsets: Sequence[int] | None = None,
+                 first_weight_cells: Collection[int] | None = None) -> ActionTable:
   """Device d's table. Per unit u (micro-batch, or (m, j) with token slices):
   shape_class[u], offsets[u] (its first example's position) and token_offsets[u]
-  (its first token's; None: 0).
+  (its first token's; None: 0). first_weight_cells: the cells whose first W has a
+  branch of its own (those with sums only W adds to: `weight_only_sums`; None: every
+  cell); a cell's first B always has.
 
   Each cell has three allocators. Stash slots: lowest-free-first, taken at F and
   freed at B, so cell k needs max_in_flight(k) of them. Product slots: a ring of
@@ -274,34 +308,29 @@ def action_table(plan: PipelineSchedule, d: int, shape_class: Sequence[int],
   """
   slices = plan.slices
   token_offsets = token_offsets or [0] * len(offsets)
-  cells = sorted({k for k, _ in plan.device_orders[d]})
-  first_backwards: dict[int, tuple[int, int]] = {}  # cell → (its first B's row, unit)
-  later_backwards: set[tuple[int, int]] = set()     # (cell, shape class) of the others
-  for row, (k, action) in enumerate(plan.device_orders[d]):
-    if action.phase == BACKWARD:
-      if k in first_backwards:
-        later_backwards.add((k, shape_class[action.unit]))
-      else:
-        first_backwards[k] = (row, action.unit)
-  branches = _branches(plan, cells, num_classes,
-                       {k: shape_class[u] for k, (_, u) in first_backwards.items()},
-                       later_backwards)
+  order = plan.device_orders[d]
+  cells = sorted({k for k, _ in order})
+  groups = {k: plan.weight_groups(k) for k in cells}
+  backwards = _Variants.of([(row, k, shape_class[a.unit]) for row, (k, a) in enumerate(order)
+                            if a.phase == BACKWARD])
+  weights = _Variants.of([(row, k, len(groups[k][a.unit])) for row, (k, a) in enumerate(order)
+                          if a.phase == WEIGHT_GRADIENT], first_weight_cells)
+  branches = _branches(plan, cells, num_classes, backwards, weights)
   branch_of = {(b.cell, b.phase, b.shape_class, b.group_size, b.first): i
                for i, b in enumerate(branches)}
   stash = {k: _LowestFree() for k in cells}
   cache = {k: _LowestFree() for k in cells}
   products = {k: _ProductRing(plan.max_awaiting_weights(k)) for k in cells}
-  groups = {k: plan.weight_groups(k) for k in cells}
   # (a cell's first B receives what its other B of that shape class receives)
   receives = list(dict.fromkeys(b.receive for b in branches if b.receive is not None))
   rows: list[TableRow] = []
-  for index, (k, action) in enumerate(plan.device_orders[d]):
+  for index, (k, action) in enumerate(order):
     u, phase = action.unit, action.phase
     m, j = divmod(u, slices)
     if phase == WEIGHT_GRADIENT:
       group = groups[k][u]
-      rows.append(TableRow(branch_of[k, phase, 0, len(group), False], u, offsets[u],
-                           first_product_slot=products[k].first(group)))
+      rows.append(TableRow(branch_of[k, phase, 0, len(group), weights.is_first(k, index)],
+                           u, offsets[u], first_product_slot=products[k].first(group)))
       continue
     first_slice = j == 0 and slices > 1  # takes (F) or frees (B) the micro-batch's cache
     if phase == FORWARD:
@@ -313,17 +342,23 @@ def action_table(plan: PipelineSchedule, d: int, shape_class: Sequence[int],
       if first_slice:
         cache[k].release(m)
     branch = branch_of[k, phase, shape_class[u], 0,
-                       phase == BACKWARD and first_backwards[k][0] == index]
+                       phase == BACKWARD and backwards.is_first(k, index)]
     receive = branches[branch].receive
     rows.append(TableRow(
         branch, u, offsets[u], stash_slot=stash_slot, product_slot=product_slot,
         receive=receives.index(receive) if receive is not None else NO_RECEIVE,
         token_offset=token_offsets[u], token_slice=j, cache_slot=cache[k].of(m)))
-  keys = [[k, a.unit, timeline.PHASES.index(a.phase)] for k, a in plan.device_orders[d]]
+  keys = [[k, a.unit, timeline.PHASES.index(a.phase)] for k, a in order]
   return ActionTable(np.array(rows, np.int32).reshape(-1, len(COLUMNS)), branches,
                      {k: SlotCounts(stash[k].size, products[k].size, cache[k].size)
                       for k in cells},
                      receives, np.array(keys, np.float64).reshape(-1, 3))
+
+
+def weight_only_sums(signatures: Sequence[CallSignature]) -> frozenset[int]:
+  """The positions of a cell's sums that no backward of any of its shapes adds to
+  (`CallSignature.weight_only_sums`): still zeros at the cell's first W."""
+  return frozenset.intersection(*[sig.weight_only_sums for sig in signatures])
 
 
 def _int32_as_int64(flat: Sequence[tf.Tensor]) -> list[tf.Tensor]:
@@ -523,7 +558,7 @@ class CellLoop:
       return functools.partial(self.forward, branch.shape_class)
     if branch.phase == BACKWARD:
       return functools.partial(self.backward, branch.shape_class, branch.first)
-    return functools.partial(self.weight_gradient, branch.group_size)
+    return functools.partial(self.weight_gradient, branch.group_size, branch.first)
 
   def receive_specs(self, phase: str, c: int) -> list[tf.TensorSpec]:
     """What a forward (inputs) or backward (output gradients) of shape class c receives."""
@@ -637,15 +672,19 @@ class CellLoop:
         product_grads=[ta.write(row.product_slot, t) for ta, t in
                        zip(state.product_grads, product_grads)])
 
-  def weight_gradient(self, n: int, state: CellState, args: ActionArgs) -> ActionResult:
+  def weight_gradient(self, n: int, first: bool, state: CellState, args: ActionArgs
+                      ) -> ActionResult:
     """W of a group of n backwards: their product slots, from the row's first one,
-    concatenated → one product per projection, added to the sums."""
-    sig, first = self.signatures[0], args.row.first_product_slot
+    concatenated → one product per projection, added to the sums (`first`: the cell's
+    first W, before which the sums only W adds to are still zeros: those no backward
+    of any of the cell's shapes adds to)."""
+    sig, slot = self.signatures[0], args.row.first_product_slot
     inputs, product_inputs = _read_group(
-        state.product_inputs, self.slots.product, first, n, sig.products.inputs)
+        state.product_inputs, self.slots.product, slot, n, sig.products.inputs)
     grads, product_grads = _read_group(
-        state.product_grads, self.slots.product, first, n, sig.products.grads)
-    sums = self.cell.weight_gradients(state.sums, inputs, grads)
+        state.product_grads, self.slots.product, slot, n, sig.products.grads)
+    zeros = weight_only_sums(self.signatures) if first else ()
+    sums = self.cell.weight_gradients(state.sums, inputs, grads, zeros)
     return state._replace(sums=sums, product_inputs=product_inputs,
                           product_grads=product_grads)
 
@@ -838,7 +877,8 @@ def run(cells: Sequence[CellFunctions], plan: PipelineSchedule, inputs: Any, hea
   finals: dict[int, CellState] = {}
   for d in range(len(plan.device_orders)):
     table = action_table(plan, d, shape_class, units.offsets, len(class_sizes),
-                         units.token_offsets)
+                         units.token_offsets,
+                         [k for k, sigs in enumerate(signatures) if weight_only_sums(sigs)])
     loop = _device_loop(cells, signatures, class_sizes, plan, table, links, step_inputs)
     cell_states, times = loop.build()
     finals.update(cell_states)

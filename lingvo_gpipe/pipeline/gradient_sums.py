@@ -10,7 +10,7 @@ variable (cell_function.py, device_loop.py).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import tensorflow as tf
@@ -80,17 +80,18 @@ class StackedLayout:
     return [tf.zeros(spec.shape, spec.dtype) for spec in self.specs()]
 
   def add(self, stacked: Sequence[tf.Tensor], tensors: Sequence[Any],
-          stack_tensors: dict[int, tf.Tensor] | None = None, zero: bool = False
+          stack_tensors: dict[int, tf.Tensor] | None = None, zeros: Collection[int] = ()
           ) -> list[tf.Tensor]:
     """stacked + one tensor (or None: nothing) per variable, + stack_tensors[id(stack)]
-    (a stack's whole [n, *shape], where given) (`stacked` unchanged). `zero`: `stacked`
-    are known to be zeros, so a stack's whole gradient, the only one given for its
-    tensor, is that tensor's sum as it is (no add: one weight-sized pass less)."""
+    (a stack's whole [n, *shape], where given) (`stacked` unchanged). `zeros`: the
+    positions in `stacked` of tensors known to be zeros; where a stack's whole gradient
+    is the only one given for such a tensor, it is that tensor's sum as it is (no add:
+    one weight-sized pass less)."""
     out = []
-    for s, (positions, shape, _, stack) in zip(stacked, self._groups):
+    for p, (s, (positions, shape, _, stack)) in enumerate(zip(stacked, self._groups)):
       whole = (stack_tensors or {}).get(id(stack)) if stack is not None else None
       rows = [tensors[i] for i in positions]
-      if whole is not None and zero and all(t is None for t in rows):
+      if whole is not None and p in zeros and all(t is None for t in rows):
         whole.set_shape(s.shape)  # (a loop variable keeps its shape)
         out.append(whole)
         continue
@@ -98,6 +99,12 @@ class StackedLayout:
         s = s + whole
       out.append(_add_rows(s, rows, shape))
     return out
+
+  def untouched(self, added: Collection[int]) -> frozenset[int]:
+    """The positions of the stacked tensors none of whose variables is in `added`
+    (ids of variables: of a stack's rows, the rows')."""
+    return frozenset(p for p, (positions, _, _, _) in enumerate(self._groups)
+                     if not any(id(self._variables[i]) in added for i in positions))
 
   def by_variable(self, stacked: Sequence[tf.Tensor]) -> list[tuple[tf.Variable, tf.Tensor]]:
     """The stacked tensors → (tf.Variable, its tensor) pairs: a stacked variable's
