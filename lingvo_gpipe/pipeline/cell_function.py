@@ -251,8 +251,9 @@ class CallSignature:
   deferred weight products (`ProductSpecs`); weight_only_sums: the positions of the
   sums (`layout`'s tensors) that a backward of this shape never adds to, so only the
   W actions do: a stack of projection weights whose gradients are all deferred (its
-  backward, TensorFlow's pair, gives it none). Empty for a re-materialized cell: its
-  backward adds inside its one traced body, and is not looked into.
+  backward, TensorFlow's pair, gives it none); stacks only. Empty for a
+  re-materialized cell: its backward adds inside its one traced body, which is not
+  looked into.
 
   output_structure: the nest the layers (and the head) return, `outputs` flattened
   from it; stats_structure: per layer that reported batch statistics, the layer and
@@ -319,7 +320,7 @@ class _Traced:
   layers, the variables read, the weight products' variables). Kept per cell, not
   per trace, because bodies traced later read it: the backward lays its sums out as
   the forward's variables, and the weight-gradient function is traced by the loop's
-  first W call of each group size. The variables and weight products are checked to
+  first W call of each group size and `zeros`. The variables and weight products are checked to
   agree between traces (`_record_variables`, `_record_products`).
   """
   input_structure: Any = None
@@ -700,15 +701,16 @@ class CellFunctions:
     return _Backward(saved, pair, products, self._sums_the_pair_leaves(pair))
 
   def _sums_the_pair_leaves(self, pair: tf_internals.ForwardBackwardPair) -> frozenset[int]:
-    """The positions of the sums the backward of `pair` never adds to: those whose
-    variables (a stack's: the stack, read whole) get no gradient from it (None among
-    its traced outputs, as in every call of it)."""
+    """The positions of the stacks' sums the backward of `pair` never adds to: stacks
+    (read whole) that get no gradient from it (None among its traced outputs, as in
+    every call of it). Other sums are left out: a W adds to them row by row, zeros or
+    not."""
     given = {id(c) for c, g in zip(pair.captured_inputs, pair.captured_gradients())
              if g is not None}
     added = {id(v) for v in self._traced.variables
              if not isinstance(v, stacked_variables.RowVariable) and id(v.handle) in given}
     added |= {id(row) for s in self.stacks if id(s.variable.handle) in given for row in s.rows}
-    return self._traced.layout.untouched(added)
+    return self._traced.layout.stacks_untouched(added)
 
   def forward(self, sig: CallSignature, flat_inputs: Sequence[tf.Tensor],
               flat_head: Sequence[tf.Tensor], step: tf.Tensor, call_info: tf.Tensor,
@@ -824,7 +826,7 @@ class CellFunctions:
   def tracing_count(self) -> int:
     """How many times the bodies were traced (forward, and the backward of a
     re-materialized cell, once per distinct micro-batch shape each; weight gradients
-    once; whatever M is)."""
+    once per group size and `zeros`; whatever M is)."""
     return (self._forward_fn.experimental_get_tracing_count()
             + self._backward_fn.experimental_get_tracing_count()
             + self._weight_fn.experimental_get_tracing_count()

@@ -23,8 +23,9 @@ A unit u is a micro-batch, or with token slices a slice (m, j) of one (schedule.
 
 An uneven split has two unit shapes; each has its own F and B branch (the cell's
 functions are traced once per shape); W has a branch per group size. A cell's first B
-and first W of the step have branches of their own, which make the sums still zero
-from their gradients instead of adding to them (`Branch.first`). Each action's
+of the step has a branch of its own, and so has its first W where some of its sums
+only W adds to (`weight_only_sums`): they make the sums still zero from their
+gradients instead of adding to them (`Branch.first`). Each action's
 start (its inbox there) and end (its Case done) are timestamped on the device's
 host, around the Case in the loop's body (the measured timeline).
 
@@ -167,7 +168,8 @@ class Branch(NamedTuple):
   other cell, or it is a W). `first`: a B or W that is the first of its kind of its
   cell in the step, so the sums it adds to are still zeros: before a cell's first B
   nothing adds to its sums (F adds nothing, a W follows a B), and before its first W
-  only Bs do, which leave the sums of deferred weights alone (`weight_only_sums`). It
+  only Bs do, which leave alone the stacks no backward gives a gradient
+  (`weight_only_sums`: projection weights read only by deferred products). It
   makes those sums from its gradients instead of adding (`CellFunctions.backward`'s
   `sums_zero`, `CellFunctions.weight_gradients`' `zeros`)."""
   cell: int

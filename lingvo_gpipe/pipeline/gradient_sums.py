@@ -100,11 +100,13 @@ class StackedLayout:
       out.append(_add_rows(s, rows, shape))
     return out
 
-  def untouched(self, added: Collection[int]) -> frozenset[int]:
-    """The positions of the stacked tensors none of whose variables is in `added`
-    (ids of variables: of a stack's rows, the rows')."""
-    return frozenset(p for p, (positions, _, _, _) in enumerate(self._groups)
-                     if not any(id(self._variables[i]) in added for i in positions))
+  def stacks_untouched(self, added: Collection[int]) -> frozenset[int]:
+    """The positions of the stacked variables' tensors (where a stack's whole gradient
+    can become the sum: `add`'s `zeros`) none of whose rows is in `added` (ids of
+    variables)."""
+    return frozenset(p for p, (positions, _, _, stack) in enumerate(self._groups)
+                     if stack is not None
+                     and not any(id(self._variables[i]) in added for i in positions))
 
   def by_variable(self, stacked: Sequence[tf.Tensor]) -> list[tuple[tf.Variable, tf.Tensor]]:
     """The stacked tensors → (tf.Variable, its tensor) pairs: a stacked variable's
