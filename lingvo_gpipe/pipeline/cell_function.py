@@ -320,8 +320,8 @@ class _Traced:
   layers, the variables read, the weight products' variables). Kept per cell, not
   per trace, because bodies traced later read it: the backward lays its sums out as
   the forward's variables, and the weight-gradient function is traced by the loop's
-  first W call of each group size and `zeros`. The variables and weight products are checked to
-  agree between traces (`_record_variables`, `_record_products`).
+  first W call of each group size and `zeros`. The variables and weight products are
+  checked to agree between traces (`_record_variables`, `_record_products`).
   """
   input_structure: Any = None
   head_structure: Any = None
