@@ -44,7 +44,8 @@ def test_lm_partitioning_keeps_the_loss_curve(tmp_path):
 
 
 def test_amoeba_net_tiny_partitioning_keeps_the_loss_curve(tmp_path):
-  """AmoebaNetTiny (batch norm, drop-path, its FLOP-balanced split) on one cell and on
+  """AmoebaNetTiny (batch norm, its FLOP-balanced split; no drop-path: its keep
+  probability is 1, only the paper's models drop paths) on one cell and on
   two, both with M=4 (batch norm normalizes per micro-batch, so M must match): the same
   20 losses, and they fall. (It used to train K=1, M=1 and K=2, M=4 for 200 steps each
   and compare eval accuracy within 2 points: 234 s of the suite; `make train` shows the
