@@ -707,10 +707,8 @@ class CellFunctions:
     not."""
     given = {id(c) for c, g in zip(pair.captured_inputs, pair.captured_gradients())
              if g is not None}
-    added = {id(v) for v in self._traced.variables
-             if not isinstance(v, stacked_variables.RowVariable) and id(v.handle) in given}
-    added |= {id(row) for s in self.stacks if id(s.variable.handle) in given for row in s.rows}
-    return self._traced.layout.stacks_untouched(added)
+    return self._traced.layout.positions_of(
+        [s for s in self.stacks if id(s.variable.handle) not in given])
 
   def forward(self, sig: CallSignature, flat_inputs: Sequence[tf.Tensor],
               flat_head: Sequence[tf.Tensor], step: tf.Tensor, call_info: tf.Tensor,
@@ -740,7 +738,7 @@ class CellFunctions:
   def backward(self, sig: CallSignature, saved: Saved,
                output_grads: Sequence[tf.Tensor], sums: Sequence[tf.Tensor], step: tf.Tensor,
                call_info: tf.Tensor, cache: Sequence[tf.Tensor] = (),
-               cache_grads: Sequence[tf.Tensor] = (), sums_zero: bool = False
+               cache_grads: Sequence[tf.Tensor] = (), zeros: Collection[int] = ()
                ) -> tuple[list[tf.Tensor], list[tf.Tensor], list[tf.Tensor], list[tf.Tensor],
                           list[tf.Tensor]]:
     """One backward call (on the caller's device).
@@ -755,10 +753,11 @@ class CellFunctions:
     tensors) plus this call's variable gradients, and per deferred weight product its
     inputs [n, I] and output gradient [n, O] (empty lists unless weight gradients are
     deferred).
-    `sums_zero`: `sums` are zeros (the cell's first backward of the step), so a stack's
-    gradient, made whole, becomes its sum without an add (where the sums are added to
-    outside a traced body, sig.pair's; a re-materialized cell's backward adds inside its
-    one traced body, to the zeros). At M=1 that add was 2-3% of an MLP's step.
+    `zeros`: the positions of the sums known to be zeros (all of them at the cell's
+    first backward of the step), where a stack's gradient, made whole, becomes its sum
+    without an add (where the sums are added to outside a traced body, sig.pair's; a
+    re-materialized cell's backward adds inside its one traced body, to the zeros). At
+    M=1 that add was 2-3% of an MLP's step.
     """
     if sig.pair is None:
       input_grads, cache_in_grads, new_sums, product_inputs, product_grads = self._backward_fn(
@@ -794,8 +793,7 @@ class CellFunctions:
                       else by_handle.get(id(v.handle)) for v in sig.variables]
     stack_grads = {id(s): by_handle.get(id(s.variable.handle)) for s in self.stacks}
     return (input_grads, cache_in_grads,
-            _accumulate(sig.layout, sums, variable_grads, stack_grads,
-                        range(len(sums)) if sums_zero else ()),
+            _accumulate(sig.layout, sums, variable_grads, stack_grads, zeros),
             product_inputs, product_grads)
 
   def weight_gradients(self, sums: Sequence[tf.Tensor], inputs: Sequence[tf.Tensor],

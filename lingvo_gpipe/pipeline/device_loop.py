@@ -170,8 +170,8 @@ class Branch(NamedTuple):
   nothing adds to its sums (F adds nothing, a W follows a B), and before its first W
   only Bs do, which leave alone the stacks no backward gives a gradient
   (`weight_only_sums`: projection weights read only by deferred products). It
-  makes those sums from its gradients instead of adding (`CellFunctions.backward`'s
-  `sums_zero`, `CellFunctions.weight_gradients`' `zeros`)."""
+  makes those sums from its gradients instead of adding (the `zeros` of
+  `CellFunctions.backward` and `CellFunctions.weight_gradients`)."""
   cell: int
   phase: str          # FORWARD, BACKWARD or WEIGHT_GRADIENT
   shape_class: int = 0  # F, B
@@ -661,7 +661,7 @@ class CellLoop:
                                       row.token_slice < self.slices - 1)
     input_grads, cache_grads, sums, product_inputs, product_grads = cell.backward(
         sig, sig.saved.like(taken), seeds, state.sums, self.step_inputs.step,
-        self._call_info(row), cache, cache_grads, sums_zero=first)
+        self._call_info(row), cache, cache_grads, zeros=range(len(state.sums)) if first else ())
     if self.previous is not None:
       self.previous.backward.send(input_grads)
     later_slices = row.token_slice > 0  # whose backwards still need the cache

@@ -100,13 +100,12 @@ class StackedLayout:
       out.append(_add_rows(s, rows, shape))
     return out
 
-  def stacks_untouched(self, added: Collection[int]) -> frozenset[int]:
-    """The positions of the stacked variables' tensors (where a stack's whole gradient
-    can become the sum: `add`'s `zeros`) none of whose rows is in `added` (ids of
-    variables)."""
-    return frozenset(p for p, (positions, _, _, stack) in enumerate(self._groups)
-                     if stack is not None
-                     and not any(id(self._variables[i]) in added for i in positions))
+  def positions_of(self, stacks: Collection[Any]) -> frozenset[int]:
+    """The positions of these stacked variables' tensors (VariableStacks; where a
+    stack's whole gradient can become the sum: `add`'s `zeros`)."""
+    ids = {id(s) for s in stacks}
+    return frozenset(p for p, (_, _, _, stack) in enumerate(self._groups)
+                     if stack is not None and id(stack) in ids)
 
   def by_variable(self, stacked: Sequence[tf.Tensor]) -> list[tuple[tf.Variable, tf.Tensor]]:
     """The stacked tensors → (tf.Variable, its tensor) pairs: a stacked variable's
