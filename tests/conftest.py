@@ -20,6 +20,7 @@ from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+import op_tracebacks  # noqa: E402
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from trainer_forkserver import TrainerServer  # noqa: E402
@@ -43,6 +44,17 @@ if len(TEST_DEVICE_NAMES) != NUM_TEST_DEVICES:
   raise RuntimeError(f"LINGVO_GPIPE_TEST_DEVICES={TEST_DEVICES!r} gives {len(TEST_DEVICE_NAMES)} "
                      f"devices; the tests take {NUM_TEST_DEVICES}")
 tf.get_logger().setLevel("ERROR")
+op_tracebacks.off()  # (tests/op_tracebacks.py; a module marked op_tracebacks keeps them)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _op_tracebacks_where_marked(request) -> Iterator[None]:
+  """A module marked `op_tracebacks` traces with each op's Python stack recorded."""
+  if request.node.get_closest_marker("op_tracebacks") is None:
+    yield
+    return
+  with op_tracebacks.recorded():
+    yield
 
 
 def sigint_as_default() -> None:

@@ -19,6 +19,8 @@ from lingvo_gpipe.core import tf_internals
 from lingvo_gpipe.pipeline import placement_audit
 from lingvo_gpipe.pipeline.placement_audit import on_host
 
+pytestmark = pytest.mark.op_tracebacks  # the audit names the frame that made an op
+
 gpu_kernels = pytest.mark.skipif(
     not tf.test.is_built_with_cuda(),
     reason="needs the GPU kernels' registry of the full tensorflow wheel (make gpu-audit)")
