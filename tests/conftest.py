@@ -12,6 +12,7 @@ allocator counts with no garbage collection between the reads (`cpu_allocator_st
 """
 
 import atexit
+import contextlib
 import os
 import sys
 from collections.abc import Iterator
@@ -50,10 +51,8 @@ op_tracebacks.off()  # (tests/op_tracebacks.py; a module marked op_tracebacks ke
 @pytest.fixture(scope="module", autouse=True)
 def _op_tracebacks_where_marked(request) -> Iterator[None]:
   """A module marked `op_tracebacks` traces with each op's Python stack recorded."""
-  if request.node.get_closest_marker("op_tracebacks") is None:
-    yield
-    return
-  with op_tracebacks.recorded():
+  marked = request.node.get_closest_marker("op_tracebacks") is not None
+  with op_tracebacks.recorded() if marked else contextlib.nullcontext():
     yield
 
 
