@@ -14,7 +14,8 @@ DIM = 8
 
 
 def build(num_cells: int, num_micro_batches: int, devices, schedule: str = "gpipe",
-          recompute: str = "always", weight_gradient_group: int = 1):
+          recompute: str = "always", weight_gradient_group: int = 1,
+          virtual_stages: int = 1):
   stack = []
   for i in range(8):
     stack += [layers.Linear.Params().set(name=f"fc{i}", input_dim=DIM, output_dim=DIM,
@@ -22,7 +23,8 @@ def build(num_cells: int, num_micro_batches: int, devices, schedule: str = "gpip
               layers.Dropout.Params().set(name=f"drop{i}", keep_prob=0.9)]
   model = PipeliningLayer.Params().set(
       name="stack", layers=stack, num_cells=num_cells, num_micro_batches=num_micro_batches,
-      devices=devices[:num_cells], schedule=schedule, recompute=recompute,
+      devices=devices[:num_cells // virtual_stages], schedule=schedule,
+      virtual_stages=virtual_stages, recompute=recompute,
       weight_gradient_group=weight_gradient_group, random_seed=3).instantiate()
   wrapped = train_step.StackWithLoss(model, lambda out, h: {
       "loss": (tf.reduce_mean(tf.square(out - h["y"])),
@@ -200,3 +202,27 @@ def test_a_first_backward_takes_its_gradient_as_the_sum_without_an_add(
   stack_adds = [n.name for f in graph_def.library.function for n in f.node_def
                 if n.op == "AddV2" and "/accumulate/add" in n.name]
   assert len(stack_adds) == adds, stack_adds
+
+
+@pytest.mark.parametrize("name, num_cells, virtual_stages, recompute", [
+    ("1f1b", 2, 1, "never"), ("zbv", 4, 2, "never"), ("interleaved_zb", 4, 2, "always")])
+def test_each_cells_state_crosses_the_loop_and_its_case_as_one_tensor(
+    cpu_devices, name, num_cells, virtual_stages, recompute):
+  """Each device's action Case takes and returns one variant per cell of the device
+  (its state packed: sums, stash, products, kept outputs), not the state's tens to
+  hundreds of tensors (each costs an argument, an Identity and a result per branch and
+  action). BATCH=13 splits into uneven micro-batches: two shape classes, two stashes
+  per cell."""
+  model, wrapped = build(num_cells, 3, cpu_devices, name, recompute,
+                         virtual_stages=virtual_stages)
+  graph_def = traced_step(model, wrapped, batch_size=13).graph.as_graph_def()
+  variant = tf.variant.as_datatype_enum
+  action_cases = []
+  for function in graph_def.library.function:
+    action_cases += [n for n in function.node_def if n.op in ("Case", "StatelessCase")
+                     and n.attr["Tout"].list.type
+                     and all(t == variant for t in n.attr["Tout"].list.type)]
+  assert len(action_cases) == num_cells // virtual_stages  # one loop per device
+  for case in action_cases:
+    assert len(case.attr["Tout"].list.type) == virtual_stages, case.name
+    assert list(case.attr["Tin"].list.type).count(variant) == virtual_stages, case.name

@@ -40,8 +40,10 @@ The loop carries a `LoopState`: per cell a `CellState` (the sums, one stash slot
 unit the cell holds in flight (`PipelineSchedule.max_in_flight`: U = M·S for gpipe,
 K−k+S−1 for 1f1b on cell k), one product slot per backward awaiting its W
 (`max_awaiting_weights`), the head's per-unit metrics and the statistics); the
-device's timestamps; and the inbox of hand-offs received one action ahead. Each kind
-of slot has its allocator (`_LowestFree`, `_ProductRing`), composed in
+device's timestamps; and the inbox of hand-offs received one action ahead. Each cell's
+state crosses the While and the Case as one variant (`_packed`): the branch that runs
+one of the cell's actions unpacks it, and the other cells' states pass through whole.
+Each kind of slot has its allocator (`_LowestFree`, `_ProductRing`), composed in
 `action_table`. The step graph holds one loop per device whatever M is
 (`tests/pipeline_graph_test.py`).
 
@@ -505,9 +507,29 @@ class CellState(NamedTuple):
 
 class LoopState(NamedTuple):
   """A device's loop state."""
-  cells: list[CellState]          # in the order of the device's cells
+  cells: list[tf.experimental.Optional]  # per cell, in the device's order: its CellState,
+                                         # packed (`_packed`)
   times: tf.TensorArray           # float64 [A, 2]: each action's start and end
   inbox: list[list[tf.Tensor]]    # per receive kind: its latest hand-off
+
+
+def _packed(state: CellState) -> tf.experimental.Optional:
+  """A cell's state as one variant tensor: an Optional of its leaves (tensors, and
+  TensorArrays by their lists), which holds them without copying.
+
+  Why: every tensor of the loop state passes through each iteration's While body and
+  through the Case branch it runs, as an argument, an Identity and a result: about
+  2 µs per tensor and action in a Case, 0.3 µs in a While (one thread, a 2-core Xeon),
+  and a dozen ops traced per tensor and branch. A device's state is tens to hundreds of
+  tensors (the stash is one list per saved tensor and shape class), most of which an
+  action does not touch. Packed, each cell's state crosses as one tensor; the branch
+  that runs the cell's action unpacks it (`_unpacked`) and packs the result."""
+  return tf.experimental.Optional.from_value(tuple(tf.nest.flatten(state)))
+
+
+def _unpacked(packed: tf.experimental.Optional, like: CellState) -> CellState:
+  """The CellState `_packed` holds, structured as `like` (the cell's initial state)."""
+  return tf.nest.pack_sequence_as(like, list(packed.get_value()))
 
 
 class ActionArgs(NamedTuple):
@@ -730,16 +752,19 @@ class DeviceLoop:
                                                       np.int32)]).astype(np.int64))
     order = sorted(self.cells)
     position = {kind: q for q, kind in enumerate(self.table.receives)}
+    with tf.device(self.device):
+      # each cell's state before the loop; also the structure `_unpacked` rebuilds
+      initial_cells = [self.cells[k].initial_state() for k in order]
 
     def body(i: tf.Tensor, state: LoopState) -> tuple[tf.Tensor, LoopState]:
       row = TableRow(*tf.unstack(tf.gather(table, i)))
 
-      def branch_fn(branch: Branch) -> Callable[[], list[CellState]]:
+      def branch_fn(branch: Branch) -> Callable[[], list[tf.experimental.Optional]]:
         received = (state.inbox[position[branch.receive]] if branch.receive is not None
                     else None)
         run = self.cells[branch.cell].action(branch)
-        return lambda: self._step(state, order.index(branch.cell), run,
-                                  ActionArgs(row, received))
+        return lambda: _step(state.cells, order.index(branch.cell), initial_cells, run,
+                             ActionArgs(row, received))
 
       # The action's timestamps, around its Case (each a call of the host clock).
       start = _timestamp(self.device, tf.nest.flatten(state.inbox) + [i])
@@ -762,28 +787,32 @@ class DeviceLoop:
       if first_receive != NO_RECEIVE:
         inbox[first_receive] = self._receive(self.table.receives[first_receive])
       initial = LoopState(
-          cells=[self.cells[k].initial_state() for k in order],
+          cells=[_packed(cell) for cell in initial_cells],
           times=tf.TensorArray(tf.float64, size=num_actions, element_shape=[2]),
           inbox=inbox)
       _, final = tf_internals.unlowered(lambda: tf.while_loop(
           lambda i, _: i < num_actions, body, (tf.constant(0, tf.int32), initial)))
-    return dict(zip(order, final.cells)), final.times
+      cells = [_unpacked(packed, like) for packed, like in zip(final.cells, initial_cells)]
+    return dict(zip(order, cells)), final.times
 
-  @staticmethod
-  def _step(state: LoopState, j: int,
-            run: Callable[[CellState, ActionArgs], ActionResult], args: ActionArgs
-            ) -> list[CellState]:
-    """A Case branch: the action of the device's j-th cell → every cell's state (j's
-    updated). The row comes in as int64 and is cast to int32 here, inside the branch."""
-    args = args._replace(row=TableRow(*(tf.cast(f, tf.int32) for f in args.row)))
-    cells = list(state.cells)
-    cells[j] = run(state.cells[j], args)
-    return cells
+
+def _step(cells: Sequence[tf.experimental.Optional], j: int, like: Sequence[CellState],
+          run: Callable[[CellState, ActionArgs], ActionResult], args: ActionArgs
+          ) -> list[tf.experimental.Optional]:
+  """A Case branch: the action of the device's j-th cell → every cell's packed state
+  (j's unpacked, updated and packed again; `like`: each cell's initial state). The row
+  comes in as int64 and is cast to int32 here, inside the branch."""
+  args = args._replace(row=TableRow(*(tf.cast(f, tf.int32) for f in args.row)))
+  updated = list(cells)
+  updated[j] = _packed(run(_unpacked(cells[j], like[j]), args))
+  return updated
 
 
 def _flows(structure: Any) -> list[tf.Tensor]:
-  """Every tensor of `structure`, a TensorArray by its flow: what depends on all of it."""
-  return [x.flow if isinstance(x, tf.TensorArray) else x for x in tf.nest.flatten(structure)]
+  """Every tensor of `structure`, a TensorArray by its flow and an Optional by its
+  variant: what depends on all of it."""
+  return [x.flow if isinstance(x, tf.TensorArray) else x
+          for x in tf.nest.flatten(structure, expand_composites=True)]
 
 
 def _timestamp(device: str | None, wait_for: Sequence[Any]) -> tf.Tensor:
@@ -885,7 +914,7 @@ def run(cells: Sequence[CellFunctions], plan: PipelineSchedule, inputs: Any, hea
     cell_states, times = loop.build()
     finals.update(cell_states)
     _record_times(ctx.spans, loop.device, times, table)
-  _report_stats(cells, signatures, finals, ctx.layer_stats)
+  _report_stats(cells, signatures, finals, ctx.layer_stats, plan.num_units)
   metrics = _metrics(cells[-1], signatures[-1][0], finals[len(cells) - 1])
   variables, gradients = _mean_gradients(cells, signatures, finals, metrics["loss"][1],
                                          ctx.loss_scale)
@@ -955,16 +984,18 @@ def _record_times(spans: list | None, device: str | None, times: tf.TensorArray,
 
 
 def _report_stats(cells: Sequence[CellFunctions], signatures: list[list[CallSignature]],
-                  finals: dict[int, CellState], layer_stats: list | None) -> None:
-  """Each cell's batch statistics, per micro-batch, as (layer, stats) into
-  `layer_stats` (the StepContext's; None: not collected)."""
+                  finals: dict[int, CellState], layer_stats: list | None,
+                  num_units: int) -> None:
+  """Each cell's batch statistics, per unit (each TensorArray of `finals[k].stats` has
+  `num_units` elements), as (layer, stats) into `layer_stats` (the StepContext's;
+  None: not collected)."""
   if layer_stats is None:
     return
   for k, cell in enumerate(cells):
     if finals[k].stats:
       with tf.device(cell.device):
-        per_micro_batch = zip(*[tf.unstack(ta.stack()) for ta in finals[k].stats])
-        for flat_stats in per_micro_batch:
+        per_unit = zip(*[tf.unstack(ta.stack(), num=num_units) for ta in finals[k].stats])
+        for flat_stats in per_unit:
           layer_stats.extend(signatures[k][0].unflatten_stats(list(flat_stats)))
 
 
