@@ -518,9 +518,9 @@ def _packed(state: CellState) -> tf.experimental.Optional:
   TensorArrays by their lists), which holds them without copying.
 
   Why: every tensor of the loop state passes through each iteration's While body and
-  through the Case branch it runs, as an argument, an Identity and a result: about
-  2 µs per tensor and action in a Case, 0.3 µs in a While (one thread, a 2-core Xeon),
-  and a dozen ops traced per tensor and branch. A device's state is tens to hundreds of
+  through the Case branch it runs, as an argument, an Identity and a result, traced
+  into every branch: 2.1 µs per tensor and action, against 0.2 µs packed
+  (`bench/loop_state_cost.py`, one thread). A device's state is tens to hundreds of
   tensors (the stash is one list per saved tensor and shape class), most of which an
   action does not touch. Packed, each cell's state crosses as one tensor; the branch
   that runs the cell's action unpacks it (`_unpacked`) and packs the result."""
