@@ -46,13 +46,12 @@ BRANCHES = 6
 def _loop(kind: str, n: int, iterations: int) -> tf.types.experimental.PolymorphicFunction:
   """The traced loop of `kind` carrying n tensors (and n TensorArrays but for
   while_only) → a function of x float32 [8]."""
-  carried = n
   with_lists = kind != "while_only"
 
   def state() -> tuple[list[tf.Tensor], list[tf.TensorArray]]:
-    return ([tf.zeros([8]) for _ in range(carried)],
+    return ([tf.zeros([8]) for _ in range(n)],
             [tf.TensorArray(tf.float32, size=4, element_shape=[8])
-             for _ in range(carried if with_lists else 0)])
+             for _ in range(n if with_lists else 0)])
 
   def update(b: int, tensors: list, lists: list) -> tuple[list, list]:
     tensors, lists = list(tensors), list(lists)

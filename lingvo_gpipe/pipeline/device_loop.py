@@ -772,7 +772,8 @@ class DeviceLoop:
         cells = tf_internals.unlowered(
             lambda: tf.switch_case(tf.cast(row.branch, tf.int32),
                                    [branch_fn(b) for b in self.table.branches]))
-      end = _timestamp(self.device, _flows(cells))
+      # (each cell's packed state, as its variant: made once the Case is done)
+      end = _timestamp(self.device, tf.nest.flatten(cells, expand_composites=True))
       times = state.times.write(i, tf.stack([start, end]))
       inbox = self._prefetch(state.inbox,
                              tf.cast(tf.gather(table, i + 1)[COLUMNS.receive], tf.int32))
@@ -806,13 +807,6 @@ def _step(cells: Sequence[tf.experimental.Optional], j: int, like: Sequence[Cell
   updated = list(cells)
   updated[j] = _packed(run(_unpacked(cells[j], like[j]), args))
   return updated
-
-
-def _flows(structure: Any) -> list[tf.Tensor]:
-  """Every tensor of `structure`, a TensorArray by its flow and an Optional by its
-  variant: what depends on all of it."""
-  return [x.flow if isinstance(x, tf.TensorArray) else x
-          for x in tf.nest.flatten(structure, expand_composites=True)]
 
 
 def _timestamp(device: str | None, wait_for: Sequence[Any]) -> tf.Tensor:
