@@ -19,7 +19,14 @@ import numpy as np
 import tensorflow as tf
 
 from lingvo_gpipe import train_step
-from lingvo_gpipe.core import base_layer, layers, optimizers, stacked_variables, variable_chunks
+from lingvo_gpipe.core import (
+  base_layer,
+  layers,
+  optimizers,
+  stacked_variables,
+  tf_internals,
+  variable_chunks,
+)
 from lingvo_gpipe.pipeline import layer_profiler, memory, step_model
 from lingvo_gpipe.pipeline.layer import PipeliningLayer
 
@@ -79,7 +86,12 @@ def training_step(device: str, layer_params: Sequence[Any], inputs: Any,
   step = tf.function(train_step.TrainStep(model, optimizer, tf.Variable(0, dtype=tf.int64),
                                           input_device=device))
   batch = {"inputs": inputs}
-  return (model, optimizer), lambda: step(batch)[0]["loss"]
+
+  def run() -> Any:
+    with tf_internals.step_options():  # traced and called with the trainer's settings
+      return step(batch)[0]["loss"]
+
+  return (model, optimizer), run
 
 
 def _calibration_step(device: str, num_micro_batches: int, batch: int, width: int,

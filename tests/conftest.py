@@ -27,6 +27,7 @@ import tensorflow as tf  # noqa: E402
 from trainer_forkserver import TrainerServer  # noqa: E402
 
 from lingvo_gpipe.core.gc_pause import cyclic_gc_paused
+from lingvo_gpipe.core.tf_internals import step_options
 from lingvo_gpipe.runtime.devices import configure_devices
 
 REPO = Path(__file__).resolve().parent.parent
@@ -70,15 +71,16 @@ def engine_step(model, wrapped, batch: dict, step: int, loss_scale=None, variabl
   """One training step as the trainer computes it, traced: train_step.loss_and_gradients
   of `wrapped` (a train_step.StackWithLoss of `model`: the pipeline's schedule, or
   TensorFlow's gradient of the whole batch) on `batch` at global step `step` (it seeds
-  dropout), with the loss scale `loss_scale` → a tf.function returning (loss, one
+  dropout), with the loss scale `loss_scale` → a callable returning (loss, one
   gradient per variable of `variables` (default: stacked_variables.trainable_weights
   of `model`, a stack's rows apart), each reporting layer's batch statistics as
-  (layer path, statistics))."""
+  (layer path, statistics)). Traced and called under the trainer's Grappler settings
+  for its step (tf_internals.step_options), as the trainer traces and calls it."""
   from lingvo_gpipe import train_step
   from lingvo_gpipe.core import base_layer, stacked_variables
 
   @tf.function
-  def run():
+  def traced():
     stats: list = []
     with base_layer.step_context(training=True, step=tf.constant(step, tf.int64),
                                  loss_scale=loss_scale, layer_stats=stats):
@@ -87,7 +89,22 @@ def engine_step(model, wrapped, batch: dict, step: int, loss_scale=None, variabl
           stacked_variables.trainable_weights(model) if variables is None else variables)
     return metrics["loss"][0], grads, [(layer.path, s) for layer, s in stats]
 
-  return run
+  return _UnderStepOptions(traced)
+
+
+class _UnderStepOptions:
+  """A tf.function traced and called within tf_internals.step_options."""
+
+  def __init__(self, function):
+    self._function = function
+
+  def __call__(self):
+    with step_options():
+      return self._function()
+
+  def get_concrete_function(self):
+    with step_options():
+      return self._function.get_concrete_function()
 
 
 def engine_loss_and_grads(model, wrapped, batch: dict, step: int, loss_scale=None):
