@@ -5,7 +5,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import engine_loss_and_grads
+from conftest import engine_loss_and_grads, trainer_traced
 from numerics import HALF_REORDERED, assert_close
 
 import lingvo_gpipe as g
@@ -137,8 +137,8 @@ def test_training_steps_give_the_losses_and_weights_of_keras_sgd(cpu_devices):
   optimizer = g.optimizers.SGD.Params().set(learning_rate=0.1, momentum=0.0).instantiate()
   optimizer.create_slots(stack.trainable_variables)
   global_step = tf.Variable(0, dtype=tf.int64)
-  step = tf.function(train_step.TrainStep(train_step.StackWithLoss(stack, mse), optimizer,
-                                          global_step))
+  step = trainer_traced(train_step.TrainStep(train_step.StackWithLoss(stack, mse), optimizer,
+                                             global_step))
   keras_sgd = keras.optimizers.SGD(learning_rate=0.1)
   for i in range(3):
     data = batch(10 + i)
@@ -245,8 +245,8 @@ def test_batch_normalization_becomes_the_librarys_and_keeps_keras_semantics(cpu_
   bn.moving_variance.assign(tf.ones([4]))
   optimizer = g.optimizers.SGD.Params().set(learning_rate=0.0, momentum=0.0).instantiate()
   optimizer.create_slots(two.trainable_variables)
-  tf.function(train_step.TrainStep(train_step.StackWithLoss(two, mse), optimizer,
-                                   tf.Variable(0, dtype=tf.int64)))(data)
+  trainer_traced(train_step.TrainStep(train_step.StackWithLoss(two, mse), optimizer,
+                                      tf.Variable(0, dtype=tf.int64)))(data)
   keras_bn = model.get_layer("bn")
   keras_bn.moving_mean.assign(tf.zeros([4]))
   keras_bn.moving_variance.assign(tf.ones([4]))
