@@ -79,7 +79,7 @@ def engine_step(model, wrapped, batch: dict, step: int, loss_scale=None, variabl
   from lingvo_gpipe import train_step
   from lingvo_gpipe.core import base_layer, stacked_variables
 
-  @tf.function
+  @tf.function(autograph=False)  # (no Python control flow on tensors in it)
   def traced():
     stats: list = []
     with base_layer.step_context(training=True, step=tf.constant(step, tf.int64),
