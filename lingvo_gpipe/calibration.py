@@ -83,15 +83,10 @@ def training_step(device: str, layer_params: Sequence[Any], inputs: Any,
   model = train_step.StackWithLoss(stack, loss)
   optimizer = optimizer_params.copy().set(learning_rate=0.0).instantiate()
   optimizer.create_slots(model.trainable_variables)
-  step = tf.function(train_step.TrainStep(model, optimizer, tf.Variable(0, dtype=tf.int64),
-                                          input_device=device))
+  step = tf_internals.step_function(train_step.TrainStep(  # (as the trainer runs it)
+      model, optimizer, tf.Variable(0, dtype=tf.int64), input_device=device))
   batch = {"inputs": inputs}
-
-  def run() -> Any:
-    with tf_internals.step_options():  # traced and called with the trainer's settings
-      return step(batch)[0]["loss"]
-
-  return (model, optimizer), run
+  return (model, optimizer), lambda: step(batch)[0]["loss"]
 
 
 def _calibration_step(device: str, num_micro_batches: int, batch: int, width: int,

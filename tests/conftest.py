@@ -27,7 +27,7 @@ import tensorflow as tf  # noqa: E402
 from trainer_forkserver import TrainerServer  # noqa: E402
 
 from lingvo_gpipe.core.gc_pause import cyclic_gc_paused
-from lingvo_gpipe.core.tf_internals import step_options
+from lingvo_gpipe.core.tf_internals import step_function
 from lingvo_gpipe.runtime.devices import configure_devices
 
 REPO = Path(__file__).resolve().parent.parent
@@ -89,30 +89,7 @@ def engine_step(model, wrapped, batch: dict, step: int, loss_scale=None, variabl
           stacked_variables.trainable_weights(model) if variables is None else variables)
     return metrics["loss"][0], grads, [(layer.path, s) for layer, s in stats]
 
-  return trainer_traced(traced)
-
-
-def trainer_traced(step) -> "_UnderStepOptions":
-  """`step` (a training step: a tf.function, or a callable to wrap in one) traced and
-  called as the trainer traces and calls its steps: within tf_internals.step_options,
-  the Grappler settings the trainer gives them (so a test runs what the trainer runs;
-  and a pipelined step's first call is about a second quicker without the TFG passes)."""
-  return _UnderStepOptions(step if hasattr(step, "get_concrete_function") else tf.function(step))
-
-
-class _UnderStepOptions:
-  """`trainer_traced`'s callable: the tf.function's calls and traces within step_options."""
-
-  def __init__(self, function):
-    self._function = function
-
-  def __call__(self, *args, **kwargs):
-    with step_options():
-      return self._function(*args, **kwargs)
-
-  def get_concrete_function(self, *args, **kwargs):
-    with step_options():
-      return self._function.get_concrete_function(*args, **kwargs)
+  return step_function(traced)
 
 
 def engine_loss_and_grads(model, wrapped, batch: dict, step: int, loss_scale=None):

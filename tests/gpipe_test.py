@@ -5,12 +5,13 @@ import itertools
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import TEST_DEVICE_NAMES, engine_loss_and_grads, trainer_traced
+from conftest import TEST_DEVICE_NAMES, engine_loss_and_grads
 from numerics import assert_all_close, assert_close
 
 from lingvo_gpipe import train_step
 from lingvo_gpipe.core import base_layer, layers, optimizers, stacked_variables
 from lingvo_gpipe.core.base_layer import BaseLayer
+from lingvo_gpipe.core.tf_internals import step_function
 from lingvo_gpipe.pipeline import layer as gpipe
 
 DIM = 8
@@ -182,7 +183,7 @@ def test_two_training_steps_give_the_same_weights(cpu_devices, num_cells, recomp
   pipeline_opt.create_slots(model.trainable_variables)
   global_step = tf.Variable(0, dtype=tf.int64)
   step = train_step.TrainStep(with_loss(model), pipeline_opt, global_step)
-  run = trainer_traced(step)
+  run = step_function(step)
   for _ in range(2):
     run({"inputs": (x, skip), "target": target})
   assert int(global_step.numpy()) == 2

@@ -5,7 +5,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import engine_loss_and_grads, trainer_traced
+from conftest import engine_loss_and_grads
 from numerics import HALF_REORDERED, assert_close
 
 import lingvo_gpipe as g
@@ -13,6 +13,7 @@ from lingvo_gpipe import train_step
 from lingvo_gpipe.core import base_layer, hyperparams, layers, stacked_variables
 from lingvo_gpipe.core.from_keras import keras_units
 from lingvo_gpipe.core.keras_layer import Keras
+from lingvo_gpipe.core.tf_internals import step_function
 from lingvo_gpipe.pipeline.layer import PipeliningLayer
 
 STEP = 3
@@ -137,8 +138,8 @@ def test_training_steps_give_the_losses_and_weights_of_keras_sgd(cpu_devices):
   optimizer = g.optimizers.SGD.Params().set(learning_rate=0.1, momentum=0.0).instantiate()
   optimizer.create_slots(stack.trainable_variables)
   global_step = tf.Variable(0, dtype=tf.int64)
-  step = trainer_traced(train_step.TrainStep(train_step.StackWithLoss(stack, mse), optimizer,
-                                             global_step))
+  step = step_function(train_step.TrainStep(train_step.StackWithLoss(stack, mse), optimizer,
+                                            global_step))
   keras_sgd = keras.optimizers.SGD(learning_rate=0.1)
   for i in range(3):
     data = batch(10 + i)
@@ -245,8 +246,8 @@ def test_batch_normalization_becomes_the_librarys_and_keeps_keras_semantics(cpu_
   bn.moving_variance.assign(tf.ones([4]))
   optimizer = g.optimizers.SGD.Params().set(learning_rate=0.0, momentum=0.0).instantiate()
   optimizer.create_slots(two.trainable_variables)
-  trainer_traced(train_step.TrainStep(train_step.StackWithLoss(two, mse), optimizer,
-                                      tf.Variable(0, dtype=tf.int64)))(data)
+  step_function(train_step.TrainStep(train_step.StackWithLoss(two, mse), optimizer,
+                                     tf.Variable(0, dtype=tf.int64)))(data)
   keras_bn = model.get_layer("bn")
   keras_bn.moving_mean.assign(tf.zeros([4]))
   keras_bn.moving_variance.assign(tf.ones([4]))

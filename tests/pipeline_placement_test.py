@@ -11,11 +11,11 @@ import re
 
 import pytest
 import tensorflow as tf
-from conftest import trainer_traced
 from tensorflow.python.debug.lib import debug_events_reader
 
 from lingvo_gpipe import train_step
 from lingvo_gpipe.core import layers, optimizers, stacked_variables
+from lingvo_gpipe.core.tf_internals import step_function
 from lingvo_gpipe.pipeline.layer import PipeliningLayer
 
 COMPUTE_OPS = {"MatMul", "Conv2D", "Conv2DBackpropInput", "Conv2DBackpropFilter", "Tanh",
@@ -67,7 +67,7 @@ def run_step(dump_root: str, devices, schedule: str, recompute: str, share: bool
   variables = wrapped.trainable_variables
   opt = optimizers.Adam.Params().instantiate()
   opt.create_slots(variables)
-  step = trainer_traced(train_step.TrainStep(wrapped, opt, tf.Variable(0, dtype=tf.int64)))
+  step = step_function(train_step.TrainStep(wrapped, opt, tf.Variable(0, dtype=tf.int64)))
   batch = {"inputs": tf.ones([4, 4]), "y": tf.zeros([4, 1])}
   return executed_ops(lambda: step(batch), dump_root), model, opt
 

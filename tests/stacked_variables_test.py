@@ -7,11 +7,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import trainer_traced
 from numerics import REORDERED, TRAINED, assert_all_close
 
 from lingvo_gpipe import train_step
 from lingvo_gpipe.core import layers, model_stats, optimizers, stacked_variables
+from lingvo_gpipe.core.tf_internals import step_function
 from lingvo_gpipe.pipeline.layer import PipeliningLayer
 
 LEGACY = Path(__file__).resolve().parent / "data" / "legacy_unstacked_adam_k2" / "ckpt"
@@ -37,7 +37,7 @@ def build(optimizer=None, keep_prob: float = 1.0, **pipeline):
   opt.create_slots(model.trainable_variables)
   wrapped = train_step.StackWithLoss(model, lambda out, _: {
       "loss": (tf.reduce_mean(tf.square(out)), tf.constant(6.0))})
-  step = trainer_traced(train_step.TrainStep(wrapped, opt, tf.Variable(0, dtype=tf.int64)))
+  step = step_function(train_step.TrainStep(wrapped, opt, tf.Variable(0, dtype=tf.int64)))
   batch = {"inputs": tf.constant(np.random.RandomState(0).randn(6, 8), tf.float32)}
   return model, opt, step, batch
 

@@ -7,11 +7,12 @@ import os
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import engine_loss_and_grads, trainer_traced
+from conftest import engine_loss_and_grads
 from numerics import TRAINED, assert_all_close, assert_close, tolerance
 
 from lingvo_gpipe import train_step
 from lingvo_gpipe.core import base_layer, layers, optimizers, stacked_variables, token_slices
+from lingvo_gpipe.core.tf_internals import step_function
 from lingvo_gpipe.models import amoeba_net, transformer
 from lingvo_gpipe.pipeline import layer as gpipe
 from lingvo_gpipe.pipeline import layer_profiler, planner, schedule, schedule_chart, timeline
@@ -210,8 +211,8 @@ def test_two_trainer_steps_give_the_unsliced_weights(cpu_devices):
   pipeline_opt = optimizers.SGD.Params().set(learning_rate=0.5).instantiate()
   pipeline_opt.create_slots(model.trainable_variables)
   global_step = tf.Variable(0, dtype=tf.int64)
-  run = trainer_traced(train_step.TrainStep(train_step.StackWithLoss(model, head), pipeline_opt,
-                                            global_step))
+  run = step_function(train_step.TrainStep(train_step.StackWithLoss(model, head), pipeline_opt,
+                                           global_step))
   losses = []
   for _ in range(2):
     values, _ = run({"inputs": (data["ids"], data["paddings"]), "labels": data["labels"],

@@ -69,7 +69,8 @@ test named beside it, then `TENSORFLOW_CHECKED` is updated.
    18,693 nodes. Off, the first call took 7.9 s instead of 14.9 s, the steady step no
    slower; Grappler entirely off was slower in the steady step (its remapper fusions and
    arithmetic rewrites pay). Pinned by
-   `tests/tf_internals_test.py::test_step_options_reach_nested_calls`.
+   `tests/tf_internals_test.py::test_step_options_reach_nested_calls`. `step_function`
+   wraps a step called outside the trainer (the planner's calibration, the tests) in them.
 9. The Philox counter layout of `tf.raw_ops.StatelessRandomUniformV2`
    (`layers.position_keyed_uniform`, the dropout masks; `alg` 1 is Philox): given the
    key of `StatelessRandomGetKeyCounter(seed)` and the counter [c, 0] (uint64 low,
@@ -187,6 +188,28 @@ def step_options() -> Iterator[None]:
     yield
   finally:
     ctx.function_call_options = previous
+
+
+def step_function(step: Callable[..., Any]) -> StepFunction:
+  """`step` (a tf.function, or a callable to wrap in one) traced and called within
+  `step_options()`, as the trainer traces and calls its steps: for a training step
+  called outside the trainer (the planner's calibration, the tests)."""
+  return StepFunction(step if hasattr(step, "get_concrete_function") else tf.function(step))
+
+
+class StepFunction:
+  """`step_function`'s callable: the tf.function's calls and traces within step_options."""
+
+  def __init__(self, function: Any):
+    self._function = function
+
+  def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    with step_options():
+      return self._function(*args, **kwargs)
+
+  def get_concrete_function(self, *args: Any, **kwargs: Any) -> Any:
+    with step_options():
+      return self._function.get_concrete_function(*args, **kwargs)
 
 
 @contextlib.contextmanager
