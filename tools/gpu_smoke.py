@@ -2,9 +2,10 @@
 
 A segmentation fault ends a process without a Python error. This script runs the pieces a
 pipeline step is made of in order of growing reach (one kernel, cuDNN, bfloat16, control
-flow on the GPU, a hand-off between two logical GPUs, a TensorList stash, the host clock
-inside a GPU loop, then a whole pipelined training step) and prints each name before it
-runs, with Python's fault handler on: the last name printed is the feature that crashed.
+flow on the GPU, a hand-off between two logical GPUs, a TensorList stash, a cell's state
+packed in an Optional (device_loop._packed), the host clock inside a GPU loop, then a
+whole pipelined training step) and prints each name before it runs, with Python's fault
+handler on: the last name printed is the feature that crashed.
 
   python tools/gpu_smoke.py [--devices=gpu:2:2048]
 
@@ -119,6 +120,30 @@ def main(argv) -> int:
     return tf.reduce_sum(stack.stack(), axis=0)
   results.append(_check("TensorList stash in a While", on(first, lambda: stash(a)),
                         on(host, lambda: stash(a))))
+
+  @tf.function
+  def packed_state(x):
+    # A cell's loop state as device_loop carries it: one Optional variant holding a
+    # tensor and a TensorList, opened, updated and packed again inside a Case branch
+    # (the slot index crosses into the branch as int64, cast there, as the loop's rows do).
+    def body(i, packed):
+      slot = tf.cast(i, tf.int64)
+
+      def act():
+        y, stack = packed.get_value()
+        stack = tf.raw_ops.TensorListSetItem(input_handle=stack, index=tf.cast(slot, tf.int32),
+                                             item=y)
+        return tf.experimental.Optional.from_value((tf.matmul(y, b) / 20.0, stack))
+      return i + 1, tf.switch_case(i % 2, [act, act])
+    empty = tf.raw_ops.TensorListReserve(element_shape=x.shape, num_elements=4,
+                                         element_dtype=tf.float32)
+    _, packed = tf.while_loop(lambda i, _: i < 4, body,
+                              (tf.constant(0), tf.experimental.Optional.from_value((x, empty))))
+    _, stack = packed.get_value()
+    return tf.reduce_sum(tf.raw_ops.TensorListStack(input_handle=stack, element_shape=x.shape,
+                                                    element_dtype=tf.float32), axis=0)
+  results.append(_check("a state packed in an Optional through a While of Case",
+                        on(first, lambda: packed_state(a)), on(host, lambda: packed_state(a))))
 
   from lingvo_gpipe.pipeline import device_loop
 
