@@ -121,31 +121,32 @@ def main(argv) -> int:
   results.append(_check("TensorList stash in a While", on(first, lambda: stash(a)),
                         on(host, lambda: stash(a))))
 
+  from lingvo_gpipe.pipeline import device_loop
+  pack, unpack = device_loop._packed, device_loop._unpacked  # pylint: disable=protected-access
+
   @tf.function
   def packed_state(x):
-    # A cell's loop state as device_loop carries it: one Optional variant holding a
-    # tensor and a TensorList, opened, updated and packed again inside a Case branch
-    # (the slot index crosses into the branch as int64, cast there, as the loop's rows do).
+    # A cell's loop state as the device loop carries it (`pack`: one Optional of its sums
+    # and slot lists), opened, a slot written and packed again inside a Case branch; the
+    # slot index crosses into the branch as int64 and is cast there, as the rows are.
+    like = device_loop.CellState(sums=[x], stash=[[tf.TensorArray(tf.float32, size=4)]],
+                                 outputs=[], stats=[], product_inputs=[], product_grads=[],
+                                 cache=[], cache_grads=[])
+
     def body(i, packed):
       slot = tf.cast(i, tf.int64)
 
       def act():
-        y, stack = packed.get_value()
-        stack = tf.raw_ops.TensorListSetItem(input_handle=stack, index=tf.cast(slot, tf.int32),
-                                             item=y)
-        return tf.experimental.Optional.from_value((tf.matmul(y, b) / 20.0, stack))
+        state = unpack(packed, like)
+        (y,), ((stash,),) = state.sums, state.stash
+        return pack(state._replace(sums=[tf.matmul(y, b) / 20.0],
+                                   stash=[[stash.write(tf.cast(slot, tf.int32), y)]]))
       return i + 1, tf.switch_case(i % 2, [act, act])
-    empty = tf.raw_ops.TensorListReserve(element_shape=x.shape, num_elements=4,
-                                         element_dtype=tf.float32)
-    _, packed = tf.while_loop(lambda i, _: i < 4, body,
-                              (tf.constant(0), tf.experimental.Optional.from_value((x, empty))))
-    _, stack = packed.get_value()
-    return tf.reduce_sum(tf.raw_ops.TensorListStack(input_handle=stack, element_shape=x.shape,
-                                                    element_dtype=tf.float32), axis=0)
+    _, packed = tf.while_loop(lambda i, _: i < 4, body, (tf.constant(0), pack(like)))
+    return tf.reduce_sum(unpack(packed, like).stash[0][0].stack(), axis=0)
   results.append(_check("a state packed in an Optional through a While of Case",
                         on(first, lambda: packed_state(a)), on(host, lambda: packed_state(a))))
 
-  from lingvo_gpipe.pipeline import device_loop
 
   @tf.function
   def stamped_loop(x):
