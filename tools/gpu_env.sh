@@ -9,7 +9,9 @@
 # TensorFlow at the machine's CUDA 13 cuDNN 9, cuFFT, cuSOLVER and cuSPARSE (cuFFT and
 # cuSOLVER under their CUDA 12 names), and installs this project into python3 (no
 # dependencies). Not a supported configuration: CUDA 12 and CUDA 13 libraries in one
-# process; what ran on it is in docs/benchmarks.md, "GPU readiness".
+# process; what ran on it is in docs/benchmarks_history.md, the "GPU readiness" entries of
+# 2026-11-26 ("The kernel audit and the first GPU contact") and 2026-11-27 ("The second
+# GPU contact").
 #
 # CUBLAS=machine (a hypothesis to try, docs/gpu.md): TensorFlow gets the machine's CUDA 13
 # cuBLAS under the CUDA 12 names, and the pieces c.* (the packed CUDA 12 cuBLAS) need not

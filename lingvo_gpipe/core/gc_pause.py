@@ -2,7 +2,8 @@
 
 - Speed: building a deep model and tracing its step make millions of objects that all
   live on, and each collection walks them again (5% of a 512-layer model's start;
-  docs/benchmarks.md). The trainer pauses it there.
+  docs/benchmarks_history.md, "A cell's weights stacked per shape (2026-11-25)"). The
+  trainer pauses it there.
 - Measurement: TensorFlow's allocator counts are the process's, and a collection between
   two reads frees what others left (tensors in reference cycles) and counts it against
   what is measured. The layer profiler and the tests that read the counts collect once

@@ -91,7 +91,8 @@ def project(inputs: tf.Tensor, weight: tf.Tensor) -> tf.Tensor:
 
   Not tf.einsum('...i,io->...o'): TF 2.21's einsum gradient for the weight
   materializes the broadcast product [..., I, O] before reducing it (1 GiB per
-  256×1024 layer at 1024 tokens; bench/remat_memory.py's history in docs/benchmarks.md).
+  256×1024 layer at 1024 tokens; docs/benchmarks_history.md, "Re-materialization memory
+  (2026-11-22, rerun 2026-11-23)").
   The re-materialization memory test (`tests/pipeline_memory_test.py`) would catch it.
   """
   if inputs.shape.rank == 2:

@@ -3,7 +3,7 @@
 A deep pipeline made one `tf.Variable` per weight and optimizer slot (with Adam, three
 per weight). Each cost eager creation, a captured handle in the training step, an
 argument Grappler and the executor set up, and host memory (what that came to:
-docs/benchmarks.md, "Time to the first step"). Here the
+docs/benchmarks_history.md, "A cell's weights stacked per shape (2026-11-25)"). Here the
 trainable weights of one cell that share a shape and dtype are rows of one variable
 [n, *shape] (`VariableStack`), and each optimizer slot kind is one variable of the
 same shape: the step's variables grow with the cells and the kinds of weight, not

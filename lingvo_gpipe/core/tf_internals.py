@@ -62,7 +62,8 @@ test named beside it, then `TENSORFLOW_CHECKED` is updated.
    thread's function call options (`context.context().function_call_options`, not
    public API): each function call op made or run while they are set carries them in
    its `config_proto` attribute, and TensorFlow optimizes that function with them when
-   it instantiates it. Measured on `lm.Transformer48`'s shape (docs/benchmarks.md):
+   it instantiates it. Measured on `lm.Transformer48`'s shape (docs/benchmarks_history.md,
+   "Layers of one kind traced once (2026-11-23)"):
    the TFG passes (attribute consolidation, topological sort, shape inference) and
    the memory optimizer changed no node of any of the step's 550 function instances
    and took 4 of Grappler's 10 s; the second meta-optimizer iteration removed 31 of
@@ -90,9 +91,10 @@ test named beside it, then `TENSORFLOW_CHECKED` is updated.
     gradient sums (`gradient_sums.StackedLayout`) copy once per backward, then add
     each gradient into its row of the copy in place, so a backward never holds all its
     gradients packed beside the sums (a weight-sized buffer or two less at its end;
-    docs/benchmarks.md). If InplaceAdd copied, every add would copy a whole stack;
-    if DeepCopy were folded away, the sums would be written into a buffer a later
-    step reads. Pinned by `tests/tf_internals_test.py::test_inplace_add_writes_into_its_input`
+    docs/benchmarks_history.md, "Mixed precision (2026-11-25)"). If InplaceAdd copied,
+    every add would copy a whole stack; if DeepCopy were folded away, the sums would be
+    written into a buffer a later step reads. Pinned by
+    `tests/tf_internals_test.py::test_inplace_add_writes_into_its_input`
     and the equivalence grid of `tests/gpipe_test.py` (two training steps included).
 11. `tf.unstack` of a variable's read [n, *shape] (`stacked_variables.bound`) returns
     rows that share the read's buffer when each row's bytes keep the allocator's

@@ -4,8 +4,8 @@ per variable.
 A step touches every variable outside the layers too: the gradient's global norm,
 the optimizer's update, the check that the updated weights and slots are finite.
 Written op by op, that is a dozen graph ops per variable, and a deep model has
-thousands of variables (what that cost in tracing: docs/benchmarks.md, "Time to the
-first step"). Here the variables are cut into chunks
+thousands of variables (what that cost in tracing: docs/benchmarks_history.md, "Layers
+of one kind traced once (2026-11-23)"). Here the variables are cut into chunks
 of one device, shape and dtype (at most `MAX_CHUNK`, in power-of-two sizes), and each
 chunk is one call of a `tf.function` traced once per chunk size, shape and dtype:
 tracing grows with the kinds of variable, the graph by one call per chunk.
@@ -59,7 +59,8 @@ def chunks(variables: Sequence[Any], by_device: bool = True) -> list[list[int]]:
 def _sum_of_squares(tensors: list[tf.Tensor]) -> tf.Tensor:
   """float32 Σ‖t‖² of `tensors` (one dtype): 2·L2Loss, one pass over each tensor
   without the squared copy that Square + Sum writes (1.5 against 2.5 ms for 8M
-  floats on one thread: docs/benchmarks.md, "The engine's own cost")."""
+  floats on one thread: docs/benchmarks_history.md, "The engine's own cost, change by
+  change (2026-11-28)")."""
   return 2.0 * tf.add_n([tf.nn.l2_loss(tf.cast(t, tf.float32)) for t in tensors])
 
 

@@ -565,10 +565,11 @@ class CellFunctions:
     → [I, O], stacked [n, I, O] and added to the sums whole. The rows' gradients one by
     one into a copy of the sums (`gradient_sums`' in-place path, for gradients that a
     backward makes one at a time) cost 1.6× as much (copy, then per-row adds that run
-    at half the bandwidth of one add: docs/benchmarks.md, "Split backward's cost");
-    one batched product of the stacked inputs [n, G·b, I]ᵀ·[n, G·b, O] cost 4-7% more
-    than the rows' products and the stack of their results (the inputs' Pack, and
-    BatchMatMul's transposed operand: "The engine's own cost")."""
+    at half the bandwidth of one add: docs/benchmarks_history.md, "Split backward's
+    cost", 2026-11-26); one batched product of the stacked inputs
+    [n, G·b, I]ᵀ·[n, G·b, O] cost 4-7% more than the rows' products and the stack of
+    their results (the inputs' Pack, and BatchMatMul's transposed operand: there, "The
+    engine's own cost, change by change (2026-11-28)")."""
     traced = self._traced
     products_of: dict[int, list[int]] = {}
     for i, v in enumerate(traced.product_variables):

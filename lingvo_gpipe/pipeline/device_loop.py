@@ -372,8 +372,9 @@ def _int32_as_int64(flat: Sequence[tf.Tensor]) -> list[tf.Tensor]:
   (as for most int32 ops on a GPU). The int32 batch captured into a device's While and
   its Case branches on a GPU reached that Slice in the GPU's memory, and the host kernel
   read it as a host pointer: a segmentation fault in every training step (an H200,
-  docs/benchmarks.md, "GPU readiness"). An int64 Slice is a GPU kernel; `_slice` casts the
-  micro-batch back, so the cells see the dtypes they were given.
+  docs/benchmarks_history.md, "The second GPU contact", 2026-11-27). An int64 Slice is a
+  GPU kernel; `_slice` casts the micro-batch back, so the cells see the dtypes they were
+  given.
   """
   return [tf.cast(t, tf.int64) if t.dtype == tf.int32 else t for t in flat]
 

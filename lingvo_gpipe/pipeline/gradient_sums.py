@@ -54,7 +54,7 @@ class StackedLayout:
   one flat vector per dtype (`s + concat(gradients)`), the end of every backward held
   all its gradients, their packed copy and the sums at once, about three
   weight-sized buffers, which set the peak of re-materialized steps
-  (docs/benchmarks.md, "Mixed precision").
+  (docs/benchmarks_history.md, "Mixed precision (2026-11-25)").
   """
 
   def __init__(self, variables: Sequence[Any]):

@@ -564,10 +564,10 @@ class PipeliningLayer(BaseLayer):
     executor runs cell k on micro-batch m + 1 while cell k + 1 runs on micro-batch m,
     GPipe's forward pipeline without a schedule (there is no backward to interleave;
     control dependencies that made each device take the micro-batches in order
-    removed the overlap altogether, docs/benchmarks.md, "Serving"). Variables are
-    read as the layers' attributes hold them (a serving model reads its own copies
-    through `base_layer.variables_read_as`). On a token slice (a generate step) the
-    whole batch is one micro-batch: the slice cache holds whole-batch entries.
+    removed the overlap altogether, docs/benchmarks_history.md, "Serving (2026-11-26)").
+    Variables are read as the layers' attributes hold them (a serving model reads its
+    own copies through `base_layer.variables_read_as`). On a token slice (a generate
+    step) the whole batch is one micro-batch: the slice cache holds whole-batch entries.
     """
     structure = inputs[0] if len(inputs) == 1 else tuple(inputs)
     if base_layer.current_context().token_slice is not None:

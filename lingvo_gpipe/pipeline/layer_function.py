@@ -3,8 +3,9 @@
 Traced layer by layer, a pipeline of L identical layers (a Transformer's) put each
 layer's ops into its cell's functions: tracing, the function library, Grappler and
 the first call all grew with L (about 1.5 s per 64-wide Transformer layer;
-docs/benchmarks.md). Here the layers of a pipeline that are of one *kind* share one
-`tf.function`:
+docs/benchmarks_history.md, the start-up entries "One loop per cell" and "Layers of one
+kind traced once", 2026-11-23). Here the layers of a pipeline that are of one *kind*
+share one `tf.function`:
 
   kind = (the layer's class, its params but the name, training or not)
   layer_fn(variables, inputs, info, seeds, cache) → (outputs, flat batch statistics,
@@ -422,7 +423,8 @@ class LayerFunctions:
     input_gradients False: nothing differentiates `x` (the first cell's inputs), so a
     first layer called through its kind's function on a floating `x` skips its input
     gradient (a trace of its own: on the MLP of bench/pipeline_speedup.py that is one
-    matmul of 16 in each backward, docs/benchmarks.md, "The engine's own cost")."""
+    matmul of 16 in each backward, docs/benchmarks_history.md, "The engine's own cost,
+    change by change (2026-11-28)")."""
     ctx = base_layer.current_context()
     info = step_info()
     training = bool(ctx.training)

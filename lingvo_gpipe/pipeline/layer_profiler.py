@@ -329,8 +329,9 @@ class _Timer:
   the median of runs of one call, over the calls it adds (each call not inlined,
   as a cell calls its layers: tf_internals.NOT_INLINED; each on its own copy of the
   arguments), never below zero. A run from Python pays a fixed cost beyond an empty
-  call's (`call_s`) that a step pays once, not per action (docs/benchmarks.md,
-  "Planner"). `chain=1`: one call less `call_s` (the partitioner's relative costs)."""
+  call's (`call_s`) that a step pays once, not per action (docs/benchmarks_history.md,
+  "A memory bound by measurement, one path from plan to run (2026-11-26)"). `chain=1`:
+  one call less `call_s` (the partitioner's relative costs)."""
 
   def __init__(self, steps: int, call_s: float, chain: int = CHAINED_CALLS):
     self.steps, self.call_s, self.chain = steps, call_s, chain

@@ -27,7 +27,8 @@ kernels mark only the branch index host memory; memory_types.cc lists While, not
 among the function calls whose int32 stay on the host). A branch then receives a GPU
 buffer it takes for a host one, and the first int32 host kernel in it (a Slice, a
 TensorList's index) reads it on the CPU: a segmentation fault, seen on an H200
-(docs/benchmarks.md, "GPU readiness"). Carry int64 across, and cast inside.
+(docs/benchmarks_history.md, "The second GPU contact", 2026-11-27). Carry int64 across,
+and cast inside.
 
 `gpu_index` lets a step traced on logical CPU devices stand in for GPUs (the tool
 `tools/gpu_audit.py` traces with cells on CPU:1..N standing for GPU:0..N-1, CPU:0 the

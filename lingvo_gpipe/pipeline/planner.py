@@ -171,9 +171,9 @@ def predict(costs: Sequence[LayerCost], machine: Machine, num_replicas: int,
 
 
 # The most a device's measured peak has exceeded its predicted one over the plans of
-# bench/planner.py (docs/benchmarks.md, "Planner", 2026-11-26: +21%, AmoebaNet's last
-# cell under 1F1B without re-materialization): a plan with less margin than this is
-# "tight", not "fits".
+# bench/planner.py (docs/benchmarks_history.md, "A memory bound by measurement, one path
+# from plan to run (2026-11-26)": +21%, AmoebaNet's last cell under 1F1B without
+# re-materialization): a plan with less margin than this is "tight", not "fits".
 MEMORY_MODEL_ERROR = 0.22
 
 
