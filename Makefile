@@ -9,7 +9,7 @@ DEVICES ?= cpu:2
 # so the CPU install stays tensorflow-cpu.
 GPU_VENV ?= .venv-gpu
 
-.PHONY: install train test lint clean gpu-audit
+.PHONY: install train test test-all lint clean gpu-audit
 
 install: $(VENV)/.installed
 
@@ -24,7 +24,12 @@ train: install
 	$(PY) tools/trainer.py --model=$(MODEL) --devices=$(DEVICES) --logdir=$(LOGDIR) \
 	  --mode=train_and_eval
 
+# The quick tier (about 3 minutes on 2 cores): every test file and feature, the covering
+# grids sampled (tests/tiers.py). test-all: every test, what CI runs.
 test: install
+	$(PY) -m pytest -q -n 2 --dist worksteal -m "not exhaustive" tests
+
+test-all: install
 	$(PY) -m pytest -q -n 2 --dist worksteal tests
 
 # Every op of every paper model's training step has a GPU kernel (no GPU needed):

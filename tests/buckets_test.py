@@ -5,6 +5,7 @@ resumable; pre-flight refusals that name the bucket."""
 import numpy as np
 import pytest
 from numerics import TRAINED, assert_close
+from tiers import EXHAUSTIVE
 
 from lingvo_gpipe import model_registry, planning, preflight, trainer
 from lingvo_gpipe.core.hyperparams import ParamsError
@@ -60,6 +61,7 @@ def test_translation_buckets_cut_each_side_to_its_own_length():
   assert last["language"].shape == (4,)
 
 
+@EXHAUSTIVE
 def test_zipf_lengths_follow_one_over_rank():
   gen = SyntheticLm.Params().set(num_examples=20000, min_length=4, max_length=10,
                                  length_distribution="zipf").instantiate()
@@ -110,6 +112,7 @@ def train(params, logdir, steps):
   return run, np.array(losses)
 
 
+@EXHAUSTIVE
 def test_bucketed_training_equals_unpartitioned_training_and_resumes(tmp_path):
   """TransformerTiny (dropout on) on three buckets: unpartitioned, each bucket traced
   when first needed, against K=2, M=4 traced up front, stopped at step 3 and resumed

@@ -49,6 +49,14 @@ tf.get_logger().setLevel("ERROR")
 op_tracebacks.off()  # (tests/op_tracebacks.py; a module marked op_tracebacks keeps them)
 
 
+# The tests `-m` (or `-k`) left out of this session (tests/tiers_test.py reads them).
+DESELECTED: list = []
+
+
+def pytest_deselected(items) -> None:
+  DESELECTED.extend(items)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _op_tracebacks_where_marked(request) -> Iterator[None]:
   """A module marked `op_tracebacks` traces with each op's Python stack recorded."""

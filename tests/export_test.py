@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from conftest import run_trainer
+from tiers import EXHAUSTIVE, quick_sample
 
 from lingvo_gpipe import decoder, exporter, model_registry
 from lingvo_gpipe.core import base_layer
@@ -195,6 +196,7 @@ def test_translate_in_a_fresh_process_returns_what_the_mt_eval_decodes(trained, 
       vocab.decode(ids) for ids in decoded["hyp_ids"].numpy()]
 
 
+@EXHAUSTIVE
 def test_saved_model_cli_shows_the_signatures_and_runs_classify(trained, exported, tmp_path):
   outputs, inputs = exported
   logdir = trained["image"][1]
@@ -220,7 +222,7 @@ def test_saved_model_cli_shows_the_signatures_and_runs_classify(trained, exporte
   assert Path(path, "assets", "params.txt").read_text() == trained["image"][0].to_text()
 
 
-@pytest.mark.parametrize("name", ["image", "lm", "mt"])
+@pytest.mark.parametrize("name", quick_sample(["image", "lm", "mt"], quick=["lm"]))
 def test_pipelined_export_on_two_devices_equals_the_single_device_one(trained, exported,
                                                                      tmp_path, cpu_devices,
                                                                      name):
@@ -271,9 +273,9 @@ def test_bfloat16_export_stores_half_precision_weights_and_agrees_to_its_precisi
   assert half.dtype == np.float32
 
 
-@pytest.mark.parametrize("name,dtype", [("image", "float16"), ("lm", "bfloat16"),
-                                        ("lm", "float16"), ("mt", "bfloat16"),
-                                        ("mt", "float16")])
+@pytest.mark.parametrize("name,dtype", quick_sample(
+    [("image", "float16"), ("lm", "bfloat16"), ("lm", "float16"), ("mt", "bfloat16"),
+     ("mt", "float16")], quick=[("mt", "bfloat16")]))
 def test_half_precision_exports_of_every_task_agree_with_float32(trained, name, dtype):
   """Each task's serving functions in bfloat16 and float16 (weights stored so), against
   the float32 ones, to the half dtype's precision through a small net."""
@@ -377,6 +379,7 @@ def bad_requests(trained) -> list[tuple[str, str, dict, dict, str]]:
   ]
 
 
+@EXHAUSTIVE
 def test_bad_requests_raise_in_the_serving_process_and_it_survives(trained, exported,
                                                                     tmp_path):
   """Every signature of the three tiny exports gets a table of bad requests in a child
@@ -430,8 +433,8 @@ def test_generate_samples_by_seed_and_stops_counting_at_eos(trained):
     model("generate", prefix_ids=prefix, max_new_tokens=16, temperature=0.0, seed=1)
 
 
-@pytest.mark.parametrize("name,metric", [("image", "accuracy"), ("lm", "log_pplx"),
-                                         ("mt", "bleu")])
+@pytest.mark.parametrize("name,metric", quick_sample(
+    [("image", "accuracy"), ("lm", "log_pplx"), ("mt", "bleu")], quick=[("mt", "bleu")]))
 def test_decode_writes_records_and_the_evals_metric(trained, tmp_path, name, metric):
   params, logdir, trainer = trained[name]
   copy = tmp_path / name
@@ -445,6 +448,7 @@ def test_decode_writes_records_and_the_evals_metric(trained, tmp_path, name, met
   assert list((copy / "decode").glob("events.*"))
 
 
+@EXHAUSTIVE
 def test_a_bucketed_eval_input_decodes_as_the_full_length_one(trained, tmp_path):
   """Length buckets cut each eval batch to its bound. Decode mode pads a bucket's sources
   back to the signature's length, and the trainer's eval decodes every hypothesis to the
@@ -481,6 +485,7 @@ def test_a_bucketed_eval_input_decodes_as_the_full_length_one(trained, tmp_path)
       assert hyp == by_source[tuple(source[:source.index(vocabulary.EOS_ID) + 1])]
 
 
+@EXHAUSTIVE
 def test_bad_exports_exit_2_with_one_line_and_write_nothing(trained, tmp_path):
   params, logdir, _ = trained["lm"]
   empty = tmp_path / "empty"

@@ -7,6 +7,7 @@ import pytest
 import tensorflow as tf
 from conftest import TEST_DEVICE_NAMES, engine_loss_and_grads
 from numerics import assert_all_close, assert_close
+from tiers import EXHAUSTIVE, quick_sample
 
 from lingvo_gpipe import train_step
 from lingvo_gpipe.core import base_layer, layers, optimizers, stacked_variables
@@ -119,6 +120,8 @@ GRID = [
     ("gpipe", 4, 3, "always"), ("1f1b", 4, 4, "always"), ("gpipe", 4, 8, "never"),
     ("1f1b", 4, 8, "always"),
 ]
+# The quick tier's sample: both schedules, every K, both policies, uneven M of 3, 4 and 8.
+QUICK_GRID = [("1f1b", 2, 3, "always"), ("gpipe", 4, 8, "never"), ("1f1b", 1, 4, "never")]
 FULL_GRID = list(itertools.product(["gpipe", "1f1b"], [1, 2, 4], [1, 2, 3, 4, 8],
                                    ["always", "never"]))
 
@@ -137,7 +140,8 @@ def assert_matches_reference(got, reference):
   assert_all_close(grads, want_grads)
 
 
-@pytest.mark.parametrize("schedule, num_cells, num_micro_batches, recompute", GRID)
+@pytest.mark.parametrize("schedule, num_cells, num_micro_batches, recompute",
+                         quick_sample(GRID, quick=QUICK_GRID))
 def test_loss_and_gradients_equal_unpartitioned(reference, cpu_devices, schedule, num_cells,
                                                 num_micro_batches, recompute):
   model = model_params(gpipe.PipeliningLayer, num_cells=num_cells, schedule=schedule,
@@ -147,8 +151,8 @@ def test_loss_and_gradients_equal_unpartitioned(reference, cpu_devices, schedule
   assert_matches_reference(pipelined_loss_and_grads(model), reference)
 
 
-@pytest.mark.parametrize("num_cells, num_micro_batches, recompute",
-                         [(1, 1, "always"), (2, 3, "always"), (4, 4, "never")])
+@pytest.mark.parametrize("num_cells, num_micro_batches, recompute", quick_sample(
+    [(1, 1, "always"), (2, 3, "always"), (4, 4, "never")], quick=[(2, 3, "always")]))
 def test_fprop_differentiated_by_tensorflow_equals_unpartitioned(reference, cpu_devices,
                                                                  num_cells, num_micro_batches,
                                                                  recompute):
@@ -158,9 +162,10 @@ def test_fprop_differentiated_by_tensorflow_equals_unpartitioned(reference, cpu_
   assert_matches_reference(fprop_loss_and_grads(model), reference)
 
 
-@pytest.mark.parametrize("num_cells, recompute, schedule", [
+@pytest.mark.parametrize("num_cells, recompute, schedule", quick_sample([
     (2, "always", "gpipe"), (4, "except_last", "gpipe"), (4, "always", "1f1b"),
-    (2, "never", "1f1b"), (4, "except_last", "zb_h1"), (4, "always", "interleaved_1f1b")])
+    (2, "never", "1f1b"), (4, "except_last", "zb_h1"), (4, "always", "interleaved_1f1b")],
+    quick=[(4, "except_last", "zb_h1")]))
 def test_two_training_steps_give_the_same_weights(cpu_devices, num_cells, recompute, schedule):
   """TrainStep (the trainer's step) against Adam on the unpartitioned model by hand."""
   x, skip, target = inputs()
@@ -221,7 +226,8 @@ def _device(name: str) -> tuple[str, int]:
 # -- batch norm ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb_h1", "interleaved_1f1b"])
+@pytest.mark.parametrize("schedule", quick_sample(["gpipe", "1f1b", "zb_h1", "interleaved_1f1b"],
+                                                quick=["zb_h1"]))
 def test_batch_norm_moving_stats_come_from_the_whole_batch_once(cpu_devices, schedule):
   num_micro_batches = 4
   interleaved = schedule == "interleaved_1f1b"
@@ -255,13 +261,14 @@ def test_batch_norm_moving_stats_come_from_the_whole_batch_once(cpu_devices, sch
   assert_close(bn.moving_variance.numpy(), 0.9 + 0.1 * h.var(0), dtype=np.float32)
 
 
-@pytest.mark.parametrize("schedule, num_cells, num_micro_batches, group, recompute", [
+@pytest.mark.parametrize("schedule, num_cells, num_micro_batches, group, recompute",
+                         quick_sample([
     ("gpipe", 1, 4, 4, "always"),     # one group: every weight gradient in one product
     ("gpipe", 2, 8, 3, "always"),     # groups of 3, 3, 2 (uneven micro-batches, too)
     ("1f1b", 4, 8, 2, "always"),
     ("gpipe", 2, 3, 8, "except_last"),  # G > M; the last cell computes them per call
     ("1f1b", 2, 4, 2, "never"),       # no recompute: nothing is deferred
-])
+], quick=[("gpipe", 2, 8, 3, "always")]))
 def test_weight_gradients_over_groups_of_micro_batches_equal_unpartitioned(
     reference, cpu_devices, schedule, num_cells, num_micro_batches, group, recompute):
   model = model_params(gpipe.PipeliningLayer, num_cells=num_cells, schedule=schedule,
@@ -281,11 +288,11 @@ def test_weight_gradients_over_groups_of_micro_batches_equal_unpartitioned(
 # -- schedules past fill-drain: zero bubble (ZB-H1) and interleaved virtual stages -------
 
 
-@pytest.mark.parametrize("num_cells, num_micro_batches, recompute", [
+@pytest.mark.parametrize("num_cells, num_micro_batches, recompute", quick_sample([
     (2, 4, "always"), (4, 8, "always"), (2, 3, "except_last"), (4, 2, "always"),
     (2, 8, "never"), (4, 4, "never"),  # deferred through probes (no recompute)
     (1, 4, "always"),
-])
+], quick=[(2, 3, "except_last")]))
 def test_zero_bubble_equals_unpartitioned(reference, cpu_devices, num_cells, num_micro_batches,
                                           recompute):
   model = model_params(gpipe.PipeliningLayer, num_cells=num_cells, schedule="zb_h1",
@@ -301,11 +308,12 @@ def test_zero_bubble_equals_unpartitioned(reference, cpu_devices, num_cells, num
     assert all(len(g) == 1 for g in plan.weight_groups(k).values())
 
 
-@pytest.mark.parametrize("num_cells, virtual_stages, num_micro_batches, recompute", [
+@pytest.mark.parametrize("num_cells, virtual_stages, num_micro_batches, recompute",
+                         quick_sample([
     (4, 2, 2, "always"), (4, 2, 4, "never"), (4, 2, 8, "except_last"), (6, 3, 4, "always"),
     (2, 2, 3, "always"),  # one device holding both cells
     (4, 2, 3, "never"), (4, 2, 5, "always"),  # M the devices do not divide
-])
+], quick=[(4, 2, 3, "never")]))
 def test_interleaved_virtual_stages_equal_unpartitioned(reference, cpu_devices, num_cells,
                                                         virtual_stages, num_micro_batches,
                                                         recompute):
@@ -319,10 +327,10 @@ def test_interleaved_virtual_stages_equal_unpartitioned(reference, cpu_devices, 
   assert_matches_reference(pipelined_loss_and_grads(model), reference)
 
 
-@pytest.mark.parametrize("num_cells, num_micro_batches, recompute", [
+@pytest.mark.parametrize("num_cells, num_micro_batches, recompute", quick_sample([
     (4, 1, "always"), (4, 3, "never"), (4, 5, "except_last"), (8, 4, "always"),
     (2, 2, "never"),  # one device holding both cells
-])
+], quick=[(4, 5, "except_last")]))
 def test_zbv_equals_unpartitioned(reference, cpu_devices, num_cells, num_micro_batches,
                                   recompute):
   """ZB-V: cells k and K−1−k on device k (a V), every backward split into B and W, at
@@ -337,9 +345,10 @@ def test_zbv_equals_unpartitioned(reference, cpu_devices, num_cells, num_micro_b
   assert_matches_reference(pipelined_loss_and_grads(model), reference)
 
 
-@pytest.mark.parametrize("num_cells, virtual_stages, num_micro_batches, recompute", [
+@pytest.mark.parametrize("num_cells, virtual_stages, num_micro_batches, recompute",
+                         quick_sample([
     (4, 2, 2, "always"), (4, 2, 3, "never"), (6, 3, 4, "except_last"),
-])
+], quick=[(4, 2, 2, "always")]))
 def test_interleaved_zero_bubble_equals_unpartitioned(reference, cpu_devices, num_cells,
                                                       virtual_stages, num_micro_batches,
                                                       recompute):
@@ -351,6 +360,7 @@ def test_interleaved_zero_bubble_equals_unpartitioned(reference, cpu_devices, nu
   assert_matches_reference(pipelined_loss_and_grads(model), reference)
 
 
+@EXHAUSTIVE
 def test_interleaved_with_weight_gradient_groups_equals_unpartitioned(reference, cpu_devices):
   model = model_params(gpipe.PipeliningLayer, num_cells=4, schedule="interleaved_1f1b",
                        virtual_stages=2, num_micro_batches=4, weight_gradient_group=2,
@@ -358,6 +368,7 @@ def test_interleaved_with_weight_gradient_groups_equals_unpartitioned(reference,
   assert_matches_reference(pipelined_loss_and_grads(model), reference)
 
 
+@EXHAUSTIVE
 def test_round_robin_cells_share_one_loop_per_device(reference, cpu_devices):
   """Four 1F1B cells on two devices: each device runs its two cells in one loop, in
   the order their actions start in the simulated schedule."""

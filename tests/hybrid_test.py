@@ -5,6 +5,7 @@ import pytest
 import tensorflow as tf
 from conftest import TEST_DEVICE_NAMES
 from numerics import assert_close
+from tiers import EXHAUSTIVE
 
 from lingvo_gpipe.core import base_layer, layers, optimizers
 from lingvo_gpipe.pipeline import hybrid
@@ -149,6 +150,7 @@ def demo_trainer(logdir, overrides: str):
   return trainer.Trainer(params.freeze(), str(logdir), log=lambda _: None)
 
 
+@EXHAUSTIVE
 def test_the_trainer_with_two_replicas_equals_one_pipeline_and_resumes_them_equal(tmp_path):
   """TinyConvNet (batch norm, SGD with momentum): R=2 × (K=2, M=2) gives the losses and
   checkpoint of R=1 × (K=2, M=4) on the same 32-example batches; a restored R=2

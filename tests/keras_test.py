@@ -7,6 +7,7 @@ import pytest
 import tensorflow as tf
 from conftest import engine_loss_and_grads
 from numerics import HALF_REORDERED, assert_close
+from tiers import EXHAUSTIVE, quick_sample
 
 import lingvo_gpipe as g
 from lingvo_gpipe import train_step
@@ -80,7 +81,9 @@ CASES = [(schedule, num_cells, virtual_stages, recompute)
                                                   ("1f1b", 4, 1, "never")]
 
 
-@pytest.mark.parametrize("schedule,num_cells,virtual_stages,recompute", CASES)
+# The quick tier: a split backward without recompute on a V, and 1F1B re-materialized.
+@pytest.mark.parametrize("schedule,num_cells,virtual_stages,recompute", quick_sample(
+    CASES, quick=[("zbv", 4, 2, "never"), ("1f1b", 2, 1, "always")]))
 def test_a_pipelined_functional_model_has_keras_gradients(cpu_devices, schedule, num_cells,
                                                          virtual_stages, recompute):
   keras.utils.set_random_seed(1)
@@ -107,7 +110,7 @@ def dense_chain(width: int = 8, depth: int = 4) -> keras.Sequential:
        keras.layers.Dense(2, name="out")])
 
 
-@pytest.mark.parametrize("scan_layers", [False, True])
+@pytest.mark.parametrize("scan_layers", quick_sample([False, True], quick=[True]))
 def test_identical_keras_layers_share_traces_and_stacked_weights(cpu_devices, scan_layers):
   """Runs of one Keras layer kind: stacked weights (one stack per shape), one traced
   function (or a scan) per kind; gradients still Keras's."""
@@ -418,6 +421,7 @@ def checkpointed(logdir) -> dict:
           if "/.ATTRIBUTES/" in key and dtype.is_floating}
 
 
+@EXHAUSTIVE
 def test_a_keras_convnet_resumed_with_k_changed_equals_one_run_and_serves_it(tmp_path):
   """KerasConvNet (Sequential with batch norm and dropout): 2 steps at K=2 then 1 at
   K=1 give the weights of 3 steps at K=2 (masks and micro-batch statistics depend on
@@ -496,7 +500,7 @@ def test_the_binary_refuses_a_keras_layer_in_one_line_writing_nothing(tmp_path, 
   assert not logdir.exists()
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("dtype", quick_sample(["bfloat16", "float16"], quick=["float16"]))
 def test_a_pipelined_keras_model_in_a_half_dtype_equals_it_unpartitioned(cpu_devices, dtype):
   """fprop_dtype on the pipeline reaches the Keras units (their mixed policy): K=2, M=4
   against the same units as one Sequential in that dtype, same weights."""

@@ -12,6 +12,7 @@ import pytest
 import tensorflow as tf
 from layer_blocks import DIM, batch, block, step_function
 from numerics import assert_close
+from tiers import quick_sample
 
 from lingvo_gpipe import train_step
 from lingvo_gpipe.core import layers, stacked_variables
@@ -35,7 +36,7 @@ def shared(model):
   return model._function_cache.layers
 
 
-@pytest.mark.parametrize("recompute", ["always", "never"])
+@pytest.mark.parametrize("recompute", quick_sample(["always", "never"], quick=["never"]))
 def test_shared_functions_give_what_layers_traced_apart_give(cpu_devices, recompute):
   """Dropout masks (seeds as arguments), batch statistics (reported for the calling
   layer's own batch norm) and gradients equal those of every layer traced alone."""
@@ -74,7 +75,7 @@ def test_layers_that_differ_in_a_param_trace_apart(cpu_devices):
   assert shared(model).tracing_count() == 3  # (the first layer's own: the test above)
 
 
-@pytest.mark.parametrize("recompute", ["always", "never"])
+@pytest.mark.parametrize("recompute", quick_sample(["always", "never"], quick=["always"]))
 def test_the_first_cells_first_layer_computes_no_input_gradient(cpu_devices, recompute):
   """A call's backward computes every gradient its function has. The first cell's
   first layer runs a trace of its own whose backward has no gradient for its inputs

@@ -16,12 +16,14 @@ import pytest
 import tensorflow as tf
 from conftest import REPO, run_trainer, sigint_as_default
 from numerics import HALF_REORDERED, REORDERED, assert_close
+from tiers import EXHAUSTIVE
 
 from lingvo_gpipe.runtime import cluster
 from lingvo_gpipe.runtime.devices import DeviceSpecError
 from lingvo_gpipe.runtime.local_workers import start_local_worker, start_local_workers
 
 
+@EXHAUSTIVE
 def test_two_worker_processes_give_the_unpartitioned_gradients():
   script = Path(__file__).resolve().parent / "loopback_pipeline.py"
   result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
@@ -83,6 +85,7 @@ def test_an_absent_server_is_named_within_the_timeout():
                   "reached (unavailable)) ..."]
 
 
+@EXHAUSTIVE
 def test_a_worker_with_an_unwritable_memory_log_exits_2_naming_it(tmp_path):
   bad = tmp_path / "missing" / "memory.jsonl"
   result = subprocess.run(
@@ -94,6 +97,7 @@ def test_a_worker_with_an_unwritable_memory_log_exits_2_naming_it(tmp_path):
   assert f"--memory_log={bad} cannot be written" in result.stderr
 
 
+@EXHAUSTIVE
 def test_a_worker_warns_that_it_serves_every_interface_unauthenticated():
   port = cluster.free_port()
   worker = start_local_worker(f"worker=localhost:{port}", 0, capture_output=True)
@@ -115,6 +119,7 @@ def _latest_checkpoint(logdir: Path) -> str | None:
   return tf.train.latest_checkpoint(str(logdir / "train"))
 
 
+@EXHAUSTIVE
 def test_a_dead_worker_stops_training_in_bounded_time_and_a_restart_resumes(tmp_path):
   spec, workers = start_local_workers(2, single_thread=False)
   try:
@@ -200,6 +205,7 @@ def _wait_for_checkpoint_after(logdir: Path, step: int, trainer: subprocess.Pope
                        f"step {step}:\n{stderr[-5000:]}")
 
 
+@EXHAUSTIVE
 def test_a_frozen_worker_is_named_within_30_s_and_ctrl_c_is_heard_while_it_hangs(tmp_path):
   """kill -STOP: the worker's port still accepts connections but nothing answers. A
   trainer waiting on it hears Ctrl-C (exit 130 within 5 s), and one left alone names the

@@ -7,6 +7,7 @@ import tensorflow as tf
 from conftest import engine_loss_and_grads
 from gpipe_test import STEP, inputs, pair_layers
 from numerics import HALF_REORDERED, assert_all_close, assert_close
+from tiers import EXHAUSTIVE
 
 from lingvo_gpipe import model_registry, train_step, trainer
 from lingvo_gpipe.core import base_layer, hyperparams, layers, loss_scale, stacked_variables
@@ -159,6 +160,7 @@ def one_cell():
     dict(num_cells=4, schedule="zbv", virtual_stages=2),
 ], ids=["gpipe-k2", "1f1b-k4-never", "zb_h1-k4", "zb_h1-k2-never", "interleaved-k4v2",
         "zbv-k4"])
+@EXHAUSTIVE
 def test_partitioning_changes_nothing_in_a_half_dtype(cpu_devices, one_cell, dtype, pipeline):
   """K ∈ {2, 4} and every schedule give K=1's loss and gradients with the same M: the
   same micro-batch arithmetic in the same dtype, only placed elsewhere (float32's
@@ -182,8 +184,9 @@ def test_partitioning_changes_nothing_in_a_half_dtype(cpu_devices, one_cell, dty
 
 
 @pytest.mark.parametrize("dtype", HALF)
-@pytest.mark.parametrize("pipeline", [dict(num_cells=2), dict(num_cells=4, schedule="zb_h1")],
-                         ids=["gpipe-k2", "zb_h1-k4"])
+@pytest.mark.parametrize("pipeline", [
+    pytest.param(dict(num_cells=2), id="gpipe-k2"),
+    pytest.param(dict(num_cells=4, schedule="zb_h1"), id="zb_h1-k4", marks=EXHAUSTIVE)])
 def test_the_pipeline_equals_the_unpartitioned_model_in_its_dtype(cpu_devices, dtype,
                                                                   pipeline):
   """M=4 (weights stacked) against the unpartitioned model in the same dtype
@@ -269,6 +272,7 @@ def test_a_loss_scale_changes_no_gradient(cpu_devices, pipelined):
   assert_all_close(scaled[1], plain[1])
 
 
+@EXHAUSTIVE
 def test_float16_gradients_underflow_without_a_loss_scale(cpu_devices):
   """The reason for scaling: with the loss multiplied by 1e-8, float16 gradients
   (smallest 6e-8) flush to zero unscaled, and a scale of 2^24 brings float32's back
@@ -325,6 +329,7 @@ def make_trainer(logdir, overrides: str, logs: list | None = None,
   return trainer.Trainer(params.freeze(), str(logdir), log=log)
 
 
+@EXHAUSTIVE
 def test_float16_overflow_skips_the_step_halves_the_scale_and_resumes_it(tmp_path):
   """TransformerTiny in float16 from a scale of 2^40: the first steps overflow and are
   skipped (global step unchanged, scale halved each time, said in the log) until the
@@ -361,6 +366,7 @@ def test_bfloat16_and_float32_runs_have_no_loss_scale(tmp_path):
   assert forced.loss_scale is not None
 
 
+@EXHAUSTIVE
 def test_data_and_pipeline_parallel_in_bfloat16_equal_one_pipeline(tmp_path):
   """TinyConvNet (convolutions, batch norm) in bfloat16 through the trainer: R=2 ×
   (K=2, M=2) makes R=1 × (K=2, M=4)'s micro-batches of the same 32 examples, so its
@@ -379,6 +385,7 @@ def test_data_and_pipeline_parallel_in_bfloat16_equal_one_pipeline(tmp_path):
   assert_all_close([v.numpy() for v in got], [v.numpy() for v in want])
 
 
+@EXHAUSTIVE
 def test_the_profile_counts_inputs_in_the_compute_dtype():
   """The partitioner's and planner's costs (layer_profiler): a bfloat16 layer's input
   is counted at half float32's bytes (the pipeline casts it before it is stashed), its

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from conftest import run_trainer
+from tiers import EXHAUSTIVE, quick_sample
 
 from lingvo_gpipe import model_registry
 from lingvo_gpipe.core import base_layer
@@ -82,7 +83,10 @@ def build_shapes_only(key):
     return params, task.instantiate()
 
 
-@pytest.mark.parametrize("key", sorted(PAPER_MODELS))
+# The quick tier leaves out the three deepest (seconds each to build, even as shapes).
+@pytest.mark.parametrize("key", quick_sample(sorted(PAPER_MODELS), quick=sorted(
+    set(PAPER_MODELS) - {"lm.TransformerL1663", "image.AmoebaNetD_72_512",
+                         "image.AmoebaNetD_36_544"})))
 def test_paper_model_parameter_count_and_cells(key):
   target, tolerance, num_cells = PAPER_MODELS[key]
   params, task = build_shapes_only(key)
@@ -100,7 +104,7 @@ def test_table2_models_have_the_counts_the_readme_shows(key):
   assert_readme_count(key, task.num_params())
 
 
-@pytest.mark.parametrize("key", TINY_MODELS)
+@pytest.mark.parametrize("key", quick_sample(TINY_MODELS, quick=TINY_MODELS[1:]))
 def test_tiny_models_count_params_like_their_variables(key):
   _, shapes_task = build_shapes_only(key)
   task = task_params(key)[1].instantiate()
@@ -109,6 +113,7 @@ def test_tiny_models_count_params_like_their_variables(key):
   assert_readme_count(key, shapes_task.num_params())
 
 
+@EXHAUSTIVE
 def test_inspect_model_reports_paper_count_and_cells():
   result = run_trainer("--mode=inspect_model", "--model=image.AmoebaNetD_18_544",
                        "--inspect_depth=1", timeout=600)

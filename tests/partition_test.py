@@ -5,6 +5,7 @@ import itertools
 import numpy as np
 import pytest
 import tensorflow as tf
+from tiers import EXHAUSTIVE
 
 from lingvo_gpipe.core import layers
 from lingvo_gpipe.pipeline import layer_profiler, partition
@@ -167,6 +168,7 @@ def test_large_partition_is_exact_against_a_dp():
   assert max(c.cost for c in cells) == pytest.approx(best[16, 300])
 
 
+@EXHAUSTIVE
 def test_profiled_costs_rank_layers_by_work():
   # 2.1 GFLOPs forward against 8 MFLOPs: only the order is asserted (times are noisy),
   # and a gap this wide survives a loaded machine.

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from numerics import assert_close
+from tiers import quick_sample
 
 from lingvo_gpipe import model_registry, trainer
 from lingvo_gpipe.core import hyperparams
@@ -40,7 +41,7 @@ def legacy_params(schedule: str, num_cells: int = 2):
   return params.freeze()
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", quick_sample(["gpipe", "1f1b"], quick=["1f1b"]))
 def test_a_checkpoint_of_the_old_engine_restores_and_training_goes_on(tmp_path, schedule):
   logdir = tmp_path / "run"
   shutil.copytree(DATA / "legacy_tiny_conv_net_k2", logdir)

@@ -4,6 +4,7 @@ import collections
 
 import pytest
 import tensorflow as tf
+from tiers import quick_sample
 
 from lingvo_gpipe import train_step
 from lingvo_gpipe.core import base_layer, layers
@@ -57,9 +58,10 @@ def total_nodes(concrete) -> int:
   return outer + sum(functions.values())
 
 
-@pytest.mark.parametrize("num_cells", [2, 4])
-@pytest.mark.parametrize("schedule, recompute, group", [
-    ("gpipe", "always", 1), ("1f1b", "never", 1), ("1f1b", "except_last", 4)])
+@pytest.mark.parametrize("num_cells", quick_sample([2, 4], quick=[4]))
+@pytest.mark.parametrize("schedule, recompute, group", quick_sample([
+    ("gpipe", "always", 1), ("1f1b", "never", 1), ("1f1b", "except_last", 4)],
+    quick=[("1f1b", "except_last", 4)]))
 def test_the_step_graph_does_not_grow_with_micro_batches(cpu_devices, num_cells, schedule,
                                                          recompute, group):
   """One loop per device over a constant table: M=4 and M=64 micro-batches (of 2
@@ -102,7 +104,7 @@ def test_cell_calls_are_not_inlined(cpu_devices):
     assert names[name].attr["_noinline"].b, name
 
 
-@pytest.mark.parametrize("recompute", ["always", "never"])
+@pytest.mark.parametrize("recompute", quick_sample(["always", "never"], quick=["always"]))
 def test_deferred_weight_gradients_add_each_stack_whole(cpu_devices, recompute):
   """zb_h1's W actions: a cell's stack of projection weights (4 rows [8, 8] in each of
   the 2 cells here) gets
@@ -171,7 +173,8 @@ def test_each_cells_first_weight_gradient_has_a_branch_of_its_own():
                     i for k, i in first_rows.items() if cells is None or k in cells), (name, d)
 
 
-@pytest.mark.parametrize("num_micro_batches, adds", [(1, 0), (3, 4)])
+@pytest.mark.parametrize("num_micro_batches, adds", quick_sample([(1, 0), (3, 4)],
+                                                                quick=[(3, 4)]))
 def test_a_first_weight_gradient_takes_its_stack_as_the_sum_without_an_add(
     cpu_devices, num_micro_batches, adds):
   """zb_h1 without re-materialization: each cell's stack of projection weights gets
@@ -188,7 +191,8 @@ def test_a_first_weight_gradient_takes_its_stack_as_the_sum_without_an_add(
   assert len(stack_adds) == adds, stack_adds
 
 
-@pytest.mark.parametrize("num_micro_batches, adds", [(1, 0), (3, 4)])
+@pytest.mark.parametrize("num_micro_batches, adds", quick_sample([(1, 0), (3, 4)],
+                                                                quick=[(3, 4)]))
 def test_a_first_backward_takes_its_gradient_as_the_sum_without_an_add(
     cpu_devices, num_micro_batches, adds):
   """Without re-materialization each cell's stack of weights gets its gradient whole
@@ -204,8 +208,9 @@ def test_a_first_backward_takes_its_gradient_as_the_sum_without_an_add(
   assert len(stack_adds) == adds, stack_adds
 
 
-@pytest.mark.parametrize("name, num_cells, virtual_stages, recompute", [
-    ("1f1b", 2, 1, "never"), ("zbv", 4, 2, "never"), ("interleaved_zb", 4, 2, "always")])
+@pytest.mark.parametrize("name, num_cells, virtual_stages, recompute", quick_sample([
+    ("1f1b", 2, 1, "never"), ("zbv", 4, 2, "never"), ("interleaved_zb", 4, 2, "always")],
+    quick=[("interleaved_zb", 4, 2, "always")]))
 def test_each_cells_state_crosses_the_loop_and_its_case_as_one_tensor(
     cpu_devices, name, num_cells, virtual_stages, recompute):
   """Each device's action Case takes and returns one variant per cell of the device

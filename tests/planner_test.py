@@ -7,6 +7,7 @@ import shutil
 
 import numpy as np
 import pytest
+from tiers import EXHAUSTIVE
 
 from lingvo_gpipe.pipeline import layer_profiler, planner
 from lingvo_gpipe.pipeline.layer_profiler import LayerCost
@@ -364,6 +365,7 @@ def test_a_cost_cache_path_that_can_never_be_one_is_refused_before_measuring(tmp
       layer_profiler.cached_layer_costs(str(path), ["m"], lambda: pytest.fail("measured"))
 
 
+@EXHAUSTIVE
 def test_plan_mode_and_plan_auto_train_the_best_plan_and_refuse_a_budget_nothing_fits(
     tiny_lm_cost_cache, tmp_path):
   """--mode=plan prints the best plans and judges the params as given; --plan=auto
@@ -416,6 +418,7 @@ def test_plan_mode_and_plan_auto_train_the_best_plan_and_refuse_a_budget_nothing
       refused.stdout
 
 
+@EXHAUSTIVE
 def test_a_plan_trains_the_shape_it_predicted_with_the_layers_profiled_once(tiny_lm_cost_cache,
                                                                             tmp_path):
   """--plan=auto with the params' own weight_gradient_group=2 trains the plan's G (the
@@ -593,6 +596,7 @@ def test_a_plan_with_less_margin_than_the_models_error_is_tight_not_fits():
 
 
 @pytest.mark.parametrize("num_micro_batches, recompute", [(2, "never"), (8, "always")])
+@EXHAUSTIVE
 def test_a_whole_cells_step_stays_within_the_bound_the_planner_states(
     cpu_devices, num_micro_batches, recompute, cpu_allocator_stats):
   """The engine's own training step of one cell (four Linear [512, 512] + relu layers,

@@ -13,6 +13,7 @@ import pytest
 import tensorflow as tf
 from layer_blocks import BATCH, DIM, block, step_function
 from numerics import assert_close
+from tiers import EXHAUSTIVE, quick_sample
 
 from lingvo_gpipe import train_step
 from lingvo_gpipe.core import layers, stacked_variables
@@ -48,9 +49,10 @@ def per_weight(model, grads) -> dict[str, np.ndarray]:
                                             [tf.convert_to_tensor(g) for g in grads]))}
 
 
-@pytest.mark.parametrize("schedule, recompute, dtype", [
+@pytest.mark.parametrize("schedule, recompute, dtype", quick_sample([
     ("gpipe", "always", None), ("1f1b", "never", None), ("1f1b", "except_last", None),
-    ("zb_h1", "always", None), ("gpipe", "always", "bfloat16"), ("1f1b", "never", "bfloat16")])
+    ("zb_h1", "always", None), ("gpipe", "always", "bfloat16"), ("1f1b", "never", "bfloat16")],
+    quick=[("gpipe", "always", "bfloat16")]))
 def test_a_loop_over_a_run_gives_what_calls_one_by_one_give(cpu_devices, schedule, recompute,
                                                             dtype):
   """Bit for bit: the loop runs each layer through the same traced function (and its
@@ -81,6 +83,7 @@ def test_a_loop_over_a_run_gives_what_calls_one_by_one_give(cpu_devices, schedul
       np.testing.assert_array_equal(s[key], want[key], err_msg=f"{path} {key}")
 
 
+@EXHAUSTIVE
 def test_runs_become_loops_and_calls_that_defer_weight_products_stay_calls(cpu_devices):
   """Per cell body (2 cells × 2 micro-batch shapes: 8 examples in 3), its loops: a
   forward runs its run of blocks as one loop, a re-materialized backward as two (the
@@ -113,6 +116,7 @@ def op_counts(num_blocks: int, devices) -> collections.Counter:
   return counts
 
 
+@EXHAUSTIVE
 def test_the_traced_step_does_not_grow_with_depth(cpu_devices):
   """The same cells (a run of blocks, then a Linear) at L = 8 and L = 512 blocks: the
   same ops, one by one (tracing, the function library, Grappler and the first call's

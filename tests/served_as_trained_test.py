@@ -19,6 +19,7 @@ import tensorflow as tf
 from conftest import REPO, run_trainer, sigint_as_default
 from export_test import reference_token_log_probs
 from numerics import assert_close
+from tiers import EXHAUSTIVE
 
 from lingvo_gpipe import exporter, logdirs, model_registry, run_params
 from lingvo_gpipe import trainer as trainer_lib
@@ -222,6 +223,7 @@ SPLIT_BACKWARD = {
 }
 
 
+@EXHAUSTIVE
 def test_split_backward_schedules_train_sources_and_targets_of_two_lengths_as_gpipe(
     tmp_path, cpu_devices):
   """mt.MultilingualTiny, sources 12 and targets 6 tokens: a decoder's self- and
@@ -294,6 +296,7 @@ def test_bad_flags_and_params_exit_2_with_one_line(eight_heads_run, tmp_path):
   assert files_of(eight_heads_run) == before
 
 
+@EXHAUSTIVE
 def test_an_interrupted_export_says_what_it_left_and_the_next_cleans_up(eight_heads_run):
   """SIGINT while the export traces: exit 130 with nothing written (its hidden folder,
   if any, removed by the next export), or exit 0 if it had finished; never a message

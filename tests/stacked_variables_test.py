@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from numerics import REORDERED, TRAINED, assert_all_close
+from tiers import EXHAUSTIVE
 
 from lingvo_gpipe import train_step
 from lingvo_gpipe.core import layers, model_stats, optimizers, stacked_variables
@@ -231,6 +232,7 @@ def test_checkpoints_move_between_stacked_and_unstacked_and_across_k(tmp_path, c
   assert_same_weights_and_slots((model, opt), (again, again_opt))
 
 
+@EXHAUSTIVE
 def test_checkpoints_move_between_zbv_and_gpipe_at_another_k(tmp_path, cpu_devices):
   """zbv (K=4, two cells per device in a V) → gpipe K=2 → zbv: the checkpoint holds each
   weight under its own name whatever the schedule, K and placement."""
@@ -248,14 +250,18 @@ def test_checkpoints_move_between_zbv_and_gpipe_at_another_k(tmp_path, cpu_devic
 
 
 @pytest.mark.parametrize("optimizer", [
-    optimizers.Adam.Params().set(learning_rate=0.05),
-    optimizers.SGD.Params().set(learning_rate=0.1, momentum=0.9),
-    optimizers.RMSProp.Params().set(learning_rate=0.01),
+    pytest.param(optimizers.Adam.Params().set(learning_rate=0.05), id="adam",
+                 marks=EXHAUSTIVE),
+    pytest.param(optimizers.SGD.Params().set(learning_rate=0.1, momentum=0.9), id="sgd",
+                 marks=EXHAUSTIVE),
+    pytest.param(optimizers.RMSProp.Params().set(learning_rate=0.01), id="rmsprop",
+                 marks=EXHAUSTIVE),
     # Per-weight statistics: factored second moments (both dims >= 8), update clipping
     # and the parameter scale, each per row of a stack.
-    optimizers.Adafactor.Params().set(learning_rate=0.1, min_dim_size_to_factor=8,
-                                      clipping_threshold=0.01, beta1=0.5),
-], ids=["adam", "sgd", "rmsprop", "adafactor"])
+    pytest.param(optimizers.Adafactor.Params().set(
+        learning_rate=0.1, min_dim_size_to_factor=8, clipping_threshold=0.01, beta1=0.5),
+        id="adafactor"),
+])
 def test_training_steps_equal_those_of_one_variable_per_weight(cpu_devices, optimizer):
   """Three steps (clipped by global norm) of the stacked pipeline against the same
   pipeline with one tf.Variable per weight: the same weights and slots."""
@@ -280,11 +286,13 @@ def test_training_steps_equal_those_of_one_variable_per_weight(cpu_devices, opti
 
 
 @pytest.mark.parametrize("pipeline", [
-    dict(num_cells=2, num_micro_batches=3),
-    dict(num_cells=2, num_micro_batches=2, schedule="zb_h1"),
-    dict(num_cells=2, num_micro_batches=4, weight_gradient_group=2),
-    dict(num_cells=2, num_micro_batches=2, recompute="never"),
-], ids=["gpipe", "zb_h1", "group2", "no_recompute"])
+    pytest.param(dict(num_cells=2, num_micro_batches=3), id="gpipe", marks=EXHAUSTIVE),
+    pytest.param(dict(num_cells=2, num_micro_batches=2, schedule="zb_h1"), id="zb_h1"),
+    pytest.param(dict(num_cells=2, num_micro_batches=4, weight_gradient_group=2), id="group2",
+                 marks=EXHAUSTIVE),
+    pytest.param(dict(num_cells=2, num_micro_batches=2, recompute="never"), id="no_recompute",
+                 marks=EXHAUSTIVE),
+])
 def test_dropout_and_deferred_weight_gradients_equal_one_variable_per_weight(
     cpu_devices, pipeline):
   """Two Adam steps with dropout on every block (each layer's seeds are its own) and
@@ -334,6 +342,7 @@ def step_captures(num_blocks: int, stack: bool) -> int:
   return len(step.get_concrete_function(batch).captured_inputs)
 
 
+@EXHAUSTIVE
 def test_the_steps_arguments_do_not_grow_with_identical_layers():
   """The step's captured variables and slots are per cell and weight shape: as many
   for 16 blocks as for 4 (one tf.Variable per weight: 6 more per block and slot)."""

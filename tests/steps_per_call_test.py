@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from numerics import REORDERED, assert_close
+from tiers import EXHAUSTIVE, quick_sample
 
 from lingvo_gpipe import model_registry, trainer
 from lingvo_gpipe.core import hyperparams
@@ -48,7 +49,7 @@ CONV = ("train_input.batch_size=8;task.pipeline.num_cells=2;task.pipeline.num_mi
         "task.train.save_interval_steps=5;task.train.summary_interval_steps=1")
 
 
-@pytest.mark.parametrize("replicas", [1, 2])
+@pytest.mark.parametrize("replicas", quick_sample([1, 2], quick=[1]))
 def test_several_steps_per_call_train_as_one_per_call(tmp_path, replicas):
   """TinyConvNet (batch norm, SGD with momentum), K=2, M=2 (R=2: two pipelines, their
   gradients all-reduced), 7 steps: 3 per call (calls of 3, 2 ending at the checkpoint
@@ -69,6 +70,7 @@ def test_several_steps_per_call_train_as_one_per_call(tmp_path, replicas):
   assert int(run.global_step.numpy()) == 7
 
 
+@EXHAUSTIVE
 def test_a_non_finite_step_inside_a_call_stops_there_leaving_the_state_before_it(tmp_path):
   """Batch 6 is NaN; 4 steps per call run steps 5 to 8 in the second call. The run
   stops at step 6 as one step per call does, and steps 7 and 8, run in the same call,
@@ -88,6 +90,7 @@ def test_a_non_finite_step_inside_a_call_stops_there_leaving_the_state_before_it
   assert_close(states[4][1], states[1][1], REORDERED, dtype=np.float32)
 
 
+@EXHAUSTIVE
 def test_loss_scale_overflows_inside_a_call_are_skipped_as_one_per_call(tmp_path):
   """TinyConvNet in float16 from a scale of 2^24 (8 overflows before the first update):
   the overflowing steps inside a call are skipped and the later ones go on at the

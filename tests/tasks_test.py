@@ -7,6 +7,7 @@ import pytest
 import tensorflow as tf
 from conftest import run_trainer
 from numerics import TRAINED, assert_close
+from tiers import EXHAUSTIVE
 
 from lingvo_gpipe import model_registry, trainer
 from lingvo_gpipe.core import hyperparams
@@ -31,6 +32,7 @@ def train(params, logdir, steps: int, evaluate: bool = False):
   return np.array(losses), run.evaluate() if evaluate else None
 
 
+@EXHAUSTIVE
 def test_lm_partitioning_keeps_the_loss_curve(tmp_path):
   """TransformerTiny (dropout on) unpartitioned vs K=2, M=4: the same 50 losses."""
   common = "task.train.max_steps=50;task.train.save_interval_steps=50"
@@ -43,6 +45,7 @@ def test_lm_partitioning_keeps_the_loss_curve(tmp_path):
   assert_close(pipelined, reference, TRAINED, dtype=np.float32)  # 50 Adam steps
 
 
+@EXHAUSTIVE
 def test_amoeba_net_tiny_partitioning_keeps_the_loss_curve(tmp_path):
   """AmoebaNetTiny (batch norm, its FLOP-balanced split; no drop-path: its keep
   probability is 1, only the paper's models drop paths) on one cell and on
@@ -70,6 +73,7 @@ def eval_scalars(event_dir) -> dict[str, float]:
   return values
 
 
+@EXHAUSTIVE
 def test_multilingual_tiny_translates_every_language_far_above_copying(tmp_path):
   """200 steps on a 200-step schedule (the model's own is 300): at 150 steps the languages
   measured BLEU 50-84 against copy baselines of 0-2; at 300, about 99."""

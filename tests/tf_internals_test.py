@@ -6,6 +6,7 @@ import numpy as np
 import tensorflow as tf
 from numerics import assert_close
 from tensorflow.python.eager import context
+from tiers import EXHAUSTIVE
 
 from lingvo_gpipe.core import layers, tf_internals
 from lingvo_gpipe.pipeline import channels
@@ -255,6 +256,7 @@ print(json.dumps(sorted({n.attr["f"].func.name for f in metadata.function_graphs
 """
 
 
+@EXHAUSTIVE
 def test_function_specialization_copies_a_body_per_call_site_unless_disabled(tmp_path):
   """Item 2: with Grappler's function optimizer on (TensorFlow's default), each call
   site of a function with a constant input runs a specialized copy of the body (a

@@ -7,6 +7,7 @@ import pytest
 import tensorflow as tf
 from conftest import engine_loss_and_grads
 from numerics import HALF_REORDERED, REORDERED, assert_close
+from tiers import EXHAUSTIVE, quick_sample
 
 from lingvo_gpipe import model_registry, train_step, trainer
 from lingvo_gpipe.core import base_layer, hyperparams, layers, optimizers, stacked_variables
@@ -67,7 +68,8 @@ GRID = [
 ]
 
 
-@pytest.mark.parametrize("schedule, num_cells, recompute, dtype", GRID)
+@pytest.mark.parametrize("schedule, num_cells, recompute, dtype",
+                         quick_sample(GRID, quick=[("zbv", 4, "always", "float32")]))
 def test_tied_pipeline_equals_the_tied_model_unpartitioned(references, cpu_devices, schedule,
                                                            num_cells, recompute, dtype):
   want_loss, want_grads, want_vars = references[dtype]
@@ -92,11 +94,14 @@ def test_tied_pipeline_equals_the_tied_model_unpartitioned(references, cpu_devic
 
 
 @pytest.mark.parametrize("settings", [
-    dict(schedule="1f1b", num_token_slices=2, recompute="never"),
-    dict(schedule="gpipe", stack_variables=False),
-    dict(schedule="zb_h1", scan_layers=True),
-    dict(schedule="1f1b", share_layer_functions=False),
-], ids=["token_slices", "unstacked", "scan_layers", "unshared"])
+    pytest.param(dict(schedule="1f1b", num_token_slices=2, recompute="never"),
+                 id="token_slices", marks=EXHAUSTIVE),
+    pytest.param(dict(schedule="gpipe", stack_variables=False), id="unstacked",
+                 marks=EXHAUSTIVE),
+    pytest.param(dict(schedule="zb_h1", scan_layers=True), id="scan_layers"),
+    pytest.param(dict(schedule="1f1b", share_layer_functions=False), id="unshared",
+                 marks=EXHAUSTIVE),
+])
 def test_tied_pipeline_settings_equal_the_tied_model_unpartitioned(references, cpu_devices,
                                                                    settings):
   """K=2 across two devices with token slices, unstacked variables, layers run as a
@@ -163,6 +168,7 @@ def tiny_lm_trainer(logdir, overrides: str):
   return trainer.Trainer(params.freeze(), str(logdir), log=lambda _: None)
 
 
+@EXHAUSTIVE
 def test_two_tied_replicas_train_like_one_pipeline_on_the_double_batch(tmp_path):
   """lm.TransformerTiny (tied, dropout on): R=2 × (K=2, M=2), each replica's softmax
   reading its own copy, gives the losses and the table of R=1 × (K=2, M=4). The two

@@ -9,6 +9,7 @@ import pytest
 import tensorflow as tf
 from conftest import engine_loss_and_grads
 from numerics import TRAINED, assert_all_close, assert_close, tolerance
+from tiers import EXHAUSTIVE, quick_sample
 
 from lingvo_gpipe import train_step
 from lingvo_gpipe.core import base_layer, layers, optimizers, stacked_variables, token_slices
@@ -107,7 +108,7 @@ def even():
 
 
 @pytest.mark.parametrize("schedule_name, num_cells, num_micro_batches, num_slices, recompute",
-                         RUN_GRID)
+                         quick_sample(RUN_GRID, quick=[("1f1b", 4, 2, 2, "always")]))
 def test_loss_and_gradients_equal_the_unsliced_model(even, cpu_devices, schedule_name, num_cells,
                                                      num_micro_batches, num_slices, recompute):
   data, (want_loss, want_grads, names) = even
@@ -118,6 +119,7 @@ def test_loss_and_gradients_equal_the_unsliced_model(even, cpu_devices, schedule
   assert_per_variable_close(grads, want_grads, names)
 
 
+@EXHAUSTIVE
 def test_uneven_slices_and_micro_batches_with_grouped_weight_gradients(cpu_devices):
   """T = 14 into 4 slices (4, 4, 3, 3), 3 sequences into 2 micro-batches (2, 1): four
   unit shapes; weight gradients over groups of 3 backwards (deferred products)."""
@@ -131,6 +133,7 @@ def test_uneven_slices_and_micro_batches_with_grouped_weight_gradients(cpu_devic
 
 @pytest.mark.parametrize("lengths, schedule_name, recompute",
                          [([7, 5, 3, 1], "1f1b", "always"), ([2, 9, 5], "gpipe", "never")])
+@EXHAUSTIVE
 def test_given_slice_lengths_equal_the_unsliced_model(even, cpu_devices, lengths,
                                                       schedule_name, recompute):
   """T = 16 cut where `token_slice_lengths` says (TeraPipe's uneven slices), K=2, M=2,
@@ -189,6 +192,7 @@ def test_dropout_on_a_slice_is_the_window_of_the_whole_sequences_mask(
     np.testing.assert_array_equal(got, whole[tuple(window)])
 
 
+@EXHAUSTIVE
 def test_two_trainer_steps_give_the_unsliced_weights(cpu_devices):
   """TrainStep (the trainer's step) at K=2, M=2, S=4 against SGD on the unpartitioned
   model by hand: the same losses and weights after two steps. (SGD: Adam would turn
@@ -353,6 +357,7 @@ def test_the_chart_draws_one_bar_per_slice():
   assert axes.get_title().startswith("K=2 cells, M=2 micro-batches × S=2 token slices")
 
 
+@EXHAUSTIVE
 def test_the_profiler_counts_a_causal_layers_cache():
   """The keys and values [B, N, T, H] and key paddings [B, T] of a causal layer; none
   for a layer that works token by token."""
@@ -429,6 +434,7 @@ def lm_trainer(logdir, overrides: str):
   return trainer.Trainer(params.freeze(), str(logdir), log=lambda _: None)
 
 
+@EXHAUSTIVE
 def test_the_trainer_with_replicas_and_slices_trains_like_one_unsliced_pipeline(tmp_path):
   """lm.TransformerTiny (dropout, Adam), 32 sequences of 12 tokens: R=2 replicas of
   K=2 cells with M=2 micro-batches of S=3 token slices each gives the losses of one

@@ -16,6 +16,7 @@ import pytest
 import tensorflow as tf
 from conftest import REPO, run_trainer, sigint_as_default
 from numerics import assert_close
+from tiers import EXHAUSTIVE
 
 from lingvo_gpipe import model_registry
 
@@ -80,6 +81,7 @@ def files(directory: Path) -> dict[str, str]:
 EVERY_10 = FAST + ";task.train.save_interval_steps=10"
 
 
+@EXHAUSTIVE
 def test_a_damaged_logdir_resumes_from_the_newest_readable_checkpoint_losing_nothing(tmp_path):
   """Index file lost, newest checkpoint truncated, a save interrupted: the run resumes
   from the newest checkpoint that reads, keeps the unreadable one aside, and ends where
@@ -163,6 +165,7 @@ def test_a_logdir_whose_records_are_not_files_is_refused_before_training(tmp_pat
   assert sorted(p.name for p in other.iterdir()) == ["eval"]
 
 
+@EXHAUSTIVE
 def test_a_full_disk_at_a_summary_write_is_one_line_naming_the_last_checkpoint(tmp_path):
   logdir = tmp_path / "run"
   assert run_trainer(MODEL, f"--logdir={logdir}", "--max_steps=5").returncode == 0
@@ -188,6 +191,7 @@ def test_inspect_model_json_counts_the_real_variables():
   assert any("conv2" in line and "Conv2D" in line for line in lines)
 
 
+@EXHAUSTIVE
 def test_list_models_and_inspect_params():
   listed = run_trainer("--mode=list_models")
   assert listed.returncode == 0, listed.stderr
@@ -274,6 +278,7 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, args, file
   assert not logdir.exists() and not (tmp_path / "no_data").exists()
 
 
+@EXHAUSTIVE
 def test_a_fresh_trainer_process_holds_back_tensorflows_start_up_lines(tmp_path):
   """The other tests fork their trainers from a process that imported TensorFlow
   already (tests/trainer_forkserver.py); a new interpreter imports it in the trainer,
@@ -417,6 +422,7 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
   assert tf.train.latest_checkpoint(str(logdir / "train")).endswith("ckpt-20")
 
 
+@EXHAUSTIVE
 def test_an_update_that_overflows_the_weights_is_not_saved(tmp_path):
   """A finite loss and gradient norm times a learning rate of 1e39 (inf in float32)
   give non-finite weights: the step is refused before its checkpoint is written."""
@@ -432,6 +438,7 @@ def test_an_update_that_overflows_the_weights_is_not_saved(tmp_path):
   assert digest(logdir / "train") == before
 
 
+@EXHAUSTIVE
 def test_a_second_trainer_on_a_logdir_is_refused_naming_the_first(tmp_path):
   logdir = tmp_path / "run"
   first = subprocess.Popen(
@@ -534,6 +541,7 @@ def scalar_values(event_dir: Path, tag: str) -> dict[int, float]:
   return values
 
 
+@EXHAUSTIVE
 def test_zero_bubble_and_interleaved_train_a_real_model_as_gpipe_does(tmp_path):
   """lm.TransformerTiny (dropout on) through the trainer, 4 steps with Adam: the losses
   of zb_h1, of interleaved_1f1b and of zbv (4 cells on 2 devices each) are gpipe's."""
@@ -582,6 +590,7 @@ def test_ctrl_c_stops_after_the_step_in_flight_flushing_its_summaries(tmp_path):
   assert 20 in summarized and max(summarized) < 100, summarized  # (at 20, 40, ...)
 
 
+@EXHAUSTIVE
 def test_sigterm_stops_like_ctrl_c_with_exit_143_naming_the_checkpoint(tmp_path):
   """SIGTERM (a scheduler stopping the run) to a local run: exit 143 with one line
   naming the last checkpoint, which is readable."""
@@ -620,6 +629,7 @@ def signal_after_checkpoint(logdir: Path, override: str, signum: int,
   return trainer.returncode, stderr
 
 
+@EXHAUSTIVE
 def test_resume_rules_say_which_row_each_change_falls_in(tmp_path):
   """docs/trainer.md's resume table through the binary: float32 → float16 (and K 1 → 2)
   resumes with the loss scale at its start, and back; a changed shape is refused
@@ -646,6 +656,7 @@ def test_resume_rules_say_which_row_each_change_falls_in(tmp_path):
   assert digest(logdir / "train") == before
 
 
+@EXHAUSTIVE
 def test_a_damaged_params_txt_is_refused_naming_its_line_and_can_be_set_aside(tmp_path):
   logdir = tmp_path / "run"
   args = [MODEL, f"--logdir={logdir}", f"--params_override={FAST}"]
