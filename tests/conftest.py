@@ -129,6 +129,16 @@ _TRAINER_SERVER = TrainerServer()
 atexit.register(_TRAINER_SERVER.close)
 
 
+def pytest_configure(config) -> None:
+  """LINGVO_GPIPE_TEST_CLOCKS=DIR: each test's wall and CPU seconds to DIR (tests/clocks.py)."""
+  folder = os.environ.get("LINGVO_GPIPE_TEST_CLOCKS")
+  if folder:
+    from clocks import TestClocks
+
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    config.pluginmanager.register(TestClocks(Path(folder), _TRAINER_SERVER.pid), "test_clocks")
+
+
 def run_trainer(*args: str, env: dict | None = None, timeout: int = 300,
                 file_size_limit: int | None = None, fresh_process: bool = False):
   """Runs tools/trainer.py ARGS in a process of its own; returns the CompletedProcess.

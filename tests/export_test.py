@@ -448,7 +448,6 @@ def test_decode_writes_records_and_the_evals_metric(trained, tmp_path, name, met
   assert list((copy / "decode").glob("events.*"))
 
 
-@EXHAUSTIVE
 def test_a_bucketed_eval_input_decodes_as_the_full_length_one(trained, tmp_path):
   """Length buckets cut each eval batch to its bound. Decode mode pads a bucket's sources
   back to the signature's length, and the trainer's eval decodes every hypothesis to the

@@ -151,6 +151,11 @@ class TrainerServer:
                                          out.read_text(errors="replace"),
                                          err.read_text(errors="replace"))
 
+  def pid(self) -> int | None:
+    """The server's pid while it runs (None before the first run)."""
+    return None if self._process is None or self._process.poll() is not None \
+        else self._process.pid
+
   def close(self) -> None:
     if self._process is not None and self._process.poll() is None:
       self._process.stdin.close()
