@@ -259,6 +259,155 @@ def test_batch_normalization_becomes_the_librarys_and_keeps_keras_semantics(cpu_
   assert_close(bn.moving_variance.numpy(), keras_bn.moving_variance.numpy())
 
 
+def frozen_model(which: str) -> keras.Model:
+  """A fine-tuning set-up: `conv_bn`, conv_bn_model with its convolution and batch
+  norm frozen; `nested`, a functional model around a frozen Sequential backbone (Dense,
+  BatchNormalization: one unit) with a trainable head."""
+  if which == "conv_bn":
+    model = conv_bn_model()
+    for name in ("conv", "bn"):
+      model.get_layer(name).trainable = False
+    return model
+  backbone = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, name="dense"),
+                               keras.layers.BatchNormalization(name="bn")], name="backbone")
+  backbone.trainable = False
+  inputs = keras.Input((6,))
+  h = keras.layers.Dense(8, activation="tanh", name="adapter")(backbone(inputs))
+  return keras.Model(inputs, keras.layers.Dense(2, name="out")(h))
+
+
+@pytest.mark.parametrize("which", ["conv_bn", "nested"])
+def test_frozen_layers_stay_as_keras_keeps_them_while_the_rest_trains(cpu_devices, which):
+  """Three SGD steps (K=2, M=2) against Keras's own steps: the frozen weights are the
+  library's non-trainable variables (no gradient, no optimizer slot, checkpointed), a
+  frozen batch norm normalizes with its moving statistics and never updates them, and
+  the losses and every weight after the steps are Keras's."""
+  keras.utils.set_random_seed(7)
+  model = frozen_model(which)
+  for bn in model._flatten_layers(include_self=False):  # noqa: SLF001
+    if isinstance(bn, keras.layers.BatchNormalization):  # statistics of a "pretrained" model
+      bn.moving_mean.assign(tf.random.stateless_normal(bn.moving_mean.shape, [7, 1]))
+      bn.moving_variance.assign(tf.random.stateless_uniform(bn.moving_variance.shape,
+                                                            [7, 2], 0.5, 2.0))
+  stack = pipelined(model, num_cells=2, num_micro_batches=2, schedule="1f1b",
+                    devices=cpu_devices[:2])
+  assert len(stacked_variables.trainable_weights(stack)) == len(model.trainable_weights)
+  assert len(stack.variables) == len(model.weights)  # the frozen ones too: checkpointed
+  frozen_before = [v.numpy() for v in model.non_trainable_weights]
+  optimizer = g.optimizers.SGD.Params().set(learning_rate=0.1, momentum=0.0).instantiate()
+  optimizer.create_slots(stack.trainable_variables)  # (what the trainer does)
+  step = step_function(train_step.TrainStep(train_step.StackWithLoss(stack, mse), optimizer,
+                                            tf.Variable(0, dtype=tf.int64)))
+  keras_sgd = keras.optimizers.SGD(learning_rate=0.1)
+  for i in range(3):
+    data = image_batch() if which == "conv_bn" else batch(20 + i)
+    with tf.GradientTape() as tape:
+      want_loss = tf.reduce_mean(tf.square(model(data["inputs"], training=True)
+                                           - data["target"]))
+    keras_sgd.apply_gradients(zip(tape.gradient(want_loss, model.trainable_weights),
+                                  model.trainable_weights))
+    outputs, _ = step(data)
+    assert_close(outputs["loss"].numpy(), want_loss.numpy())
+  for before, after in zip(frozen_before, model.non_trainable_weights):
+    np.testing.assert_array_equal(before, after.numpy())  # Keras kept them too
+  keras_weights = {v.path: v for v in model.weights}
+  sources = keras_units(model)
+  pairs = [(getattr(unit, name), path) for unit in stack.walk() if isinstance(unit, Keras)
+           for name, path in unit.keras_weight_paths(sources[unit.name]).items()]
+  pairs += [(getattr(unit, name), next(path for path in keras_weights
+                                        if path.endswith(f"{unit.name}/{name}")))
+            for unit in stack.walk() if isinstance(unit, layers.BatchNorm)
+            for name in ("gamma", "beta", "moving_mean", "moving_variance")]
+  assert len(pairs) == len(keras_weights)
+  for ours, path in pairs:
+    assert_close(tf.convert_to_tensor(ours).numpy(), keras_weights[path].numpy(), err_msg=path)
+
+
+@keras.saving.register_keras_serializable(package="lingvo_gpipe_tests")
+class PrefixMix(keras.layers.Layer):
+  """x [B, T, D] → x + scale · w · (the mean of x over each position's prefix, or over
+  all positions when use_causal_mask=False), plus `bias` (a tensor or None: Keras takes
+  no other positional constant)."""
+
+  def build(self, input_shape):
+    self.w = self.add_weight(shape=(input_shape[-1],), initializer="ones", name="w")
+
+  def call(self, x, bias=None, scale=1.0, use_causal_mask=True):
+    t = x.shape[1]
+    mask = np.tril(np.ones((t, t), np.float32)) if use_causal_mask else np.ones((t, t),
+                                                                                 np.float32)
+    mix = keras.ops.einsum("st,btd->bsd", mask / mask.sum(1, keepdims=True), x)
+    return x + scale * mix * self.w + (0.0 if bias is None else bias)
+
+
+@keras.saving.register_keras_serializable(package="lingvo_gpipe_tests")
+class Reversible(keras.layers.Layer):
+  """x [B, T, D] → x · K, or x · Kᵀ with reverse=True (a tied embedding's two uses)."""
+
+  def build(self, input_shape):
+    self.kernel = self.add_weight(shape=(input_shape[-1], input_shape[-1]), name="kernel")
+
+  def call(self, x, reverse=False):
+    return keras.ops.matmul(x, keras.ops.transpose(self.kernel) if reverse else self.kernel)
+
+
+def called_with_arguments_model() -> keras.Model:
+  """Dense → PrefixMix(h, None, scale=2.0, use_causal_mask=False) → Reversible(h,
+  reverse=True) → Dense(2), on [B, 4, 8]: each middle layer's node passes constants its
+  unit must keep."""
+  inputs = keras.Input((4, 8))
+  h = keras.layers.Dense(8, name="embed")(inputs)
+  h = PrefixMix(name="mix")(h, None, scale=2.0, use_causal_mask=False)
+  h = Reversible(name="rev")(h, reverse=True)
+  return keras.Model(inputs, keras.layers.Dense(2, name="out")(h))
+
+
+def test_each_nodes_call_arguments_are_recorded_and_passed_at_each_call(cpu_devices):
+  """The units keep their nodes' constants (positional and keyword) in their params,
+  written to and read back from params text, and the pipeline (K=2, M=2) has Keras's
+  loss and gradients; called without them the layers compute another loss."""
+  keras.utils.set_random_seed(8)
+  model = called_with_arguments_model()
+  body = g.from_keras(model)
+  by_name = {p.name: p for p in body.layers}
+  assert (by_name["mix"].call_args, by_name["mix"].call_kwargs) == (
+      [None], {"scale": 2.0, "use_causal_mask": False})
+  assert (by_name["rev"].call_args, by_name["rev"].call_kwargs) == ([], {"reverse": True})
+  for name in ("mix", "rev"):
+    assert layers.Keras.Params().from_text(by_name[name].to_text()) == by_name[name]
+  data = sequence_batch()
+  want_loss, want = keras_loss_and_grads(model, data)
+  stack = pipelined(model, num_cells=2, num_micro_batches=2, devices=cpu_devices[:2])
+  loss, grads = engine_loss_and_grads(stack, train_step.StackWithLoss(stack, mse), data, STEP)
+  paths = keras_paths(stack, model)
+  assert_close(loss, want_loss)
+  for variable, grad in zip(stacked_variables.trainable_weights(stack), grads):
+    assert_close(grad, want[paths[variable.ref()]])
+  for unit in body.layers:  # the same layers called with their inputs alone
+    if unit.name in ("mix", "rev"):
+      unit.set(call_args=[], call_kwargs={})
+  plain = PipeliningLayer.Params().set(name="body", layers=body.layers, num_cells=2,
+                                       num_micro_batches=2,
+                                       devices=cpu_devices[:2]).instantiate()
+  g.load_keras_weights(plain, model)
+  other, _ = engine_loss_and_grads(plain, train_step.StackWithLoss(plain, mse), data, STEP)
+  assert abs(other - want_loss) > 1e-3 * abs(want_loss)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda h: keras.layers.Dense(8, name="d")(h, training=False),
+     r"'d' is called with training=False: a pipeline passes training itself"),
+    (lambda h: PrefixMix(name="mix")(h, scale=np.full([8], 2.0, np.float32)),
+     r"'mix' is called with call_kwargs\['scale'\] = .* is not a Python literal"),
+])
+def test_call_arguments_a_unit_cannot_keep_are_refused_naming_the_layer(call, message):
+  inputs = keras.Input((4, 8))
+  model = keras.Model(inputs, keras.layers.Dense(2, name="out")(call(
+      keras.layers.Dense(8, name="embed")(inputs))))
+  with pytest.raises(hyperparams.ParamsError, match=message):
+    g.from_keras(model)
+
+
 # -- params, weights, statistics -------------------------------------------------------
 
 

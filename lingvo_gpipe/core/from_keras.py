@@ -19,7 +19,11 @@ input shape), except two layers that a pipeline must treat as the library's own:
 - `BatchNormalization` (last axis, center and scale, default initializers) →
   `layers.BatchNorm`: statistics per micro-batch in training, moving averages updated
   once per step from the whole mini-batch's statistics with Keras's momentum and
-  epsilon.
+  epsilon; a frozen one (`trainable=False`) → `frozen=True`, its moving averages in
+  training too, as Keras runs it.
+
+A frozen layer (`trainable=False`, on it or on a model around it) keeps its weights as
+non-trainable variables: no gradient, no optimizer slots, still checkpointed.
 
 A model with several inputs or outputs, a subclassed model (its call is Python that
 no config records) and a layer that cannot be serialized are refused in one line
@@ -29,7 +33,7 @@ naming them. Weights are not carried by the params (params.txt holds configs onl
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import keras
 import tensorflow as tf
@@ -62,7 +66,8 @@ def from_keras(model: keras.Model, name: str = "body") -> InstantiableParams:
                         "its input shape")
     units = [unit_params(layer) for layer in model.layers]
   elif _is_functional(model):
-    units = [unit_params(block) for block in _blocks(model)]
+    units = [unit_params(block.layer, block.call_args, block.call_kwargs)
+             for block in _blocks(model)]
   else:
     raise ParamsError(f"Keras model {model.name!r} ({type(model).__name__}) is subclassed: "
                       "its call is Python that no config records, so it cannot be cut; "
@@ -75,14 +80,38 @@ def _is_functional(model: keras.Model) -> bool:
   return not isinstance(model, keras.Sequential) and hasattr(model, "_nodes_by_depth")
 
 
-def unit_params(layer: keras.layers.Layer) -> InstantiableParams:
+def unit_params(layer: keras.layers.Layer, call_args: tuple = (),
+                call_kwargs: dict | None = None) -> InstantiableParams:
   """The library params of one unit: `layers.Dropout` or `layers.BatchNorm` for those
-  Keras layers (module docstring), else a `layers.Keras` holding `layer`."""
-  if isinstance(layer, keras.layers.Dropout):
-    return _dropout_params(layer)
-  if isinstance(layer, keras.layers.BatchNormalization):
-    return _batch_norm_params(layer)
+  Keras layers (module docstring), else a `layers.Keras` holding `layer`, called with
+  the node's constant arguments `call_args` and `call_kwargs` (after its input).
+
+  Raises:
+    ParamsError: a node passing `training` itself, or arguments to Dropout or
+      BatchNormalization (the library's own layers take none).
+  """
+  call_kwargs = dict(call_kwargs or {})
+  training = call_kwargs.pop("training", None)  # (None: Keras's default, inherited)
+  if training is not None:
+    raise ParamsError(f"Keras layer {layer.name!r} is called with training="
+                      f"{training!r}: a pipeline passes training itself (True "
+                      "in training, False in eval); remove it, or freeze the layer with "
+                      "trainable=False")
+  if isinstance(layer, (keras.layers.Dropout, keras.layers.BatchNormalization)):
+    passed = [*(a for a in call_args if a is not None),
+              *(f"{k}={v!r}" for k, v in call_kwargs.items() if v is not None)]
+    if passed:
+      ours = "Dropout" if isinstance(layer, keras.layers.Dropout) else "BatchNorm"
+      raise ParamsError(f"Keras layer {layer.name!r} ({type(layer).__name__}) is called "
+                        f"with {passed[0]}, which g.layers.{ours} does not take; call it "
+                        "with its input alone")
+    return (_dropout_params if isinstance(layer, keras.layers.Dropout)
+            else _batch_norm_params)(layer)
   p = Keras.Params().set(name=layer.name, layer=layer)
+  try:
+    p.set(call_args=list(call_args), call_kwargs=call_kwargs)
+  except ParamsError as e:
+    raise ParamsError(f"Keras layer {layer.name!r} is called with {e}") from None
   policy = getattr(layer, "dtype_policy", None)
   policy_name = getattr(policy, "name", "float32")
   if policy_name not in POLICY_FPROP_DTYPES:
@@ -125,7 +154,8 @@ def _batch_norm_params(layer: keras.layers.BatchNormalization) -> InstantiablePa
                       "scale, default initializers, no renorm, regularizer or constraint")
   return layers.BatchNorm.Params().set(name=layer.name, dim=int(shape[-1]),
                                        decay=float(config["momentum"]),
-                                       epsilon=float(config["epsilon"]))
+                                       epsilon=float(config["epsilon"]),
+                                       frozen=not layer.trainable)
 
 
 def _input_shape(layer: keras.layers.Layer) -> tuple | None:
@@ -135,7 +165,16 @@ def _input_shape(layer: keras.layers.Layer) -> tuple | None:
     return None
 
 
-def _blocks(model: keras.Model) -> list[keras.layers.Layer]:
+class _Block(NamedTuple):
+  """One unit of a functional model: a layer called at one node with its constant
+  arguments after the input, or a functional block of several nodes (whose config
+  keeps their arguments; none here)."""
+  layer: keras.layers.Layer
+  call_args: tuple = ()
+  call_kwargs: dict = {}  # (a NamedTuple's default: never mutated)
+
+
+def _blocks(model: keras.Model) -> list[_Block]:
   """The units of a functional model: its graph cut at each tensor that all later
   layers are reached through (module docstring)."""
   if len(model.inputs) != 1 or len(model.outputs) != 1:
@@ -166,15 +205,18 @@ def _blocks(model: keras.Model) -> list[keras.layers.Layer]:
   for b in range(len(cuts) - 1):
     inside = nodes[starts[b]:starts[b + 1]]
     if len(inside) == 1 and len(inside[0].input_tensors) == 1:
-      blocks.append(inside[0].operation)
-      continue
+      arguments = inside[0].arguments
+      if arguments.args and arguments.args[0] is inside[0].input_tensors[0]:
+        blocks.append(_Block(inside[0].operation, tuple(arguments.args[1:]),
+                             dict(arguments.kwargs)))
+        continue
     names = [node.operation.name for node in inside]
     try:
       block = keras.Model(cuts[b], cuts[b + 1], name=f"{names[0]}_to_{names[-1]}")
     except Exception as e:  # noqa: BLE001
       raise ParamsError(f"Keras model {model.name!r}: the layers {names} cannot form one "
                         f"block: {e}") from None
-    blocks.append(block)
+    blocks.append(_Block(block))
   return blocks
 
 
@@ -202,7 +244,7 @@ def keras_units(model: keras.Model) -> dict[str, keras.layers.Layer]:
   units `from_keras(model)` makes (and the model's layers by name)."""
   sources = {layer.name: layer for layer in model.layers}
   if _is_functional(model):
-    sources.update({block.name: block for block in _blocks(model)})
+    sources.update({block.layer.name: block.layer for block in _blocks(model)})
   return sources
 
 

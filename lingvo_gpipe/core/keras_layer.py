@@ -37,12 +37,14 @@ cast and exported like a native one. How each concern is met:
 
 from __future__ import annotations
 
+import ast
 import copy
 import re
 from collections.abc import Iterator
 from typing import Any
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from lingvo_gpipe.core import base_layer
@@ -81,6 +83,40 @@ def keras_config(value: Any) -> dict:
   config["config"].pop("name", None)
   _rename_inner_layers(config)
   return config
+
+
+def literal_call_arguments(value: Any, what: str) -> list | dict:
+  """`value` (a list of positional call arguments, or a dict of keyword ones) checked:
+  each a Python literal (what params.txt can write and read back; a NumPy scalar
+  becomes its Python value), none named `training` (the pipeline passes that).
+
+  Raises:
+    ParamsError: naming the first argument that is not.
+  """
+  if isinstance(value, (list, tuple)):
+    items = list(enumerate(value))
+  elif isinstance(value, dict):
+    items = sorted(value.items())
+  else:
+    raise ParamsError(f"{what} must be a list (positional) or a dict (keyword), got "
+                      f"{type(value).__name__}")
+  checked = []
+  for key, item in items:
+    if key == "training":
+      raise ParamsError(f"{what}: 'training' is the pipeline's to pass (True in training, "
+                        "False in eval and serving); leave it out")
+    if isinstance(item, np.generic):
+      item = item.item()
+    try:
+      readable = ast.literal_eval(repr(item)) == item
+    except (ValueError, SyntaxError):
+      readable = False
+    if not readable:
+      raise ParamsError(f"{what}[{key!r}] = {str(item)[:60]!r} ({type(item).__name__}) is "
+                        "not a Python literal that params.txt can record; pass a number, "
+                        "string, bool, None or a list/dict of those")
+    checked.append((key, item))
+  return [item for _, item in checked] if isinstance(value, (list, tuple)) else dict(checked)
 
 
 def _rename_inner_layers(config: dict) -> None:
@@ -158,12 +194,26 @@ def _built_config(layer: Keras, config: dict, policy: str) -> dict:
   return config
 
 
+def _frozen_scope() -> bool:
+  """Whether the weight Keras is creating now belongs to a frozen layer
+  (`trainable=False`, on it or on a layer around it): Keras creates every weight with
+  add_weight's `trainable`, True by default, and leaves a frozen layer's out of
+  `trainable_weights` only afterwards, so the layer making it must be asked (Keras 3
+  enters `name_scope(layer.name, caller=layer)` in build and add_weight)."""
+  from keras.src.backend.common import global_state  # noqa: PLC0415
+
+  stack = global_state.get_global_attribute("name_scope_stack") or []
+  return any(getattr(scope, "caller", None) is not None
+             and getattr(scope.caller, "trainable", True) is False for scope in stack)
+
+
 def _check_supported(path: str, layer: keras.layers.Layer) -> None:
   """Raises ParamsError naming the first sublayer of `layer` that a pipeline cannot run
   faithfully (module docstring)."""
   for sub in layer._flatten_layers(include_self=True, recursive=True):  # noqa: SLF001
     where = f"{path}: Keras layer {sub.name!r} ({type(sub).__name__})"
-    if isinstance(sub, keras.layers.BatchNormalization):
+    if isinstance(sub, keras.layers.BatchNormalization) and sub.trainable:
+      # (A frozen one runs in inference mode, `training and self.trainable`: no assign.)
       raise ParamsError(
           f"{where} assigns its moving statistics in call, once per micro-batch and again "
           "in a recompute; put it in the chain itself (g.from_keras makes it "
@@ -183,9 +233,9 @@ def _check_supported(path: str, layer: keras.layers.Layer) -> None:
 
 
 class Keras(BaseLayer):
-  """One Keras layer: inputs → `layer(*inputs[:num_inputs], training=...)` (followed
-  by the last `pass_through` inputs, unchanged). Shapes are the Keras layer's, batch
-  first."""
+  """One Keras layer: inputs → `layer(*inputs[:num_inputs], *call_args, training=...,
+  **call_kwargs)` (followed by the last `pass_through` inputs, unchanged). Shapes are
+  the Keras layer's, batch first."""
 
   @classmethod
   def Params(cls):  # noqa: N802
@@ -204,6 +254,13 @@ class Keras(BaseLayer):
     p.define("pass_through", 0, "How many of the last inputs are returned after the "
              "layer's output, unchanged: 1 for (x, mask) stacks whose every block reads "
              "the mask and passes it on.")
+    p.define("call_args", [], "Positional constants passed after the inputs at each call "
+             "(the node's own, from_keras records them; e.g. [None]).",
+             convert=lambda v: literal_call_arguments(v, "call_args"))
+    p.define("call_kwargs", {}, "Keyword constants passed at each call (the node's own, "
+             "from_keras records them; e.g. {'use_causal_mask': False}); `training` is "
+             "the pipeline's.",
+             convert=lambda v: literal_call_arguments(v, "call_kwargs"))
     return p
 
   def __init__(self, params):
@@ -283,10 +340,17 @@ class Keras(BaseLayer):
                           f"built for input_shape={p.input_shape!r}: {e}") from None
     ours = {id(getattr(self, name)): name for name in self._var_names}
     bound, seeds = [], []
+    keras_trainable = {id(variable) for variable in layer.trainable_weights}
     for variable in layer.variables:
       value = getattr(variable, "_value", None)
       if id(value) in ours:
         bound.append((variable, ours[id(value)]))
+        if (id(variable) in keras_trainable) != bool(getattr(value, "trainable", True)):
+          raise ParamsError(
+              f"{self.path}: Keras weight {variable.path!r} is "
+              f"{'' if id(variable) in keras_trainable else 'not '}trainable in Keras, "
+              "but its layer's config (trainable) says otherwise when the weight is made; "
+              "set trainable on the layer before it is built")
       elif variable.name == _SEED_STATE:
         seeds.append(variable)
     # (Past tf.Module's tracking, as keras_layer.)
@@ -321,7 +385,7 @@ class Keras(BaseLayer):
     with tf.Graph().as_default():
       shape = tf.convert_to_tensor(initial_fn()).shape
     trainable = kwargs.get("trainable", True)
-    trainable = True if trainable is None else bool(trainable)
+    trainable = (True if trainable is None else bool(trainable)) and not _frozen_scope()
     self._creating = True
     try:
       variable = self.create_variable(
@@ -351,7 +415,8 @@ class Keras(BaseLayer):
         lambda x: keras.KerasTensor(x.shape, x.dtype.name) if isinstance(x, tf.Tensor)
         else x, inputs)
     with tf.variable_creator_scope(self._create_variable):
-      self.keras_layer(*symbolic)
+      self.keras_layer(*symbolic, *(self.params.call_args or []),
+                       **(self.params.call_kwargs or {}))
 
   def fprop(self, *inputs: Any) -> Any:
     ctx = base_layer.current_context()
@@ -364,7 +429,9 @@ class Keras(BaseLayer):
                for variable, name in self._bound]
     seeds = [(state, self._seed_value(i)) for i, state in enumerate(self._seed_states)]
     with keras.StatelessScope(state_mapping=weights + seeds, collect_losses=True) as scope:
-      outputs = self.keras_layer(*inputs, training=bool(ctx.training))
+      outputs = self.keras_layer(*inputs, *(self.params.call_args or []),
+                                 training=bool(ctx.training),
+                                 **(self.params.call_kwargs or {}))
     if scope.losses:
       raise ParamsError(f"{self.path}: the Keras layer adds a loss in call, which a "
                         "pipeline's task loss does not see; add it to the task's loss")

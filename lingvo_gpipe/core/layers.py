@@ -305,6 +305,10 @@ class BatchNorm(BaseLayer):
   variance), i.e. from the whole mini-batch. Variance is the biased (1/n) one.
   Statistics and normalization are computed in float32 whatever the compute dtype
   (a bfloat16 sum over a batch loses the small terms); the output is in it.
+
+  `frozen`: gamma and beta are not trained and the moving averages normalize in
+  training too, never updated (Keras's BatchNormalization with trainable=False, the
+  usual way to fine-tune on a pretrained backbone).
   """
 
   @classmethod
@@ -313,6 +317,8 @@ class BatchNorm(BaseLayer):
     p.define("dim", 0, "Number of channels (last dimension).")
     p.define("decay", 0.99, "Moving average decay.")
     p.define("epsilon", 1e-3, "Added to the variance.")
+    p.define("frozen", False, "True: gamma and beta not trained, the moving averages used "
+             "in training too and never updated (a frozen Keras BatchNormalization).")
     return p
 
   def __init__(self, params):
@@ -321,8 +327,10 @@ class BatchNorm(BaseLayer):
     _check_positive(self, dim=p.dim)
     if not 0.0 <= p.decay < 1.0:
       raise ParamsError(f"{self.path}: decay must be in [0, 1), got {p.decay}")
-    self.create_variable("gamma", [p.dim], init=weight_init("constant", 1.0))
-    self.create_variable("beta", [p.dim], init=weight_init("constant", 0.0))
+    self.create_variable("gamma", [p.dim], init=weight_init("constant", 1.0),
+                         trainable=not p.frozen)
+    self.create_variable("beta", [p.dim], init=weight_init("constant", 0.0),
+                         trainable=not p.frozen)
     self.create_variable("moving_mean", [p.dim], init=weight_init("constant", 0.0),
                          trainable=False)
     self.create_variable("moving_variance", [p.dim], init=weight_init("constant", 1.0),
@@ -331,7 +339,7 @@ class BatchNorm(BaseLayer):
   def fprop(self, inputs: tf.Tensor) -> tf.Tensor:
     p = self.params
     x = at_least_float32(inputs)
-    if base_layer.current_context().training:
+    if base_layer.current_context().training and not p.frozen:
       axes = list(range(x.shape.rank - 1))
       mean, variance = tf.nn.moments(x, axes=axes)
       count = tf.cast(tf.reduce_prod(tf.shape(x)[:-1]), x.dtype)
