@@ -16,9 +16,10 @@ ParamsError (exit 2: one line naming the key, the value and what is valid) of:
               sequence length of the training batch (slices ≤ tokens, given lengths
               summing to it), its cells against the devices
   train       task.train's values (check_train_params)
-  keras       a main stack with Keras units traced once in training (scratch graph):
-              what a Keras layer does only in call (make a weight, add a loss,
-              assign a weight) is refused here too
+  keras       a task with Keras units traced once in training (scratch graph): what a
+              Keras layer does only in call (make a weight, add a loss, assign a
+              weight) is refused here too, and a stack whose output the task's head
+              cannot take (a Keras body's width against task.softmax.input_dim)
 
 What needs the model itself (splits against its layers, a layer that cannot run on
 token slices) is still found when the model is built, before anything is written.
@@ -91,15 +92,30 @@ def check_calls_against_buckets(train: Params, train_specs: list[Any]) -> None:
 
 
 def _trace_keras_units(task_params: Params, batch_spec: Any) -> None:
-  """A task with Keras units (core/keras_layer.py) has its main stack traced once in
-  training, unpipelined, in a scratch graph: what a Keras layer shows only when called
-  (a weight made, a loss added, a weight assigned) is refused before anything is
-  written, as its build-time refusals are. batch_spec: the training batch's."""
+  """A task with Keras units (core/keras_layer.py) is traced once in training,
+  unpipelined, in a scratch graph: what a Keras layer shows only when called (a weight
+  made, a loss added, a weight assigned) is refused before anything is written, as its
+  build-time refusals are, and so is a stack output the head cannot take (a Keras
+  body's shapes are Keras's, not the params'). batch_spec: the training batch's."""
   if not any(key.endswith("cls") and value is Keras for key, value in task_params.flatten()):
     return
-  with probe_task(task_params, batch_spec) as (task, inputs), base_layer.step_context(
+  with probe_task(task_params, batch_spec) as (task, batch), base_layer.step_context(
       training=True, step=tf.constant(0, tf.int64), layer_stats=[]):
-    base_layer.call_with(task.main_stack, inputs)
+    outputs = base_layer.call_with(task.main_stack, task.stack_inputs(batch))
+    shapes = [t.shape.as_list() for t in tf.nest.flatten(outputs)]
+    width = shapes[0][-1] if shapes and shapes[0] else None
+    softmax = task_params.get("softmax") if "softmax" in task_params else None
+    wanted = softmax.get("input_dim") if softmax is not None and "input_dim" in softmax \
+        else None
+    if isinstance(wanted, int) and width is not None and wanted != width:
+      raise ParamsError(f"task.softmax.input_dim={wanted}, but the main stack's output "
+                        f"{shapes[0]} is {width} wide; valid: task.softmax.input_dim={width} "
+                        "(or a stack whose last layer gives that width)")
+    try:
+      task.head(outputs, task.head_inputs(batch))
+    except (ValueError, tf.errors.InvalidArgumentError) as e:
+      raise ParamsError(f"task: its head cannot take the main stack's output (shapes "
+                        f"{shapes}): {str(e).strip().splitlines()[0][:300]}") from None
 
 
 def check_dtypes(params: Params) -> None:

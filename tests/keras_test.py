@@ -634,6 +634,9 @@ def test_a_keras_transformer_lm_trains_and_scores_as_its_forward(tmp_path):
     # (found by pre-flight's traced forward: the config has no build shape)
     ("task.body.layers[13].layer={'module': 'keras.layers', 'class_name': 'Dense', "
      "'config': {'units': 64}}", r"creates weight 'kernel' on its first call"),
+    # (a Keras body's width is Keras's: pre-flight traces it into the head)
+    ("task.softmax.input_dim=32", r"task.softmax.input_dim=32, but the main stack's output "
+     r"\[\d+, 64\] is 64 wide; valid: task.softmax.input_dim=64"),
 ])
 def test_the_binary_refuses_a_keras_layer_in_one_line_writing_nothing(tmp_path, override,
                                                                       message):

@@ -138,22 +138,23 @@ def with_partition_costs(task_params: Params, input_params: Params,
 
 @contextlib.contextmanager
 def probe_task(task_params: Params, batch_spec: Any) -> Iterator[tuple[Any, Any]]:
-  """Within: (the task of `task_params` unpipelined, built in a scratch graph, its
-  `stack_inputs` of a batch of `batch_spec` as placeholders). Nothing is allocated or
-  run; what the task and its stack do to those inputs is only traced."""
+  """Within: (the task of `task_params` unpipelined, built in a scratch graph, a batch
+  of `batch_spec` as placeholders). Nothing is allocated or run; what the task and its
+  stack do to that batch is only traced."""
   probe = task_params.copy()
   probe.pipeline.set(num_cells=0, splits=[], num_replicas=1)
   with tf.Graph().as_default():
     task = probe.instantiate()
     batch = tf.nest.map_structure(lambda s: tf.compat.v1.placeholder(s.dtype, s.shape),
                                   batch_spec)
-    yield task, task.stack_inputs(batch)
+    yield task, batch
 
 
 def probe_main_stack(task_params: Params, input_params: Params) -> tuple[Any, list]:
   """(nested tf.TensorSpec of `stack_inputs(batch)` for the batches of `input_params`,
   the params of the main stack's layers, each with the compute dtype it inherits)."""
-  with probe_task(task_params, input_params.instantiate().batch_spec()) as (task, inputs):
+  with probe_task(task_params, input_params.instantiate().batch_spec()) as (task, batch):
+    inputs = task.stack_inputs(batch)
     specs = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), inputs)
     dtype = task.main_stack.fprop_dtype
     return specs, [base_layer.inherit_fprop_dtype(lp, dtype)
