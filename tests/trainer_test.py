@@ -192,6 +192,32 @@ def test_inspect_model_json_counts_the_real_variables():
 
 
 @EXHAUSTIVE
+def test_inspect_model_counts_a_pipelines_flops_as_the_unpipelined_model():
+  """lm.TransformerTiny at K=2: every layer's FLOPs and the total equal those of the same
+  model unpipelined (num_cells=0), and no layer with weights counts 0 (a pipeline's
+  cells run inside its loops' functions, whose ops a graph's op list does not show)."""
+  def inspected(*override: str) -> tuple[dict, dict]:
+    result = run_trainer("--model=lm.TransformerTiny", "--mode=inspect_model", *override)
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = result.stdout.strip().split("\n")
+    rows = {}
+    for line in lines[2:]:
+      if not line.strip() or line.startswith("{"):
+        break
+      fields = line.split()
+      rows[fields[0]] = (fields[-2], fields[-1])  # (params, FLOPs)
+    return rows, json.loads(lines[-1])
+
+  pipelined, summary = inspected()
+  assert len(summary["cells"]) == 2
+  plain, plain_summary = inspected("--params_override=task.pipeline.num_cells=0")
+  assert summary["total_flops_per_batch"] == plain_summary["total_flops_per_batch"] > 8e7
+  assert {name: row for name, row in pipelined.items() if name != "stack"} == {
+      name: row for name, row in plain.items() if name != "stack"}
+  assert all(flops != "0" for params, flops in pipelined.values() if params != "0")
+
+
+@EXHAUSTIVE
 def test_list_models_and_inspect_params():
   listed = run_trainer("--mode=list_models")
   assert listed.returncode == 0, listed.stderr

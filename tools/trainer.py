@@ -194,11 +194,19 @@ def _model_params(serving_changes: list[dict[str, str]] | None = None):
 def _inspect_model(params) -> None:
   from lingvo_gpipe.core import model_stats
   from lingvo_gpipe.pipeline import PipeliningLayer
-  from lingvo_gpipe.tasks.base_task import with_partition_costs
+  from lingvo_gpipe.tasks.base_task import unpipelined, with_partition_costs
 
   batch_spec = params.train_input.instantiate().batch_spec()
   task_params = with_partition_costs(params.task, params.train_input)
   stats = model_stats.analyze(task_params, batch_spec, max_depth=FLAGS.inspect_depth)
+  # A pipeline's cells run inside its device loops' functions, whose ops the graph's
+  # op list does not show: FLOPs and shapes come from the same layers run unpipelined.
+  plain = {s.path: s for s in model_stats.analyze(unpipelined(task_params), batch_spec,
+                                                   max_depth=FLAGS.inspect_depth)}
+  for s in stats:
+    if s.path in plain:
+      s.flops = plain[s.path].flops
+      s.output_shapes = s.output_shapes or plain[s.path].output_shapes
   print(model_stats.format_table(stats))
   cells = []
   for s in stats:

@@ -136,15 +136,23 @@ def with_partition_costs(task_params: Params, input_params: Params,
   return completed.freeze() if task_params.is_frozen else completed
 
 
+def unpipelined(task_params: Params) -> Params:
+  """A copy of `task_params` whose main stack runs its layers one after another on one
+  device (no cells, no replicas): the same forward, traced as plain ops (a pipeline's
+  cells run inside its device loops' functions)."""
+  copy = task_params.copy()
+  if "pipeline" in copy:
+    copy.pipeline.set(num_cells=0, splits=[], num_replicas=1)
+  return copy
+
+
 @contextlib.contextmanager
 def probe_task(task_params: Params, batch_spec: Any) -> Iterator[tuple[Any, Any]]:
   """Within: (the task of `task_params` unpipelined, built in a scratch graph, a batch
   of `batch_spec` as placeholders). Nothing is allocated or run; what the task and its
   stack do to that batch is only traced."""
-  probe = task_params.copy()
-  probe.pipeline.set(num_cells=0, splits=[], num_replicas=1)
   with tf.Graph().as_default():
-    task = probe.instantiate()
+    task = unpipelined(task_params).instantiate()
     batch = tf.nest.map_structure(lambda s: tf.compat.v1.placeholder(s.dtype, s.shape),
                                   batch_spec)
     yield task, batch
