@@ -408,6 +408,63 @@ def test_call_arguments_a_unit_cannot_keep_are_refused_naming_the_layer(call, me
     g.from_keras(model)
 
 
+def recurrent_model() -> keras.Model:
+  """x [B, 4, 8] → LSTM(8, sequences) → GRU(6) → Dense(2): Keras's recurrent layers,
+  each a unit (their loops run inside the cells)."""
+  return keras.Sequential([keras.Input((4, 8)),
+                           keras.layers.LSTM(8, return_sequences=True, name="lstm"),
+                           keras.layers.GRU(6, name="gru"), keras.layers.Dense(2, name="out")])
+
+
+@EXHAUSTIVE
+def test_recurrent_layers_have_keras_gradients(cpu_devices):
+  """K=2, M=2, re-materialized: an LSTM and a GRU give Keras's loss and gradients."""
+  keras.utils.set_random_seed(9)
+  model = recurrent_model()
+  data = {"inputs": tf.random.stateless_normal([BATCH, 4, 8], [9, 1]),
+          "target": tf.random.stateless_normal([BATCH, 2], [9, 2])}
+  want_loss, want = keras_loss_and_grads(model, data)
+  stack = pipelined(model, num_cells=2, num_micro_batches=2, devices=cpu_devices[:2])
+  loss, grads = engine_loss_and_grads(stack, train_step.StackWithLoss(stack, mse), data, STEP)
+  paths = keras_paths(stack, model)
+  assert_close(loss, want_loss)
+  assert len(grads) == len(want)
+  for variable, grad in zip(stacked_variables.trainable_weights(stack), grads):
+    assert_close(grad, want[paths[variable.ref()]])
+
+
+RECURRENT_PARAM_FILE = """
+import keras
+import lingvo_gpipe as g
+from lingvo_gpipe_params import demo
+
+SIZE = demo.TinyConvNet.IMAGE_SIZE
+# Built at import: Keras's LSTM lists the GPUs, which starts TensorFlow's runtime.
+BODY = keras.Sequential([keras.Input((SIZE, SIZE, 3)), keras.layers.Reshape((SIZE, SIZE * 3)),
+                         keras.layers.LSTM(16), keras.layers.Dense(16)])
+
+
+@g.register
+class LstmNet(demo.TinyConvNet):
+  def task(self):
+    p = super().task().set(name="lstm_net")
+    p.body = g.from_keras(BODY)
+    p.softmax.input_dim = 16
+    p.pipeline.set(num_cells=2, num_micro_batches=2)
+    return p
+"""
+
+
+def test_a_param_file_that_builds_an_lstm_trains_on_the_devices_it_asks_for(tmp_path):
+  from conftest import run_trainer
+
+  (tmp_path / "recurrent.py").write_text(RECURRENT_PARAM_FILE)
+  done = run_trainer(f"--params_path={tmp_path / 'recurrent.py'}", "--model=recurrent.LstmNet",
+                     f"--logdir={tmp_path / 'run'}", "--devices=cpu:2", "--max_steps=2")
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert "step 2/2" in done.stdout
+
+
 # -- params, weights, statistics -------------------------------------------------------
 
 

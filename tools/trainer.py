@@ -374,6 +374,7 @@ def _run(state: RunState) -> int:
     UsageFailure: bad input, reported before anything is written (exit code 2).
     trainer.TrainerError: a run that failed (exit code 1).
   """
+  _set_up_local_devices_first()
   _load_param_files()
   if FLAGS.mode == "list_models":
     _list_models()
@@ -468,6 +469,24 @@ def _check_serving_flags() -> None:
   if not 2 <= FLAGS.max_decode_length <= MAX_DECODE_LENGTH:
     raise UsageFailure(f"--max_decode_length must be in 2..{MAX_DECODE_LENGTH} (generate's "
                        f"cache positions), got {FLAGS.max_decode_length}")
+
+
+def _set_up_local_devices_first() -> None:
+  """Sets up the local devices the mode will use (--devices, or --export_devices for
+  export and decode) before any param file runs: a param file may start TensorFlow's
+  runtime (building a Keras LSTM or GRU lists the GPUs), after which no logical device
+  can be added. A bad spec is left for the mode to report, naming its flag."""
+  from lingvo_gpipe.runtime.devices import DeviceSpecError, configure_devices
+
+  if FLAGS.mode in ("export", "decode"):
+    spec = FLAGS.export_devices
+  elif FLAGS.mode in ("list_models", "inspect_params") or FLAGS.cluster_spec:
+    spec = None
+  else:
+    spec = FLAGS.devices
+  if spec:
+    with contextlib.suppress(DeviceSpecError):
+      configure_devices(spec)
 
 
 def _load_param_files() -> None:
