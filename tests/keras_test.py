@@ -627,6 +627,40 @@ def checkpointed(logdir) -> dict:
           if "/.ATTRIBUTES/" in key and dtype.is_floating}
 
 
+@pytest.mark.parametrize("key, dtype", quick_sample(
+    [("keras_examples.KerasConvNet", "bfloat16"), ("keras_examples.KerasConvNet", "float16"),
+     ("keras_examples.KerasTransformerLm", "bfloat16")],
+    quick=[("keras_examples.KerasConvNet", "bfloat16")]))
+def test_half_precision_exports_of_keras_models_agree_with_float32(tmp_path, key, dtype):
+  """The Keras examples trained a step and served in a half dtype (weights stored so;
+  Keras's policy casts them), against float32, to the half dtype's precision."""
+  from lingvo_gpipe import exporter
+  from lingvo_gpipe.tasks import serving
+  from lingvo_gpipe.trainer import Trainer
+
+  params = example_params(key, num_cells=2)
+  Trainer(params, str(tmp_path), log=lambda _: None).train(1)
+  eval_input = params.eval_input.instantiate()
+
+  def model(dtype: str) -> serving.ServingModel:
+    task, _, _ = exporter.restore_for_inference(params, str(tmp_path), None, None, dtype,
+                                                log=lambda _: None)
+    return serving.ServingModel(task, eval_input, serving.ServingOptions(dtype=dtype))
+
+  half, full = model(dtype), model("float32")
+  assert {v.dtype for v in half.weights.values() if v.dtype.is_floating} == {
+      tf.as_dtype(dtype)}
+  batch = {k: v.numpy() for k, v in next(iter(eval_input.dataset())).items()}
+  tolerance = {"bfloat16": 0.1, "float16": 0.02}[dtype]  # (export_test's, the same nets)
+  if "ConvNet" in key:
+    got, want = (m("classify", images=batch["image"])["probabilities"] for m in (half, full))
+    np.testing.assert_allclose(got.numpy(), want.numpy(), atol=tolerance)
+  else:
+    got, want = (m("score", ids=batch["ids"], paddings=batch["paddings"])["token_log_probs"]
+                 for m in (half, full))
+    np.testing.assert_allclose(got.numpy(), want.numpy(), atol=tolerance * 5, rtol=tolerance)
+
+
 @EXHAUSTIVE
 def test_a_keras_convnet_resumed_with_k_changed_equals_one_run_and_serves_it(tmp_path):
   """KerasConvNet (Sequential with batch norm and dropout): 2 steps at K=2 then 1 at

@@ -429,13 +429,16 @@ class Keras(BaseLayer):
                for variable, name in self._bound]
     seeds = [(state, self._seed_value(i)) for i, state in enumerate(self._seed_states)]
     with keras.StatelessScope(state_mapping=weights + seeds, collect_losses=True) as scope:
+      # (What the scope holds for each weight: the value given, or its cast to the Keras
+      # variable's dtype, as for a half-precision serving copy's weights.)
+      entered = [(variable, scope.get_current_value(variable)) for variable, _ in weights]
       outputs = self.keras_layer(*inputs, *(self.params.call_args or []),
                                  training=bool(ctx.training),
                                  **(self.params.call_kwargs or {}))
     if scope.losses:
       raise ParamsError(f"{self.path}: the Keras layer adds a loss in call, which a "
                         "pipeline's task loss does not see; add it to the task's loss")
-    for variable, value in weights:
+    for variable, value in entered:
       if scope.get_current_value(variable) is not value:
         raise ParamsError(f"{self.path}: the Keras layer assigns to its weight "
                           f"{variable.path!r} in call; a pipeline runs call once per "
