@@ -22,6 +22,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
@@ -68,6 +70,7 @@ class TestClocks:
             "forked": _waited_children_seconds(self._server_pid()),
             "busy": busy, "idle": idle, "steal": steal, "gc": self._gc_seconds}
 
+  @pytest.hookimpl(hookwrapper=True)
   def pytest_runtest_protocol(self, item, nextitem):  # noqa: ARG002
     before = self._snapshot()
     yield
@@ -77,7 +80,6 @@ class TestClocks:
     self._out.write(json.dumps(record) + "\n")
     self._out.flush()
 
-  pytest_runtest_protocol.hookwrapper = True  # type: ignore[attr-defined]
 
 
 def report(folder: str, top: int = 25) -> None:

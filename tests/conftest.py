@@ -135,8 +135,13 @@ def pytest_configure(config) -> None:
   if folder:
     from clocks import TestClocks
 
-    Path(folder).mkdir(parents=True, exist_ok=True)
-    config.pluginmanager.register(TestClocks(Path(folder), _TRAINER_SERVER.pid), "test_clocks")
+    try:
+      Path(folder).mkdir(parents=True, exist_ok=True)
+      clocks = TestClocks(Path(folder), _TRAINER_SERVER.pid)
+    except OSError as e:
+      raise pytest.UsageError(f"LINGVO_GPIPE_TEST_CLOCKS={folder!r}: {e.strerror}; give a "
+                              "folder this user can write") from None
+    config.pluginmanager.register(clocks, "test_clocks")
 
 
 def run_trainer(*args: str, env: dict | None = None, timeout: int = 300,

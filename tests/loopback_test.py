@@ -271,6 +271,32 @@ def _start_worker_on_its_own_disk(spec: str, task: int, private: Path) -> subpro
                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
+def test_the_trainer_trains_and_resumes_with_its_cells_in_two_worker_processes(tmp_path):
+  """TinyConvNet, K=2: each cell's variables on its own tools/worker.py process, 3 steps
+  saved, then resumed to 5: the checkpoint holds both cells' variables. (The quick
+  tier's loopback run: it needs no private mount, unlike the test below.)"""
+  spec, workers = start_local_workers(2, single_thread=False)
+  logdir = tmp_path / "run"
+  model = ["--model=demo.TinyConvNet", "--params_override=task.pipeline.num_cells=2;"
+           "task.pipeline.num_micro_batches=2;task.train.save_interval_steps=3"]
+  try:
+    cluster.wait_for_servers(cluster.parse_cluster_spec(spec)["worker"])
+    first = run_trainer(*model, f"--logdir={logdir}", f"--cluster_spec={spec}", "--max_steps=3")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "/job:worker/replica:0/task:1" in first.stdout  # "cells go to ..."
+    resumed = run_trainer(*model, f"--logdir={logdir}", f"--cluster_spec={spec}",
+                          "--max_steps=5")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"Resuming from checkpoint {logdir / 'train' / 'ckpt-3'} at step 3" in resumed.stdout
+  finally:
+    for worker in workers:
+      worker.kill()
+  saved = tf.train.load_checkpoint(str(logdir / "train" / "ckpt-5"))
+  assert len([n for n in saved.get_variable_to_shape_map() if "layers/" in n
+              and "OPTIMIZER_SLOT" not in n]) > 2
+
+
+@EXHAUSTIVE
 @pytest.mark.skipif(_can_make_a_private_mount() is not None,
                     reason=f"a private mount namespace is needed: {_can_make_a_private_mount()}")
 def test_checkpoints_of_workers_without_the_trainers_disk_are_written_and_read_on_the_trainers_host(

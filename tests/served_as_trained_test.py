@@ -76,6 +76,11 @@ def test_an_export_serves_the_params_the_run_trained_with(eight_heads_run):
 
   trained = reference(f"{SMALL};{EIGHT_HEADS}")
   np.testing.assert_allclose(served, trained, atol=1e-4)
+  # The binary's decode of the same logdir: the trained params too, records and metric.
+  decoded = run_trainer("--model=lm.TransformerTiny", f"--logdir={logdir}", "--mode=decode")
+  assert decoded.returncode == 0, decoded.stderr[-2000:]
+  records = (logdir / "decode_1.jsonl").read_text().splitlines()
+  assert len(records) == 16 and "log_pplx" in decoded.stdout, decoded.stdout[-2000:]
   # The registered model (4 heads) restores from the same checkpoint and scores
   # otherwise: the check above tells them apart.
   assert np.abs(reference(SMALL) - trained).max() > 1e-3

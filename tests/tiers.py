@@ -27,7 +27,8 @@ def quick_sample(rows: Sequence, quick: Sequence) -> list:
   """`rows` as parametrize values, those outside `quick` marked `exhaustive`.
 
   Args:
-    rows: the full grid (tuples, or single values for a one-name parametrize).
+    rows: the full grid: tuples for a parametrize of several names, any other value
+      (a list too) for a one-name parametrize.
     quick: the rows the quick tier runs, each a row of `rows`.
   Returns:
     A list of `pytest.param`s, one per row, in the grid's order, each with the id
@@ -44,5 +45,6 @@ def quick_sample(rows: Sequence, quick: Sequence) -> list:
 
 
 def _row(row) -> tuple:
-  """A parametrize value as a tuple of its arguments (a bare value: one argument)."""
-  return tuple(row) if isinstance(row, (tuple, list)) else (row,)
+  """A parametrize row as a tuple of its arguments: a tuple is one per name, any other
+  value (a list too) is the one name's value."""
+  return row if isinstance(row, tuple) else (row,)
