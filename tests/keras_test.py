@@ -661,6 +661,39 @@ def test_half_precision_exports_of_keras_models_agree_with_float32(tmp_path, key
     np.testing.assert_allclose(got.numpy(), want.numpy(), atol=tolerance * 5, rtol=tolerance)
 
 
+def test_a_keras_language_models_ids_are_checked_by_its_embeddings_vocabulary(tmp_path):
+  """KerasTransformerLm's ids are bounded by its Keras embedding's vocab_size (204, the
+  corpus's) and its labels by the final Dense's units: pre-flight refuses a vocabulary
+  smaller than the data's, and the served score and generate refuse an id past it
+  (an XLA gather would clamp it)."""
+  from lingvo_gpipe import exporter, preflight
+  from lingvo_gpipe.tasks import serving
+  from lingvo_gpipe.trainer import Trainer
+
+  params = example_params("keras_examples.KerasTransformerLm", num_cells=2)
+  embedding = params.task.stack.layers[0].layer["config"]
+  vocab = embedding["vocab_size"]
+  bounds = params.task.cls.id_bounds(params.task)
+  assert (bounds["ids"].bound, bounds["labels"].bound) == (vocab, vocab) == (
+      params.train_input.instantiate().id_space_size(), 204)
+  small = params.copy()
+  small.task.stack.layers[0].layer["config"]["vocab_size"] = 100
+  with pytest.raises(hyperparams.ParamsError, match=r"task.stack.layers\[0\].layer's "
+                     r"vocab_size=100 is smaller than train_input's 204 ids"):
+    preflight.preflight(small, "train")
+
+  Trainer(params, str(tmp_path), log=lambda _: None).train(1)
+  task, _, _ = exporter.restore_for_inference(params, str(tmp_path), None, None, "float32",
+                                              log=lambda _: None)
+  served = serving.ServingModel(task, params.eval_input.instantiate(),
+                                serving.ServingOptions(dtype="float32"))
+  ids = np.array([[1, 5, vocab]], np.int32)
+  with pytest.raises(tf.errors.InvalidArgumentError, match=rf"score: ids.*{vocab}"):
+    served("score", ids=ids, paddings=np.zeros(ids.shape, np.float32))
+  with pytest.raises(tf.errors.InvalidArgumentError, match=rf"generate: prefix_ids.*{vocab}"):
+    served("generate", prefix_ids=ids, max_new_tokens=2, temperature=0.0, seed=1)
+
+
 @EXHAUSTIVE
 def test_a_keras_convnet_resumed_with_k_changed_equals_one_run_and_serves_it(tmp_path):
   """KerasConvNet (Sequential with batch norm and dropout): 2 steps at K=2 then 1 at

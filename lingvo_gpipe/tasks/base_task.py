@@ -182,18 +182,61 @@ class IdBound(NamedTuple):
 
 def vocabulary_bounds(task_params: Params, input_keys: tuple[str, ...],
                       label_keys: tuple[str, ...]) -> dict[str, IdBound]:
-  """The IdBounds of a text task: `input_keys` bounded by the first `vocab_size` of
-  its stack (the embedding), `label_keys` by the last (the softmax)."""
-  sizes = [(key, value) for key, value in task_params.flatten()
-           if key.startswith("stack.") and key.endswith(".vocab_size")
-           and isinstance(value, int) and not isinstance(value, bool)]
-  if not sizes:
-    return {}
-  (first, first_size), (last, last_size) = sizes[0], sizes[-1]
-  return {**{k: IdBound(first_size, f"task.{first}", "the embedding's rows")
-             for k in input_keys},
-          **{k: IdBound(last_size, f"task.{last}", "the softmax's classes")
-             for k in label_keys}}
+  """The IdBounds of a text task: `input_keys` bounded by its stack's first vocabulary
+  (the embedding), `label_keys` by its last (the softmax). A vocabulary is a native
+  layer's `vocab_size`, or a Keras unit's (`_keras_vocabulary`: an embedding's rows, or
+  the width of the Dense that ends the stack)."""
+  layers = task_params.get("stack").get("layers") if "stack" in task_params else None
+  final = f"stack.layers[{len(layers) - 1}].layer" if layers else None
+  # (param, size, what it sizes as the input's / as the output's, output only)
+  sizes: list[tuple[str, int, str, str, bool]] = []
+  for key, value in task_params.flatten():
+    if not key.startswith("stack."):
+      continue
+    if key.endswith(".vocab_size") and isinstance(value, int) and not isinstance(value, bool):
+      sizes.append((f"task.{key}", value, "the embedding's rows", "the softmax's classes",
+                    False))
+    elif key.endswith(".layer") and isinstance(value, dict):
+      found = _keras_vocabulary(value)
+      if found is not None and (not found[2] or key == final):
+        field, size, is_output = found
+        what = "the logits' width" if is_output else "the Keras embedding's rows"
+        sizes.append((f"task.{key}'s {field}", size, what, what, is_output))
+  inputs = [entry for entry in sizes if not entry[4]]
+  bounds = {}
+  if inputs:
+    param, size, what, _, _ = inputs[0]
+    bounds.update({k: IdBound(size, param, what) for k in input_keys})
+  if sizes:
+    param, size, _, what, _ = sizes[-1]
+    bounds.update({k: IdBound(size, param, what) for k in label_keys})
+  return bounds
+
+
+# Keras embeddings and the config field holding their vocabulary (keras_hub's too).
+_KERAS_EMBEDDINGS = {"Embedding": "input_dim", "ReversibleEmbedding": "vocabulary_size",
+                     "TokenAndPositionEmbedding": "vocabulary_size"}
+
+
+def _keras_vocabulary(config: dict) -> tuple[str, int, bool] | None:
+  """(config field, size, whether it sizes the output) of the vocabulary a Keras
+  unit's serialized config holds, or None: an embedding's rows (a known embedding
+  class, or any layer whose config has an int `vocab_size` or `vocabulary_size`, the
+  first found inside a block), or a final `Dense`'s `units` (logits)."""
+  inner = config.get("config", {})
+  name = config.get("class_name")
+  fields = [_KERAS_EMBEDDINGS[name]] if name in _KERAS_EMBEDDINGS else []
+  for field in [*fields, "vocab_size", "vocabulary_size"]:
+    size = inner.get(field)
+    if isinstance(size, int) and not isinstance(size, bool):
+      return field, size, False
+  for layer in inner.get("layers", []) if isinstance(inner.get("layers"), list) else []:
+    found = _keras_vocabulary(layer) if isinstance(layer, dict) else None
+    if found is not None and not found[2]:
+      return found
+  if name == "Dense" and isinstance(inner.get("units"), int):
+    return "units", inner["units"], True
+  return None
 
 
 class BadBatchError(ValueError):
