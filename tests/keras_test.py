@@ -394,13 +394,51 @@ def test_each_nodes_call_arguments_are_recorded_and_passed_at_each_call(cpu_devi
   assert abs(other - want_loss) > 1e-3 * abs(want_loss)
 
 
+def test_a_nodes_training_argument_gives_way_as_in_keras(cpu_devices):
+  """Keras 3 passes a functional model's own `training` (fit: True) to every node that
+  takes it, over the node's: `Dropout(0.9)(x, training=False)` drops in training. The
+  units drop a node's `training` too. Keras's fine-tuning idiom, `backbone(x,
+  training=False)` on a frozen backbone with batch norm, then has Keras's loss and
+  gradients at K=2, M=2 (the frozen batch norm in inference mode either way)."""
+  inputs = keras.Input((4,))
+  dropped = keras.Model(inputs, keras.layers.Dropout(0.9)(inputs, training=False))
+  assert (dropped(np.ones((4, 4), np.float32), training=True).numpy() == 0).any()
+  keras.utils.set_random_seed(10)
+  backbone = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, name="dense"),
+                               keras.layers.BatchNormalization(name="bn")], name="backbone")
+  backbone.trainable = False
+  inputs = keras.Input((6,))
+  h = keras.layers.Dense(8, activation="tanh", name="adapter")(backbone(inputs, training=False))
+  model = keras.Model(inputs, keras.layers.Dense(2, name="out")(h))
+  assert g.from_keras(model).layers[0].call_kwargs == {}
+  data = batch(11)
+  want_loss, want = keras_loss_and_grads(model, data)
+  stack = pipelined(model, num_cells=2, num_micro_batches=2, devices=cpu_devices[:2])
+  loss, grads = engine_loss_and_grads(stack, train_step.StackWithLoss(stack, mse), data, STEP)
+  paths = keras_paths(stack, model)
+  assert_close(loss, want_loss)
+  assert len(grads) == len(want) == 4
+  for variable, grad in zip(stacked_variables.trainable_weights(stack), grads):
+    assert_close(grad, want[paths[variable.ref()]])
+
+
+def test_a_weight_frozen_on_its_own_is_refused_naming_it():
+  model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, name="a"),
+                            keras.layers.Dense(2, name="out")])
+  model.get_layer("a").kernel.trainable = False
+  with pytest.raises(hyperparams.ParamsError, match=r"Keras weight '(.*/)?a/kernel' is frozen on "
+                     r"its own .* while its layer 'a' trains"):
+    g.from_keras(model)
+
+
 @pytest.mark.parametrize("call, message", [
-    (lambda h: keras.layers.Dense(8, name="d")(h, training=False),
-     r"'d' is called with training=False: a pipeline passes training itself"),
+    (lambda h: (lambda tied: tied(tied(h)))(keras.layers.Dense(8, name="tied")),
+     r"'tied' \(Dense\) is called at 2 nodes of model .* sharing its weights"),
     (lambda h: PrefixMix(name="mix")(h, scale=np.full([8], 2.0, np.float32)),
      r"'mix' is called with call_kwargs\['scale'\] = .* is not a Python literal"),
 ])
-def test_call_arguments_a_unit_cannot_keep_are_refused_naming_the_layer(call, message):
+def test_call_arguments_and_shared_layers_a_unit_cannot_keep_are_refused_naming_the_layer(
+    call, message):
   inputs = keras.Input((4, 8))
   model = keras.Model(inputs, keras.layers.Dense(2, name="out")(call(
       keras.layers.Dense(8, name="embed")(inputs))))

@@ -87,16 +87,15 @@ def unit_params(layer: keras.layers.Layer, call_args: tuple = (),
   the node's constant arguments `call_args` and `call_kwargs` (after its input).
 
   Raises:
-    ParamsError: a node passing `training` itself, or arguments to Dropout or
-      BatchNormalization (the library's own layers take none).
+    ParamsError: arguments to Dropout or BatchNormalization (the library's own layers
+      take none), a non-literal argument, or a weight frozen apart from its layer.
   """
+  _refuse_weights_frozen_alone(layer)
   call_kwargs = dict(call_kwargs or {})
-  training = call_kwargs.pop("training", None)  # (None: Keras's default, inherited)
-  if training is not None:
-    raise ParamsError(f"Keras layer {layer.name!r} is called with training="
-                      f"{training!r}: a pipeline passes training itself (True "
-                      "in training, False in eval); remove it, or freeze the layer with "
-                      "trainable=False")
+  # A node's own `training` is dropped, as Keras 3 drops it: a functional model called
+  # with training=True or False (fit passes True) passes that to every node that takes it
+  # (tests/keras_test.py, test_a_nodes_training_argument_gives_way_as_in_keras).
+  call_kwargs.pop("training", None)
   if isinstance(layer, (keras.layers.Dropout, keras.layers.BatchNormalization)):
     passed = [*(a for a in call_args if a is not None),
               *(f"{k}={v!r}" for k, v in call_kwargs.items() if v is not None)]
@@ -120,6 +119,22 @@ def unit_params(layer: keras.layers.Layer, call_args: tuple = (),
   if POLICY_FPROP_DTYPES[policy_name] is not None:
     p.fprop_dtype = POLICY_FPROP_DTYPES[policy_name]
   return p
+
+
+def _refuse_weights_frozen_alone(layer: keras.layers.Layer) -> None:
+  """Raises ParamsError naming a weight of `layer` (or of a layer inside it) frozen on
+  its own (`layer.kernel.trainable = False`) while its layer trains: params.txt records
+  layers' configs, where only a layer's `trainable` is kept, so the unit would train it."""
+  for sub in layer._flatten_layers(include_self=True, recursive=True):  # noqa: SLF001
+    if not sub.trainable:
+      continue
+    for variable in sub._trainable_variables:  # noqa: SLF001 (made trainable by add_weight)
+      if not variable.trainable:
+        raise ParamsError(
+            f"Keras weight {variable.path!r} is frozen on its own (trainable=False on the "
+            f"weight) while its layer {sub.name!r} trains; params.txt records only a "
+            "layer's trainable: freeze the whole layer (layer.trainable = False) or none "
+            "of its weights")
 
 
 def _dropout_params(layer: keras.layers.Dropout) -> InstantiableParams:
@@ -184,6 +199,7 @@ def _blocks(model: keras.Model) -> list[_Block]:
   nodes = [node for depth in sorted(model._nodes_by_depth, reverse=True)  # noqa: SLF001
            for node in model._nodes_by_depth[depth]  # noqa: SLF001
            if not isinstance(node.operation, keras.layers.InputLayer)]
+  _refuse_shared_layers(model, nodes)
   consumers: dict[int, int] = {}  # tensor → index of its last consuming node
   for i, node in enumerate(nodes):
     for tensor in node.input_tensors:
@@ -218,6 +234,23 @@ def _blocks(model: keras.Model) -> list[_Block]:
                         f"block: {e}") from None
     blocks.append(_Block(block))
   return blocks
+
+
+def _refuse_shared_layers(model: keras.Model, nodes: list) -> None:
+  """Raises ParamsError naming a layer of `model` called at several of its nodes (one
+  weight set used twice, e.g. a tied embedding's `reverse=True` call): its units
+  would each get weights of their own and train apart."""
+  calls: dict[int, list] = {}
+  for node in nodes:
+    calls.setdefault(id(node.operation), []).append(node)
+  for called in calls.values():
+    if len(called) > 1:
+      layer = called[0].operation
+      raise ParamsError(
+          f"Keras layer {layer.name!r} ({type(layer).__name__}) is called at "
+          f"{len(called)} nodes of model {model.name!r}, sharing its weights; from_keras "
+          "does not tie units yet (each would train weights of its own): call each layer "
+          "once, or put the nodes that share it inside one block (a nested model)")
 
 
 def load_keras_weights(stack: BaseLayer, model: keras.Model) -> None:

@@ -85,21 +85,21 @@ def keras_config(value: Any) -> dict:
   return config
 
 
-def literal_call_arguments(value: Any, what: str) -> list | dict:
-  """`value` (a list of positional call arguments, or a dict of keyword ones) checked:
-  each a Python literal (what params.txt can write and read back; a NumPy scalar
-  becomes its Python value), none named `training` (the pipeline passes that).
+def literal_call_arguments(value: Any, what: str, keyword: bool) -> list | dict:
+  """`value` checked: the positional call arguments (a list) or the keyword ones (a
+  dict of str keys), each a Python literal (what params.txt can write and read back; a
+  NumPy scalar becomes its Python value), none named `training` (the pipeline's).
 
   Raises:
     ParamsError: naming the first argument that is not.
   """
-  if isinstance(value, (list, tuple)):
-    items = list(enumerate(value))
-  elif isinstance(value, dict):
+  if keyword and isinstance(value, dict) and all(isinstance(k, str) for k in value):
     items = sorted(value.items())
+  elif not keyword and isinstance(value, (list, tuple)):
+    items = list(enumerate(value))
   else:
-    raise ParamsError(f"{what} must be a list (positional) or a dict (keyword), got "
-                      f"{type(value).__name__}")
+    raise ParamsError(f"{what} must be {'a dict of str keys' if keyword else 'a list'}, got "
+                      f"{type(value).__name__} {str(value)[:60]!r}")
   checked = []
   for key, item in items:
     if key == "training":
@@ -256,11 +256,11 @@ class Keras(BaseLayer):
              "the mask and passes it on.")
     p.define("call_args", [], "Positional constants passed after the inputs at each call "
              "(the node's own, from_keras records them; e.g. [None]).",
-             convert=lambda v: literal_call_arguments(v, "call_args"))
+             convert=lambda v: literal_call_arguments(v, "call_args", keyword=False))
     p.define("call_kwargs", {}, "Keyword constants passed at each call (the node's own, "
              "from_keras records them; e.g. {'use_causal_mask': False}); `training` is "
              "the pipeline's.",
-             convert=lambda v: literal_call_arguments(v, "call_kwargs"))
+             convert=lambda v: literal_call_arguments(v, "call_kwargs", keyword=True))
     return p
 
   def __init__(self, params):
