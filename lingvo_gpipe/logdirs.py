@@ -20,7 +20,10 @@ params.txt falls in one row of RESUME_RULES (docs/trainer.md, "Resuming"):
                                 or is dropped
   refused                       the training input (the checkpoints hold its
                                 position, which belongs to the input they started
-                                with): refused here, before anything is written
+                                with), and freezing or unfreezing a layer (a Keras
+                                unit's trainable, a BatchNorm's frozen: a frozen
+                                weight has no optimizer slots): refused here,
+                                before anything is written
   checked by the restore        everything else (the model's dimensions, layers,
                                 vocabulary, optimizer): a variable of another shape
                                 or name does not restore, and the restore names the
@@ -88,11 +91,19 @@ RESUME_RULES = (
 )
 _FLOAT16_RULE = ResumeRule("", CONSEQUENCE, "float16 alone keeps a dynamic loss scale: "
                            "it starts at its initial value, or is dropped")
+_FREEZING_RULE = ResumeRule("", REFUSED, "a frozen weight has no optimizer slots, so "
+                            "freezing or unfreezing a layer changes the optimizer's "
+                            "variables, which the checkpoints cannot restore into; train "
+                            "the new phase in a new logdir")
+_TRAINABLE = re.compile(r"'trainable': (True|False)")
 
 
 def resume_rule(key: str, old: str, new: str) -> ResumeRule:
   """The row of RESUME_RULES a change of `key` from `old` to `new` (their text) falls in."""
   rule = next(r for r in RESUME_RULES if re.fullmatch(r.keys, key))
+  if key.endswith(".frozen") or (key.endswith(".layer") and _TRAINABLE.findall(old)
+                                 != _TRAINABLE.findall(new)):
+    return _FREEZING_RULE  # (a Keras unit's config, or a BatchNorm's frozen)
   if rule.keys.endswith("fprop_dtype") and "float16" in (old + new).replace("bfloat16", ""):
     return _FLOAT16_RULE
   return rule

@@ -733,6 +733,22 @@ def test_a_keras_language_models_ids_are_checked_by_its_embeddings_vocabulary(tm
 
 
 @EXHAUSTIVE
+def test_a_run_resumed_with_a_layer_frozen_is_refused_in_one_line_writing_nothing(tmp_path):
+  from conftest import run_trainer
+
+  logdir = tmp_path / "run"
+  common = ("--model=keras_examples.KerasConvNet", f"--logdir={logdir}", "--devices=cpu:2")
+  assert run_trainer(*common, "--max_steps=1").returncode == 0
+  before = sorted(str(p) for p in logdir.rglob("*"))
+  done = run_trainer(*common, "--max_steps=2", "--params_override=task.body.layers[1].frozen=True")
+  assert done.returncode == 2, done.stderr[-2000:]
+  errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+  assert len(errors) == 1 and "task.body.layers[1].frozen: False -> True" in errors[0], errors
+  assert "freezing or unfreezing a layer" in errors[0]
+  assert sorted(str(p) for p in logdir.rglob("*")) == before
+
+
+@EXHAUSTIVE
 def test_a_keras_convnet_resumed_with_k_changed_equals_one_run_and_serves_it(tmp_path):
   """KerasConvNet (Sequential with batch norm and dropout): 2 steps at K=2 then 1 at
   K=1 give the weights of 3 steps at K=2 (masks and micro-batch statistics depend on

@@ -69,6 +69,20 @@ def test_each_change_falls_in_its_row_of_the_resume_rules(tmp_path):
       "eval_input.autotune": logdirs.ALLOWED, "train_input.autotune": logdirs.ALLOWED}
 
 
+def test_freezing_or_unfreezing_a_layer_is_refused_on_resume():
+  """A frozen weight has no optimizer slots: a Keras unit's trainable, or a BatchNorm's
+  frozen, changed on resume would not restore; it is refused, before anything is
+  written, naming the layer."""
+  old = "{'class_name': 'Dense', 'config': {'units': 4, 'trainable': True}}"
+  new = old.replace("'trainable': True", "'trainable': False")
+  assert logdirs.resume_rule("task.body.layers[0].layer", old, new).verdict == logdirs.REFUSED
+  assert logdirs.resume_rule("task.body.layers[1].frozen", "False", "True").verdict == \
+      logdirs.REFUSED
+  wider = old.replace("'units': 4", "'units': 8")  # (another shape: the restore names it)
+  assert logdirs.resume_rule("task.body.layers[0].layer", old, wider).verdict == \
+      logdirs.CHECKED
+
+
 def test_without_a_checkpoint_any_change_is_only_a_note(tmp_path):
   logdir = make_logdir(tmp_path, with_checkpoint=False)
   change = logdirs.check_resumable(str(logdir), demo_params(**{"train_input.batch_size": 16}))
