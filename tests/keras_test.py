@@ -131,6 +131,21 @@ def test_identical_keras_layers_share_traces_and_stacked_weights(cpu_devices, sc
     assert_close(grad, want[paths[variable.ref()]])
 
 
+def steps_match_keras_sgd(model: keras.Model, step, batches: list) -> None:
+  """Per batch: Keras's own training step (GradientTape, keras.optimizers.SGD at 0.1) on
+  `model`, and `step` (the engine's TrainStep, SGD at 0.1) on the same batch: the same
+  loss."""
+  keras_sgd = keras.optimizers.SGD(learning_rate=0.1)
+  for data in batches:
+    with tf.GradientTape() as tape:
+      want_loss = tf.reduce_mean(tf.square(model(data["inputs"], training=True)
+                                           - data["target"]))
+    keras_sgd.apply_gradients(zip(tape.gradient(want_loss, model.trainable_weights),
+                                  model.trainable_weights))
+    outputs, _ = step(data)
+    assert_close(outputs["loss"].numpy(), want_loss.numpy())
+
+
 def test_training_steps_give_the_losses_and_weights_of_keras_sgd(cpu_devices):
   """Three SGD steps of the pipelined model (K=2, M=4) against Keras's own training
   step (GradientTape + keras.optimizers.SGD) on the same batches."""
@@ -143,16 +158,7 @@ def test_training_steps_give_the_losses_and_weights_of_keras_sgd(cpu_devices):
   global_step = tf.Variable(0, dtype=tf.int64)
   step = step_function(train_step.TrainStep(train_step.StackWithLoss(stack, mse), optimizer,
                                             global_step))
-  keras_sgd = keras.optimizers.SGD(learning_rate=0.1)
-  for i in range(3):
-    data = batch(10 + i)
-    with tf.GradientTape() as tape:
-      want_loss = tf.reduce_mean(tf.square(model(data["inputs"], training=True)
-                                           - data["target"]))
-    keras_sgd.apply_gradients(zip(tape.gradient(want_loss, model.trainable_weights),
-                                  model.trainable_weights))
-    outputs, _ = step(data)
-    assert_close(outputs["loss"].numpy(), want_loss.numpy())
+  steps_match_keras_sgd(model, step, [batch(10 + i) for i in range(3)])
   paths = keras_paths(stack, model)
   keras_values = {v.path: v.numpy() for v in model.trainable_weights}
   for variable in stacked_variables.trainable_weights(stack):
@@ -298,16 +304,8 @@ def test_frozen_layers_stay_as_keras_keeps_them_while_the_rest_trains(cpu_device
   optimizer.create_slots(stack.trainable_variables)  # (what the trainer does)
   step = step_function(train_step.TrainStep(train_step.StackWithLoss(stack, mse), optimizer,
                                             tf.Variable(0, dtype=tf.int64)))
-  keras_sgd = keras.optimizers.SGD(learning_rate=0.1)
-  for i in range(3):
-    data = image_batch() if which == "conv_bn" else batch(20 + i)
-    with tf.GradientTape() as tape:
-      want_loss = tf.reduce_mean(tf.square(model(data["inputs"], training=True)
-                                           - data["target"]))
-    keras_sgd.apply_gradients(zip(tape.gradient(want_loss, model.trainable_weights),
-                                  model.trainable_weights))
-    outputs, _ = step(data)
-    assert_close(outputs["loss"].numpy(), want_loss.numpy())
+  steps_match_keras_sgd(model, step, [image_batch() if which == "conv_bn" else batch(20 + i)
+                                      for i in range(3)])
   for before, after in zip(frozen_before, model.non_trainable_weights):
     np.testing.assert_array_equal(before, after.numpy())  # Keras kept them too
   keras_weights = {v.path: v for v in model.weights}

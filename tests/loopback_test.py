@@ -271,27 +271,36 @@ def _start_worker_on_its_own_disk(spec: str, task: int, private: Path) -> subpro
                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
+def train_then_resume(spec: str, logdir: Path, save_every: int) -> str:
+  """TinyConvNet at K=2 with its cells on the workers of `spec`: trained to step
+  `save_every` (saved), then resumed to twice that; returns the first run's stdout."""
+  model = ["--model=demo.TinyConvNet", "--params_override=task.pipeline.num_cells=2;"
+           f"task.pipeline.num_micro_batches=2;task.train.save_interval_steps={save_every}"]
+  cluster.wait_for_servers(cluster.parse_cluster_spec(spec)["worker"])
+  first = run_trainer(*model, f"--logdir={logdir}", f"--cluster_spec={spec}",
+                      f"--max_steps={save_every}")
+  assert first.returncode == 0, first.stderr[-3000:]
+  resumed = run_trainer(*model, f"--logdir={logdir}", f"--cluster_spec={spec}",
+                        f"--max_steps={2 * save_every}")
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  assert (f"Resuming from checkpoint {logdir / 'train' / f'ckpt-{save_every}'} at step "
+          f"{save_every}") in resumed.stdout
+  return first.stdout
+
+
 def test_the_trainer_trains_and_resumes_with_its_cells_in_two_worker_processes(tmp_path):
   """TinyConvNet, K=2: each cell's variables on its own tools/worker.py process, 3 steps
-  saved, then resumed to 5: the checkpoint holds both cells' variables. (The quick
+  saved, then resumed to 6: the checkpoint holds both cells' variables. (The quick
   tier's loopback run: it needs no private mount, unlike the test below.)"""
   spec, workers = start_local_workers(2, single_thread=False)
   logdir = tmp_path / "run"
-  model = ["--model=demo.TinyConvNet", "--params_override=task.pipeline.num_cells=2;"
-           "task.pipeline.num_micro_batches=2;task.train.save_interval_steps=3"]
   try:
-    cluster.wait_for_servers(cluster.parse_cluster_spec(spec)["worker"])
-    first = run_trainer(*model, f"--logdir={logdir}", f"--cluster_spec={spec}", "--max_steps=3")
-    assert first.returncode == 0, first.stderr[-3000:]
-    assert "/job:worker/replica:0/task:1" in first.stdout  # "cells go to ..."
-    resumed = run_trainer(*model, f"--logdir={logdir}", f"--cluster_spec={spec}",
-                          "--max_steps=5")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"Resuming from checkpoint {logdir / 'train' / 'ckpt-3'} at step 3" in resumed.stdout
+    stdout = train_then_resume(spec, logdir, save_every=3)
+    assert "/job:worker/replica:0/task:1" in stdout  # "cells go to ..."
   finally:
     for worker in workers:
       worker.kill()
-  saved = tf.train.load_checkpoint(str(logdir / "train" / "ckpt-5"))
+  saved = tf.train.load_checkpoint(str(logdir / "train" / "ckpt-6"))
   assert len([n for n in saved.get_variable_to_shape_map() if "layers/" in n
               and "OPTIMIZER_SLOT" not in n]) > 2
 
@@ -310,16 +319,8 @@ def test_checkpoints_of_workers_without_the_trainers_disk_are_written_and_read_o
   workers = [start_local_worker(spec, 0, single_thread=False),
              _start_worker_on_its_own_disk(spec, 1, shared)]
   logdir = shared / "run"
-  model = ["--model=demo.TinyConvNet", "--params_override=task.pipeline.num_cells=2;"
-           "task.pipeline.num_micro_batches=2;task.train.save_interval_steps=5"]
   try:
-    cluster.wait_for_servers(cluster.parse_cluster_spec(spec)["worker"])
-    first = run_trainer(*model, f"--logdir={logdir}", f"--cluster_spec={spec}", "--max_steps=5")
-    assert first.returncode == 0, first.stderr[-3000:]
-    resumed = run_trainer(*model, f"--logdir={logdir}", f"--cluster_spec={spec}",
-                          "--max_steps=10")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"Resuming from checkpoint {logdir / 'train' / 'ckpt-5'} at step 5" in resumed.stdout
+    train_then_resume(spec, logdir, save_every=5)
     # What worker 1 sees at the logdir's path: its own tmpfs, still empty.
     assert list(Path(f"/proc/{workers[1].pid}/root{shared}").iterdir()) == []
   finally:
