@@ -16,6 +16,9 @@ ParamsError (exit 2: one line naming the key, the value and what is valid) of:
               sequence length of the training batch (slices ≤ tokens, given lengths
               summing to it), its cells against the devices
   train       task.train's values (check_train_params)
+  init        task.train.init_from_keras: the saved Keras model loads, and each Keras
+              unit finds its layer there with weights of its shapes (in a scratch
+              graph: the run's variables are not touched)
   keras       a task with Keras units traced once in training (scratch graph): what a
               Keras layer does only in call (make a weight, add a loss, assign a
               weight) is refused here too, and a stack whose output the task's head
@@ -79,6 +82,42 @@ def preflight(params: Params, mode: str, devices: Sequence[str] = ()) -> None:
     check_train_params(task.train)
     check_calls_against_buckets(task.train, train_specs)
     _trace_keras_units(task, train_spec)
+    if task.train.init_from_keras:
+      with probe_task(task, train_spec) as (probe, _):
+        load_initial_keras_weights(task.train.init_from_keras, probe.main_stack)
+
+
+def load_initial_keras_weights(path: str, stack: Any) -> None:
+  """Sets the weights of `stack`'s Keras units (and batch norms) to those of the Keras
+  model saved whole at `path` (task.train.init_from_keras), each from the layer of its
+  name.
+
+  Raises:
+    ParamsError: naming task.train.init_from_keras and what does not fit: a file that
+      is not a saved Keras model, a unit without its layer there, a weight of another
+      shape.
+  """
+  import keras  # noqa: PLC0415 (only where asked for)
+
+  from lingvo_gpipe.core.from_keras import load_keras_weights  # noqa: PLC0415
+
+  what = f"task.train.init_from_keras={path!r}"
+  if not path.endswith(".keras"):
+    raise ParamsError(f"{what}: not a .keras file; save the Keras model whole with "
+                      "model.save('name.keras') (a .weights.h5 file holds no layers to "
+                      "match the units with)")
+  try:
+    model = keras.saving.load_model(path, compile=False)
+  except Exception as e:  # noqa: BLE001 (Keras raises many kinds: each means it cannot)
+    raise ParamsError(f"{what} cannot be loaded as a Keras model: "
+                      f"{str(e).strip().splitlines()[0][:200]}") from None
+  try:
+    load_keras_weights(stack, model)
+  except ParamsError as e:
+    raise ParamsError(f"{what}: {e}") from None
+  except ValueError as e:  # a weight of another shape
+    raise ParamsError(f"{what}: a weight does not fit its unit: "
+                      f"{str(e).strip().splitlines()[0][:200]}") from None
 
 
 def check_calls_against_buckets(train: Params, train_specs: list[Any]) -> None:

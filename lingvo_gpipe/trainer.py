@@ -289,6 +289,12 @@ class Trainer:
     train_p = self.params.task.train
     found = self.checkpoints.restore_newest()
     start = self._start_step(found)
+    if found.step is None and train_p.init_from_keras:
+      from lingvo_gpipe.preflight import load_initial_keras_weights  # noqa: PLC0415
+
+      load_initial_keras_weights(train_p.init_from_keras, self.task.main_stack)
+      self.replicas.copy_from_first(self.optimizers)
+      self.log(f"Initialized from the Keras model {train_p.init_from_keras}")
     if start >= max_steps:
       self.log(f"Global step {start} >= max_steps {max_steps}; nothing to train")
       return {}

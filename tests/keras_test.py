@@ -730,6 +730,53 @@ def test_a_keras_language_models_ids_are_checked_by_its_embeddings_vocabulary(tm
     served("generate", prefix_ids=ids, max_new_tokens=2, temperature=0.0, seed=1)
 
 
+def test_a_fresh_run_starts_from_a_saved_keras_models_weights_and_a_resumed_one_ignores_it(
+    tmp_path):
+  """task.train.init_from_keras: KerasConvNet's units start from a saved conv_net()'s
+  weights (every weight equal, moving statistics too); through the binary a fresh run
+  says so and trains, a resumed one restores its checkpoint instead, and a model of
+  other shapes is refused by pre-flight in one line, nothing written."""
+  from conftest import run_trainer
+  from lingvo_gpipe_params.keras_examples import conv_net
+
+  from lingvo_gpipe.trainer import Trainer
+
+  keras.utils.set_random_seed(12)
+  pretrained = conv_net()
+  path = str(tmp_path / "pretrained.keras")
+  pretrained.save(path)
+  params = example_params("keras_examples.KerasConvNet", num_cells=2).copy()
+  params.task.train.init_from_keras = path
+  trainer = Trainer(params.freeze(), str(tmp_path / "in_process"), log=lambda _: None)
+  trainer.train(0)  # (nothing to train: the weights as the run starts)
+  theirs = {v.path.split("/", 1)[-1]: v.numpy() for v in pretrained.weights}
+  ours = {f"{unit.name}/{name}": tf.convert_to_tensor(getattr(unit, name)).numpy()
+          for unit in trainer.task.main_stack.walk() if isinstance(unit, (Keras,
+                                                                        layers.BatchNorm))
+          for name in unit._var_names}  # noqa: SLF001
+  assert sorted(ours) == sorted(theirs)
+  for key, value in ours.items():
+    np.testing.assert_array_equal(value, theirs[key], err_msg=key)
+
+  logdir = tmp_path / "run"
+  common = ("--model=keras_examples.KerasConvNet", f"--logdir={logdir}", "--devices=cpu:2",
+            f"--params_override=task.train.init_from_keras='{path}'")
+  first = run_trainer(*common, "--max_steps=1")
+  assert first.returncode == 0, first.stderr[-2000:]
+  assert f"Initialized from the Keras model {path}" in first.stdout
+  resumed = run_trainer(*common, "--max_steps=2")
+  assert resumed.returncode == 0, resumed.stderr[-2000:]
+  assert "Resuming from checkpoint" in resumed.stdout and "Initialized" not in resumed.stdout
+  conv_net(features=32).save(tmp_path / "narrow.keras")
+  narrow = run_trainer("--model=keras_examples.KerasConvNet", f"--logdir={tmp_path / 'no'}",
+                       "--devices=cpu:2", "--params_override=task.train.init_from_keras="
+                       f"'{tmp_path / 'narrow.keras'}'")
+  assert narrow.returncode == 2, narrow.stderr[-2000:]
+  errors = [line for line in narrow.stderr.splitlines() if line.startswith("error:")]
+  assert len(errors) == 1 and "task.train.init_from_keras=" in errors[0], errors
+  assert not (tmp_path / "no").exists()
+
+
 @EXHAUSTIVE
 def test_a_run_resumed_with_a_layer_frozen_is_refused_in_one_line_writing_nothing(tmp_path):
   from conftest import run_trainer
