@@ -420,6 +420,36 @@ def test_a_nodes_training_argument_gives_way_as_in_keras(cpu_devices):
     assert_close(grad, want[paths[variable.ref()]])
 
 
+def shared_layer_model() -> keras.Model:
+  """Dense → a Dense `shared` applied twice (one weight set; tanh between) → Dense →
+  Dense(2): Keras trains `shared` once, from both nodes' gradients."""
+  inputs = keras.Input((6,))
+  h = keras.layers.Dense(8, name="embed")(inputs)
+  shared = keras.layers.Dense(8, name="shared")
+  h = shared(keras.layers.Activation("tanh", name="act")(shared(h)))
+  h = keras.layers.Dense(8, activation="tanh", name="after")(h)
+  return keras.Model(inputs, keras.layers.Dense(2, name="out")(h))
+
+
+def test_a_layer_called_at_two_nodes_is_one_layer_in_one_unit(cpu_devices):
+  """A layer used at several nodes stays one layer: its nodes share one unit (no cut
+  between them), which has Keras's weight count, loss and gradients at K=2, M=2."""
+  keras.utils.set_random_seed(13)
+  model = shared_layer_model()
+  names = [p.name for p in g.from_keras(model).layers]
+  assert names == ["embed", "shared_to_shared", "after", "out"]
+  data = batch(14)
+  want_loss, want = keras_loss_and_grads(model, data)
+  stack = pipelined(model, num_cells=2, num_micro_batches=2, devices=cpu_devices[:2])
+  assert stack.num_params() == model.count_params()
+  loss, grads = engine_loss_and_grads(stack, train_step.StackWithLoss(stack, mse), data, STEP)
+  paths = keras_paths(stack, model)
+  assert_close(loss, want_loss)
+  assert len(grads) == len(want)
+  for variable, grad in zip(stacked_variables.trainable_weights(stack), grads):
+    assert_close(grad, want[paths[variable.ref()]])
+
+
 def test_a_weight_frozen_on_its_own_is_refused_naming_it():
   model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, name="a"),
                             keras.layers.Dense(2, name="out")])
@@ -430,13 +460,10 @@ def test_a_weight_frozen_on_its_own_is_refused_naming_it():
 
 
 @pytest.mark.parametrize("call, message", [
-    (lambda h: (lambda tied: tied(tied(h)))(keras.layers.Dense(8, name="tied")),
-     r"'tied' \(Dense\) is called at 2 nodes of model .* sharing its weights"),
     (lambda h: PrefixMix(name="mix")(h, scale=np.full([8], 2.0, np.float32)),
      r"'mix' is called with call_kwargs\['scale'\] = .* is not a Python literal"),
 ])
-def test_call_arguments_and_shared_layers_a_unit_cannot_keep_are_refused_naming_the_layer(
-    call, message):
+def test_call_arguments_a_unit_cannot_keep_are_refused_naming_the_layer(call, message):
   inputs = keras.Input((4, 8))
   model = keras.Model(inputs, keras.layers.Dense(2, name="out")(call(
       keras.layers.Dense(8, name="embed")(inputs))))
@@ -730,6 +757,7 @@ def test_a_keras_language_models_ids_are_checked_by_its_embeddings_vocabulary(tm
     served("generate", prefix_ids=ids, max_new_tokens=2, temperature=0.0, seed=1)
 
 
+@EXHAUSTIVE
 def test_a_fresh_run_starts_from_a_saved_keras_models_weights_and_a_resumed_one_ignores_it(
     tmp_path):
   """task.train.init_from_keras: KerasConvNet's units start from a saved conv_net()'s

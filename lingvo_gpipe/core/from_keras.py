@@ -7,8 +7,9 @@ The stack is a `layers.Sequential` whose units the pipeline can cut between:
   reached through (the single tensor alive between two layers, in the order Keras runs
   them). Between two cuts lies a block with one input and one output: a single layer is
   its own unit, several (a residual branch and its Add) become one unit, a functional
-  model of those layers. A model whose graph has no such cut between its input and
-  output is one unit.
+  model of those layers. A layer called at several nodes (its weights shared) keeps
+  all its nodes inside one block. A model whose graph has no such cut between its input
+  and output is one unit.
 
 Each unit is a `layers.Keras` holding the layer's config (its build config gives the
 input shape), except two layers that a pipeline must treat as the library's own:
@@ -199,7 +200,7 @@ def _blocks(model: keras.Model) -> list[_Block]:
   nodes = [node for depth in sorted(model._nodes_by_depth, reverse=True)  # noqa: SLF001
            for node in model._nodes_by_depth[depth]  # noqa: SLF001
            if not isinstance(node.operation, keras.layers.InputLayer)]
-  _refuse_shared_layers(model, nodes)
+  shared = _shared_spans(nodes)
   consumers: dict[int, int] = {}  # tensor → index of its last consuming node
   for i, node in enumerate(nodes):
     for tensor in node.input_tensors:
@@ -214,7 +215,9 @@ def _blocks(model: keras.Model) -> list[_Block]:
       if consumers.get(id(tensor), -1) > i:
         live[id(tensor)] = tensor
     live = {key: t for key, t in live.items() if consumers.get(key, -1) > i}
-    if len(live) == 1:  # (after the last node: the output, consumed "after" all)
+    # (after the last node: the output, consumed "after" all; never inside a shared
+    # layer's span, whose nodes stay in one block)
+    if len(live) == 1 and not any(first <= i < last for first, last in shared):
       cuts.append(next(iter(live.values())))
       starts.append(i + 1)
   blocks = []
@@ -236,21 +239,14 @@ def _blocks(model: keras.Model) -> list[_Block]:
   return blocks
 
 
-def _refuse_shared_layers(model: keras.Model, nodes: list) -> None:
-  """Raises ParamsError naming a layer of `model` called at several of its nodes (one
-  weight set used twice, e.g. a tied embedding's `reverse=True` call): its units
-  would each get weights of their own and train apart."""
-  calls: dict[int, list] = {}
-  for node in nodes:
-    calls.setdefault(id(node.operation), []).append(node)
-  for called in calls.values():
-    if len(called) > 1:
-      layer = called[0].operation
-      raise ParamsError(
-          f"Keras layer {layer.name!r} ({type(layer).__name__}) is called at "
-          f"{len(called)} nodes of model {model.name!r}, sharing its weights; from_keras "
-          "does not tie units yet (each would train weights of its own): call each layer "
-          "once, or put the nodes that share it inside one block (a nested model)")
+def _shared_spans(nodes: list) -> list[tuple[int, int]]:
+  """(first, last) indices into `nodes` of each layer called at several of them (one
+  weight set used twice, e.g. a block applied twice): no cut falls between them, so
+  the layer stays one layer inside one unit and trains as Keras trains it."""
+  calls: dict[int, list[int]] = {}
+  for i, node in enumerate(nodes):
+    calls.setdefault(id(node.operation), []).append(i)
+  return [(indices[0], indices[-1]) for indices in calls.values() if len(indices) > 1]
 
 
 def load_keras_weights(stack: BaseLayer, model: keras.Model) -> None:
