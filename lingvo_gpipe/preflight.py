@@ -36,6 +36,7 @@ from typing import Any
 import tensorflow as tf
 
 from lingvo_gpipe.core import base_layer
+from lingvo_gpipe.core.from_keras import load_saved_keras_weights
 from lingvo_gpipe.core.hyperparams import Params, ParamsError
 from lingvo_gpipe.core.keras_layer import Keras
 from lingvo_gpipe.pipeline import hybrid
@@ -84,40 +85,7 @@ def preflight(params: Params, mode: str, devices: Sequence[str] = ()) -> None:
     _trace_keras_units(task, train_spec)
     if task.train.init_from_keras:
       with probe_task(task, train_spec) as (probe, _):
-        load_initial_keras_weights(task.train.init_from_keras, probe.main_stack)
-
-
-def load_initial_keras_weights(path: str, stack: Any) -> None:
-  """Sets the weights of `stack`'s Keras units (and batch norms) to those of the Keras
-  model saved whole at `path` (task.train.init_from_keras), each from the layer of its
-  name.
-
-  Raises:
-    ParamsError: naming task.train.init_from_keras and what does not fit: a file that
-      is not a saved Keras model, a unit without its layer there, a weight of another
-      shape.
-  """
-  import keras  # noqa: PLC0415 (only where asked for)
-
-  from lingvo_gpipe.core.from_keras import load_keras_weights  # noqa: PLC0415
-
-  what = f"task.train.init_from_keras={path!r}"
-  if not path.endswith(".keras"):
-    raise ParamsError(f"{what}: not a .keras file; save the Keras model whole with "
-                      "model.save('name.keras') (a .weights.h5 file holds no layers to "
-                      "match the units with)")
-  try:
-    model = keras.saving.load_model(path, compile=False)
-  except Exception as e:  # noqa: BLE001 (Keras raises many kinds: each means it cannot)
-    raise ParamsError(f"{what} cannot be loaded as a Keras model: "
-                      f"{str(e).strip().splitlines()[0][:200]}") from None
-  try:
-    load_keras_weights(stack, model)
-  except ParamsError as e:
-    raise ParamsError(f"{what}: {e}") from None
-  except ValueError as e:  # a weight of another shape
-    raise ParamsError(f"{what}: a weight does not fit its unit: "
-                      f"{str(e).strip().splitlines()[0][:200]}") from None
+        load_saved_keras_weights(task.train.init_from_keras, probe.main_stack)
 
 
 def check_calls_against_buckets(train: Params, train_specs: list[Any]) -> None:

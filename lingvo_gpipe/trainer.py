@@ -44,6 +44,7 @@ import tensorflow as tf
 
 from lingvo_gpipe import checkpoints, logdirs, train_step
 from lingvo_gpipe.core import base_layer, loss_scale, stacked_variables, tf_internals
+from lingvo_gpipe.core.from_keras import load_saved_keras_weights
 from lingvo_gpipe.core.gc_pause import cyclic_gc_paused
 from lingvo_gpipe.core.hyperparams import Params
 from lingvo_gpipe.pipeline import hybrid, schedule_chart, timeline
@@ -290,9 +291,7 @@ class Trainer:
     found = self.checkpoints.restore_newest()
     start = self._start_step(found)
     if found.step is None and train_p.init_from_keras:
-      from lingvo_gpipe.preflight import load_initial_keras_weights  # noqa: PLC0415
-
-      load_initial_keras_weights(train_p.init_from_keras, self.task.main_stack)
+      load_saved_keras_weights(train_p.init_from_keras, self.task.main_stack)
       self.replicas.copy_from_first(self.optimizers)
       self.log(f"Initialized from the Keras model {train_p.init_from_keras}")
     if start >= max_steps:

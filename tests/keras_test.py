@@ -56,6 +56,22 @@ def keras_loss_and_grads(model: keras.Model, data: dict, training: bool = True):
   return loss.numpy(), {v.path: gr.numpy() for v, gr in zip(model.trainable_weights, grads)}
 
 
+def assert_keras_gradients(stack: base_layer.BaseLayer, model: keras.Model,
+                           data: dict) -> float:
+  """The engine's step of `stack` (built from `model`, its weights loaded) on `data` has
+  Keras's own loss and gradients (keras_loss_and_grads), one per Keras trainable weight;
+  returns that loss."""
+  want_loss, want = keras_loss_and_grads(model, data)
+  loss, grads = engine_loss_and_grads(stack, train_step.StackWithLoss(stack, mse), data, STEP)
+  paths = keras_paths(stack, model)
+  weights = stacked_variables.trainable_weights(stack)
+  assert len(weights) == len(grads) == len(want)
+  assert_close(loss, want_loss)
+  for variable, grad in zip(weights, grads):
+    assert_close(grad, want[paths[variable.ref()]])
+  return want_loss
+
+
 def keras_paths(stack: base_layer.BaseLayer, model: keras.Model) -> dict:
   """{library variable ref: the Keras weight path it was loaded from}."""
   sources = keras_units(model)
@@ -88,18 +104,10 @@ def test_a_pipelined_functional_model_has_keras_gradients(cpu_devices, schedule,
                                                          virtual_stages, recompute):
   keras.utils.set_random_seed(1)
   model = residual_model(blocks=4)
-  data = batch()
-  want_loss, want = keras_loss_and_grads(model, data)
   stack = pipelined(model, num_cells=num_cells, num_micro_batches=4, schedule=schedule,
                     virtual_stages=virtual_stages, recompute=recompute,
                     devices=cpu_devices[:num_cells // virtual_stages])
-  loss, grads = engine_loss_and_grads(stack, train_step.StackWithLoss(stack, mse), data, STEP)
-  paths = keras_paths(stack, model)
-  weights = stacked_variables.trainable_weights(stack)
-  assert len(weights) == len(want)
-  assert_close(loss, want_loss)
-  for variable, grad in zip(weights, grads):
-    assert_close(grad, want[paths[variable.ref()]])
+  assert_keras_gradients(stack, model, batch())
 
 
 def dense_chain(width: int = 8, depth: int = 4) -> keras.Sequential:
@@ -116,19 +124,13 @@ def test_identical_keras_layers_share_traces_and_stacked_weights(cpu_devices, sc
   function (or a scan) per kind; gradients still Keras's."""
   keras.utils.set_random_seed(2)
   model = dense_chain()
-  data = batch(1)
-  want_loss, want = keras_loss_and_grads(model, data)
   stack = pipelined(model, num_cells=2, num_micro_batches=2, schedule="1f1b",
                     scan_layers=scan_layers, devices=cpu_devices[:2])
   hidden = [unit for unit in stack.walk() if unit.name.startswith("hidden")]
   assert {base_layer.params_kind(unit.params) for unit in hidden} == {
       base_layer.params_kind(hidden[0].params)}
   assert all(isinstance(unit.kernel, stacked_variables.RowVariable) for unit in hidden)
-  loss, grads = engine_loss_and_grads(stack, train_step.StackWithLoss(stack, mse), data, STEP)
-  paths = keras_paths(stack, model)
-  assert_close(loss, want_loss)
-  for variable, grad in zip(stacked_variables.trainable_weights(stack), grads):
-    assert_close(grad, want[paths[variable.ref()]])
+  assert_keras_gradients(stack, model, batch(1))
 
 
 def steps_match_keras_sgd(model: keras.Model, step, batches: list) -> None:
@@ -374,13 +376,8 @@ def test_each_nodes_call_arguments_are_recorded_and_passed_at_each_call(cpu_devi
   for name in ("mix", "rev"):
     assert layers.Keras.Params().from_text(by_name[name].to_text()) == by_name[name]
   data = sequence_batch()
-  want_loss, want = keras_loss_and_grads(model, data)
   stack = pipelined(model, num_cells=2, num_micro_batches=2, devices=cpu_devices[:2])
-  loss, grads = engine_loss_and_grads(stack, train_step.StackWithLoss(stack, mse), data, STEP)
-  paths = keras_paths(stack, model)
-  assert_close(loss, want_loss)
-  for variable, grad in zip(stacked_variables.trainable_weights(stack), grads):
-    assert_close(grad, want[paths[variable.ref()]])
+  want_loss = assert_keras_gradients(stack, model, data)
   for unit in body.layers:  # the same layers called with their inputs alone
     if unit.name in ("mix", "rev"):
       unit.set(call_args=[], call_kwargs={})
@@ -409,15 +406,9 @@ def test_a_nodes_training_argument_gives_way_as_in_keras(cpu_devices):
   h = keras.layers.Dense(8, activation="tanh", name="adapter")(backbone(inputs, training=False))
   model = keras.Model(inputs, keras.layers.Dense(2, name="out")(h))
   assert g.from_keras(model).layers[0].call_kwargs == {}
-  data = batch(11)
-  want_loss, want = keras_loss_and_grads(model, data)
+  assert len(model.trainable_weights) == 4  # the adapter's and the head's
   stack = pipelined(model, num_cells=2, num_micro_batches=2, devices=cpu_devices[:2])
-  loss, grads = engine_loss_and_grads(stack, train_step.StackWithLoss(stack, mse), data, STEP)
-  paths = keras_paths(stack, model)
-  assert_close(loss, want_loss)
-  assert len(grads) == len(want) == 4
-  for variable, grad in zip(stacked_variables.trainable_weights(stack), grads):
-    assert_close(grad, want[paths[variable.ref()]])
+  assert_keras_gradients(stack, model, batch(11))
 
 
 def shared_layer_model() -> keras.Model:
@@ -438,16 +429,9 @@ def test_a_layer_called_at_two_nodes_is_one_layer_in_one_unit(cpu_devices):
   model = shared_layer_model()
   names = [p.name for p in g.from_keras(model).layers]
   assert names == ["embed", "shared_to_shared", "after", "out"]
-  data = batch(14)
-  want_loss, want = keras_loss_and_grads(model, data)
   stack = pipelined(model, num_cells=2, num_micro_batches=2, devices=cpu_devices[:2])
   assert stack.num_params() == model.count_params()
-  loss, grads = engine_loss_and_grads(stack, train_step.StackWithLoss(stack, mse), data, STEP)
-  paths = keras_paths(stack, model)
-  assert_close(loss, want_loss)
-  assert len(grads) == len(want)
-  for variable, grad in zip(stacked_variables.trainable_weights(stack), grads):
-    assert_close(grad, want[paths[variable.ref()]])
+  assert_keras_gradients(stack, model, batch(14))
 
 
 def test_a_weight_frozen_on_its_own_is_refused_naming_it():
@@ -484,16 +468,10 @@ def test_recurrent_layers_have_keras_gradients(cpu_devices):
   """K=2, M=2, re-materialized: an LSTM and a GRU give Keras's loss and gradients."""
   keras.utils.set_random_seed(9)
   model = recurrent_model()
-  data = {"inputs": tf.random.stateless_normal([BATCH, 4, 8], [9, 1]),
-          "target": tf.random.stateless_normal([BATCH, 2], [9, 2])}
-  want_loss, want = keras_loss_and_grads(model, data)
   stack = pipelined(model, num_cells=2, num_micro_batches=2, devices=cpu_devices[:2])
-  loss, grads = engine_loss_and_grads(stack, train_step.StackWithLoss(stack, mse), data, STEP)
-  paths = keras_paths(stack, model)
-  assert_close(loss, want_loss)
-  assert len(grads) == len(want)
-  for variable, grad in zip(stacked_variables.trainable_weights(stack), grads):
-    assert_close(grad, want[paths[variable.ref()]])
+  assert_keras_gradients(stack, model, {
+      "inputs": tf.random.stateless_normal([BATCH, 4, 8], [9, 1]),
+      "target": tf.random.stateless_normal([BATCH, 2], [9, 2])})
 
 
 RECURRENT_PARAM_FILE = """

@@ -199,14 +199,15 @@ def _inspect_model(params) -> None:
   batch_spec = params.train_input.instantiate().batch_spec()
   task_params = with_partition_costs(params.task, params.train_input)
   stats = model_stats.analyze(task_params, batch_spec, max_depth=FLAGS.inspect_depth)
-  # A pipeline's cells run inside its device loops' functions, whose ops the graph's
-  # op list does not show: FLOPs and shapes come from the same layers run unpipelined.
-  plain = {s.path: s for s in model_stats.analyze(unpipelined(task_params), batch_spec,
-                                                   max_depth=FLAGS.inspect_depth)}
-  for s in stats:
-    if s.path in plain:
-      s.flops = plain[s.path].flops
-      s.output_shapes = s.output_shapes or plain[s.path].output_shapes
+  if any(isinstance(s.layer, PipeliningLayer) for s in stats):
+    # A pipeline's cells run inside its device loops' functions, whose ops the graph's
+    # op list does not show: FLOPs and shapes come from the same layers run unpipelined.
+    plain = {s.path: s for s in model_stats.analyze(unpipelined(task_params), batch_spec,
+                                                     max_depth=FLAGS.inspect_depth)}
+    for s in stats:
+      if s.path in plain:
+        s.flops = plain[s.path].flops
+        s.output_shapes = s.output_shapes or plain[s.path].output_shapes
   print(model_stats.format_table(stats))
   cells = []
   for s in stats:

@@ -268,6 +268,34 @@ def load_keras_weights(stack: BaseLayer, model: keras.Model) -> None:
         ours.assign(tf.cast(theirs.value, ours.dtype))
 
 
+def load_saved_keras_weights(path: str, stack: BaseLayer,
+                             what: str = "task.train.init_from_keras") -> None:
+  """`load_keras_weights(stack, model)` for the Keras model saved whole at `path` (a
+  `.keras` file): a run's start from trained weights (`what`, the param naming `path`).
+
+  Raises:
+    ParamsError: naming `what` and what does not fit: a file that is not a saved Keras
+      model, a unit without its layer there, a weight of another shape.
+  """
+  where = f"{what}={path!r}"
+  if not path.endswith(".keras"):
+    raise ParamsError(f"{where}: not a .keras file; save the Keras model whole with "
+                      "model.save('name.keras') (a .weights.h5 file holds no layers to "
+                      "match the units with)")
+  try:
+    model = keras.saving.load_model(path, compile=False)
+  except Exception as e:  # noqa: BLE001 (Keras raises many kinds: each means it cannot)
+    raise ParamsError(f"{where} cannot be loaded as a Keras model: "
+                      f"{str(e).strip().splitlines()[0][:200]}") from None
+  try:
+    load_keras_weights(stack, model)
+  except ParamsError as e:
+    raise ParamsError(f"{where}: {e}") from None
+  except ValueError as e:  # a weight of another shape
+    raise ParamsError(f"{where}: a weight does not fit its unit: "
+                      f"{str(e).strip().splitlines()[0][:200]}") from None
+
+
 def keras_units(model: keras.Model) -> dict[str, keras.layers.Layer]:
   """{name: the Keras layer (or functional block) of the unit of that name} for the
   units `from_keras(model)` makes (and the model's layers by name)."""
