@@ -16,9 +16,10 @@ ParamsError (exit 2: one line naming the key, the value and what is valid) of:
               sequence length of the training batch (slices ≤ tokens, given lengths
               summing to it), its cells against the devices
   train       task.train's values (check_train_params)
-  init        task.train.init_from_keras: the saved Keras model loads, and each Keras
-              unit finds its layer there with weights of its shapes (in a scratch
-              graph: the run's variables are not touched)
+  init        task.train.init_from_keras of a fresh run (not `resuming`): the saved
+              Keras model loads, and each Keras unit finds its layer there with
+              weights of its shapes (in a scratch graph: the run's variables are not
+              touched)
   keras       a task with Keras units traced once in training (scratch graph): what a
               Keras layer does only in call (make a weight, add a loss, assign a
               weight) is refused here too, and a stack whose output the task's head
@@ -54,9 +55,11 @@ EVAL_MODES = ("eval", "train_and_eval")
 SERVING_MODES = ("export", "decode")  # read the eval input for shapes and vocabulary
 
 
-def preflight(params: Params, mode: str, devices: Sequence[str] = ()) -> None:
+def preflight(params: Params, mode: str, devices: Sequence[str] = (),
+              resuming: bool = False) -> None:
   """Raises ParamsError naming the first value of `params` the run in `mode` on
-  `devices` (the cells' devices, in order) would refuse later."""
+  `devices` (the cells' devices, in order) would refuse later; `resuming`: the logdir
+  holds a checkpoint (the run restores it, and a fresh run's settings are not read)."""
   params.check_types()
   check_dtypes(params)
   train_spec = None
@@ -83,7 +86,7 @@ def preflight(params: Params, mode: str, devices: Sequence[str] = ()) -> None:
     check_train_params(task.train)
     check_calls_against_buckets(task.train, train_specs)
     _trace_keras_units(task, train_spec)
-    if task.train.init_from_keras:
+    if task.train.init_from_keras and not resuming:
       with probe_task(task, train_spec) as (probe, _):
         load_saved_keras_weights(task.train.init_from_keras, probe.main_stack)
 

@@ -1,6 +1,8 @@
 """Keras layers in Params stacks and `from_keras` models: each against Keras itself (the
 same model, same weights, unpartitioned, differentiated by a GradientTape)."""
 
+import os
+
 import keras
 import numpy as np
 import pytest
@@ -434,6 +436,25 @@ def test_a_layer_called_at_two_nodes_is_one_layer_in_one_unit(cpu_devices):
   assert_keras_gradients(stack, model, batch(14))
 
 
+def test_a_sequential_holding_a_layer_twice_is_refused_naming_it():
+  shared = keras.layers.Dense(6, name="sh")
+  model = keras.Sequential([keras.Input((6,)), shared, shared, keras.layers.Dense(2)])
+  with pytest.raises(hyperparams.ParamsError, match=r"Keras layer 'sh' appears more than "
+                     r"once in Sequential .*build the model as a functional one"):
+    g.from_keras(model)
+
+
+def test_weights_load_only_from_a_model_holding_every_units_layer(cpu_devices):
+  """load_keras_weights from a model without the batch norm's layer is refused naming
+  it (a unit left at its initial values would train silently)."""
+  model = conv_bn_model()
+  stack = pipelined(model, num_cells=2, num_micro_batches=1, devices=cpu_devices[:2])
+  without_bn = keras.Sequential([keras.Input((6, 6, 3)), *[
+      layer for layer in model.layers if layer.name != "bn"]])
+  with pytest.raises(hyperparams.ParamsError, match=r"the Keras model has no layer 'bn'"):
+    g.load_keras_weights(stack, without_bn)
+
+
 def test_a_weight_frozen_on_its_own_is_refused_naming_it():
   model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, name="a"),
                             keras.layers.Dense(2, name="out")])
@@ -475,6 +496,8 @@ def test_recurrent_layers_have_keras_gradients(cpu_devices):
 
 
 RECURRENT_PARAM_FILE = """
+import os
+
 import keras
 import lingvo_gpipe as g
 from lingvo_gpipe_params import demo
@@ -773,6 +796,9 @@ def test_a_fresh_run_starts_from_a_saved_keras_models_weights_and_a_resumed_one_
   resumed = run_trainer(*common, "--max_steps=2")
   assert resumed.returncode == 0, resumed.stderr[-2000:]
   assert "Resuming from checkpoint" in resumed.stdout and "Initialized" not in resumed.stdout
+  os.remove(path)  # a resumed run does not read it, nor does its pre-flight
+  again = run_trainer(*common, "--max_steps=3")
+  assert again.returncode == 0, again.stderr[-2000:]
   conv_net(features=32).save(tmp_path / "narrow.keras")
   narrow = run_trainer("--model=keras_examples.KerasConvNet", f"--logdir={tmp_path / 'no'}",
                        "--devices=cpu:2", "--params_override=task.train.init_from_keras="

@@ -396,13 +396,20 @@ def _run(state: RunState) -> int:
   from lingvo_gpipe.preflight import preflight
 
   with _bad_params_are_usage_errors():  # before anything is written or built
-    preflight(params, FLAGS.mode, devices)
+    preflight(params, FLAGS.mode, devices, resuming=_has_checkpoint(FLAGS.logdir))
   if FLAGS.mode == "plan":
     with _bad_params_are_usage_errors():
       return _plan(params, devices)
   if FLAGS.plan and FLAGS.mode != "eval":
     params = _planned_params(params, devices, state)
   return _run_in_logdir(params, watchdog, state)
+
+
+def _has_checkpoint(logdir: str | None) -> bool:
+  """Whether `logdir` holds a checkpoint index its run would resume from."""
+  import tensorflow as tf
+
+  return bool(logdir) and tf.train.latest_checkpoint(os.path.join(logdir, "train")) is not None
 
 
 def _export_or_decode(params: Params, changes: list[dict[str, str]]) -> int:

@@ -65,6 +65,7 @@ def from_keras(model: keras.Model, name: str = "body") -> InstantiableParams:
       raise ParamsError(f"Keras model {model.name!r} is not built: start it with "
                         "keras.Input(shape) (or call it once) so that each layer knows "
                         "its input shape")
+    _refuse_repeated_layers(model)
     units = [unit_params(layer) for layer in model.layers]
   elif _is_functional(model):
     units = [unit_params(block.layer, block.call_args, block.call_kwargs)
@@ -239,6 +240,18 @@ def _blocks(model: keras.Model) -> list[_Block]:
   return blocks
 
 
+def _refuse_repeated_layers(model: keras.Sequential) -> None:
+  """Raises ParamsError naming a layer a Sequential holds twice (one weight set): its
+  entries would become units with weights of their own."""
+  seen: set[int] = set()
+  for layer in model.layers:
+    if id(layer) in seen:
+      raise ParamsError(f"Keras layer {layer.name!r} appears more than once in Sequential "
+                        f"{model.name!r}, sharing its weights; build the model as a "
+                        "functional one (a shared layer's nodes then stay in one unit)")
+    seen.add(id(layer))
+
+
 def _shared_spans(nodes: list) -> list[tuple[int, int]]:
   """(first, last) indices into `nodes` of each layer called at several of them (one
   weight set used twice, e.g. a block applied twice): no cut falls between them, so
@@ -260,8 +273,8 @@ def load_keras_weights(stack: BaseLayer, model: keras.Model) -> None:
   for unit in stack.walk():
     if isinstance(unit, Keras):
       unit.assign_from(_source(sources, unit))
-    elif isinstance(unit, layers.BatchNorm) and unit.name in sources:
-      source = sources[unit.name]
+    elif isinstance(unit, layers.BatchNorm):
+      source = _source(sources, unit)
       for ours, theirs in ((unit.gamma, source.gamma), (unit.beta, source.beta),
                            (unit.moving_mean, source.moving_mean),
                            (unit.moving_variance, source.moving_variance)):
@@ -305,7 +318,7 @@ def keras_units(model: keras.Model) -> dict[str, keras.layers.Layer]:
   return sources
 
 
-def _source(sources: dict[str, Any], unit: Keras) -> keras.layers.Layer:
+def _source(sources: dict[str, Any], unit: BaseLayer) -> keras.layers.Layer:
   if unit.name not in sources:
     raise ParamsError(f"{unit.path}: the Keras model has no layer {unit.name!r}; its "
                       f"layers: {sorted(sources)}")
