@@ -13,9 +13,12 @@ GPU_VENV ?= .venv-gpu
 
 install: $(VENV)/.installed
 
-$(VENV)/.installed: setup.py pyproject.toml
+$(VENV)/.installed: setup.py pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -e '.[test]'
+	# KerasHub's layers, for the tests of Keras models built from them: without its
+	# dependencies, whose `tensorflow` would replace tensorflow-cpu (docs/keras.md).
+	$(PY) -m pip install --no-deps keras-hub==0.32.0 tokenizers==0.23.3
 	touch $@
 
 # Trains the default model offline (AmoebaNetTiny pipelined over 2 logical CPU devices,

@@ -424,24 +424,58 @@ def shared_layer_model() -> keras.Model:
   return keras.Model(inputs, keras.layers.Dense(2, name="out")(h))
 
 
-def test_a_layer_called_at_two_nodes_is_one_layer_in_one_unit(cpu_devices):
-  """A layer used at several nodes stays one layer: its nodes share one unit (no cut
-  between them), which has Keras's weight count, loss and gradients at K=2, M=2."""
+SHARED_CASES = [("gpipe", 2, 1, "always"), ("1f1b", 2, 1, "never"),
+                ("zb_h1", 2, 1, "always"), ("zbv", 4, 2, "never"), ("1f1b", 4, 1, "always"),
+                ("gpipe", 1, 1, "never")]
+
+
+@pytest.mark.parametrize("schedule,num_cells,virtual_stages,recompute", quick_sample(
+    SHARED_CASES, quick=[("zbv", 4, 2, "never"), ("1f1b", 2, 1, "never")]))
+def test_a_layer_called_at_two_nodes_is_one_weight_set_across_cells(
+    cpu_devices, schedule, num_cells, virtual_stages, recompute):
+  """A layer used at two nodes is a unit per node, the second tied to the first: one
+  weight set (Keras's count), Keras's loss and gradients (the sum of both uses) when
+  the nodes run in different cells, under each schedule family."""
   keras.utils.set_random_seed(13)
   model = shared_layer_model()
-  names = [p.name for p in g.from_keras(model).layers]
-  assert names == ["embed", "shared_to_shared", "after", "out"]
-  stack = pipelined(model, num_cells=2, num_micro_batches=2, devices=cpu_devices[:2])
+  body = g.from_keras(model)
+  assert [(p.name, getattr(p, "tie_to", None)) for p in body.layers] == [
+      ("embed", None), ("shared", None), ("act", None), ("shared_call1", "shared"),
+      ("after", None), ("out", None)]
+  stack = pipelined(model, num_cells=num_cells, num_micro_batches=2, schedule=schedule,
+                    virtual_stages=virtual_stages, recompute=recompute,
+                    devices=cpu_devices[:num_cells // virtual_stages])
+  if num_cells == 2:  # (the two uses on different devices: a tied copy)
+    assert [layer.name for layer in stack.cell_layers(0)] == ["embed", "shared", "act"]
   assert stack.num_params() == model.count_params()
   assert_keras_gradients(stack, model, batch(14))
 
 
-def test_a_sequential_holding_a_layer_twice_is_refused_naming_it():
-  shared = keras.layers.Dense(6, name="sh")
+def test_a_layer_used_inside_blocks_keeps_its_nodes_in_one_unit(cpu_devices):
+  """A shared layer whose nodes sit inside residual blocks (not alone) keeps them in
+  one unit: one layer, Keras's gradients at K=2."""
+  keras.utils.set_random_seed(15)
+  inputs = keras.Input((6,))
+  h = keras.layers.Dense(8, name="embed")(inputs)
+  shared = keras.layers.Dense(8, name="shared")
+  for i in range(2):
+    h = keras.layers.Add(name=f"add{i}")([h, shared(h)])
+  model = keras.Model(inputs, keras.layers.Dense(2, name="out")(
+      keras.layers.Dense(8, name="after")(h)))
+  names = [p.name for p in g.from_keras(model).layers]
+  assert names == ["embed", "shared_to_add1", "after", "out"]
+  stack = pipelined(model, num_cells=2, num_micro_batches=2, devices=cpu_devices[:2])
+  assert stack.num_params() == model.count_params()
+  assert_keras_gradients(stack, model, batch(16))
+
+
+def test_a_sequential_holding_a_layer_twice_ties_its_entries(cpu_devices):
+  shared = keras.layers.Dense(6, activation="tanh", name="sh")
   model = keras.Sequential([keras.Input((6,)), shared, shared, keras.layers.Dense(2)])
-  with pytest.raises(hyperparams.ParamsError, match=r"Keras layer 'sh' appears more than "
-                     r"once in Sequential .*build the model as a functional one"):
-    g.from_keras(model)
+  assert [p.name for p in g.from_keras(model).layers][:2] == ["sh", "sh_call1"]
+  stack = pipelined(model, num_cells=2, num_micro_batches=2, devices=cpu_devices[:2])
+  assert stack.num_params() == model.count_params()
+  assert_keras_gradients(stack, model, batch(17))
 
 
 def test_weights_load_only_from_a_model_holding_every_units_layer(cpu_devices):
@@ -656,7 +690,8 @@ def test_from_keras_refuses_what_it_cannot_cut():
   a, b = keras.Input((3,)), keras.Input((3,))
   two = keras.Model([a, b], keras.layers.Add()([a, b]))
   with pytest.raises(hyperparams.ParamsError, match=r"has 2 inputs and 1 outputs; "
-                     r"from_keras takes one of each"):
+                     r"from_keras takes one output and one input, or two: the ids and an "
+                     r"input named 'padding_mask'"):
     g.from_keras(two)
   with pytest.raises(hyperparams.ParamsError, match=r"is not built: start it with "
                      r"keras.Input"):

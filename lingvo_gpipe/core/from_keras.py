@@ -38,6 +38,7 @@ from typing import Any, NamedTuple
 
 import keras
 import tensorflow as tf
+from keras.src.backend import get_keras_mask
 
 from lingvo_gpipe.core import layers
 from lingvo_gpipe.core.base_layer import BaseLayer
@@ -65,16 +66,27 @@ def from_keras(model: keras.Model, name: str = "body") -> InstantiableParams:
       raise ParamsError(f"Keras model {model.name!r} is not built: start it with "
                         "keras.Input(shape) (or call it once) so that each layer knows "
                         "its input shape")
-    _refuse_repeated_layers(model)
-    units = [unit_params(layer) for layer in model.layers]
+    graph = getattr(model, "_functional", None)
+    if graph is None:  # (a Sequential Keras could not trace symbolically)
+      _refuse_repeated_layers(model)
+      return layers.Sequential.Params().set(
+          name=name, layers=[unit_params(_Block(layer, layer.name)) for layer in model.layers])
+    blocks = _blocks(graph, model.name)
   elif _is_functional(model):
-    units = [unit_params(block.layer, block.call_args, block.call_kwargs)
-             for block in _blocks(model)]
+    blocks = _blocks(model, model.name)
   else:
     raise ParamsError(f"Keras model {model.name!r} ({type(model).__name__}) is subclassed: "
                       "its call is Python that no config records, so it cannot be cut; "
                       "build it as a keras.Sequential or a functional model, or run it as "
                       "one unit with g.layers.Keras.Params().set(layer=model)")
+  carrying = any(block.padding_mask_dtype or block.keras_mask_in or block.keras_mask_out
+                 for block in blocks)
+  units = [unit_params(block, carrying) for block in blocks]
+  if any(block.padding_mask_dtype for block in blocks):
+    # The stack takes (ids, paddings): each unit its x, passing the paddings on to the
+    # next; the last returns its output alone.
+    for i, unit in enumerate(units):
+      unit.set(num_inputs=1, pass_through=int(i < len(units) - 1))
   return layers.Sequential.Params().set(name=name, layers=units)
 
 
@@ -82,35 +94,48 @@ def _is_functional(model: keras.Model) -> bool:
   return not isinstance(model, keras.Sequential) and hasattr(model, "_nodes_by_depth")
 
 
-def unit_params(layer: keras.layers.Layer, call_args: tuple = (),
-                call_kwargs: dict | None = None) -> InstantiableParams:
+def unit_params(block: _Block, carrying: bool = False) -> InstantiableParams:
   """The library params of one unit: `layers.Dropout` or `layers.BatchNorm` for those
-  Keras layers (module docstring), else a `layers.Keras` holding `layer`, called with
-  the node's constant arguments `call_args` and `call_kwargs` (after its input).
+  Keras layers (module docstring), else a `layers.Keras` holding `block.layer`, called
+  with the node's constant arguments and its padding and Keras masks (`_Block`). With
+  `carrying` (the stack carries masks beside x), a Dropout stays Keras's and a frozen
+  BatchNormalization a Keras unit (the library's take x alone).
 
   Raises:
     ParamsError: arguments to Dropout or BatchNormalization (the library's own layers
-      take none), a non-literal argument, or a weight frozen apart from its layer.
+      take none), a trainable BatchNormalization in a stack carrying masks, a
+      non-literal argument, or a weight frozen apart from its layer.
   """
+  layer = block.layer
   _refuse_weights_frozen_alone(layer)
-  call_kwargs = dict(call_kwargs or {})
+  call_kwargs = dict(block.call_kwargs)
   # A node's own `training` is dropped, as Keras 3 drops it: a functional model called
   # with training=True or False (fit passes True) passes that to every node that takes it
   # (tests/keras_test.py, test_a_nodes_training_argument_gives_way_as_in_keras).
   call_kwargs.pop("training", None)
-  if isinstance(layer, (keras.layers.Dropout, keras.layers.BatchNormalization)):
-    passed = [*(a for a in call_args if a is not None),
+  ours = {keras.layers.Dropout: "Dropout", keras.layers.BatchNormalization: "BatchNorm"}
+  kind = next((ours[cls] for cls in ours if isinstance(layer, cls)), None)
+  if kind == "BatchNorm" and carrying and layer.trainable:
+    raise ParamsError(f"Keras layer {layer.name!r} (BatchNormalization) trains in a model "
+                      "whose units carry a mask beside their activations, which "
+                      "g.layers.BatchNorm does not take (and inside a unit it would "
+                      "assign its moving statistics per micro-batch); freeze it, or build "
+                      "the model without the mask")
+  if kind is not None and not carrying:
+    passed = [*(a for a in block.call_args if a is not None),
               *(f"{k}={v!r}" for k, v in call_kwargs.items() if v is not None)]
     if passed:
-      ours = "Dropout" if isinstance(layer, keras.layers.Dropout) else "BatchNorm"
       raise ParamsError(f"Keras layer {layer.name!r} ({type(layer).__name__}) is called "
-                        f"with {passed[0]}, which g.layers.{ours} does not take; call it "
+                        f"with {passed[0]}, which g.layers.{kind} does not take; call it "
                         "with its input alone")
-    return (_dropout_params if isinstance(layer, keras.layers.Dropout)
-            else _batch_norm_params)(layer)
-  p = Keras.Params().set(name=layer.name, layer=layer)
+    return (_dropout_params if kind == "Dropout" else _batch_norm_params)(layer)
+  p = Keras.Params().set(name=block.name, layer=layer, tie_to=block.tie_to,
+                         keras_mask_in=block.keras_mask_in,
+                         keras_mask_out=block.keras_mask_out)
+  if block.padding_mask:
+    p.set(padding_mask=block.padding_mask, padding_mask_dtype=block.padding_mask_dtype)
   try:
-    p.set(call_args=list(call_args), call_kwargs=call_kwargs)
+    p.set(call_args=list(block.call_args), call_kwargs=call_kwargs)
   except ParamsError as e:
     raise ParamsError(f"Keras layer {layer.name!r} is called with {e}") from None
   policy = getattr(layer, "dtype_policy", None)
@@ -183,83 +208,207 @@ def _input_shape(layer: keras.layers.Layer) -> tuple | None:
 
 
 class _Block(NamedTuple):
-  """One unit of a functional model: a layer called at one node with its constant
-  arguments after the input, or a functional block of several nodes (whose config
-  keeps their arguments; none here)."""
+  """One unit of a chain: a layer called at one node with its constant arguments after
+  the input, or a functional block of several nodes (whose config keeps theirs).
+
+  name: the unit's (the layer's; `<layer>_call<k>` for its k-th node after the first).
+  tie_to: the unit of the layer's first node, when this is a later one (one weight set).
+  padding_mask: the keyword the node passes the model's padding-mask input as, or
+    'inputs' (a block whose second input it is); padding_mask_dtype: that input's dtype
+    ('' when the model has none).
+  keras_mask_in, keras_mask_out: whether the tensor before, after the unit carries a
+    Keras mask (Embedding(mask_zero=True), Masking) that later layers read.
+  """
   layer: keras.layers.Layer
+  name: str
   call_args: tuple = ()
   call_kwargs: dict = {}  # (a NamedTuple's default: never mutated)
+  tie_to: str | None = None
+  padding_mask: str | None = None
+  padding_mask_dtype: str = ""
+  keras_mask_in: bool = False
+  keras_mask_out: bool = False
 
 
-def _blocks(model: keras.Model) -> list[_Block]:
-  """The units of a functional model: its graph cut at each tensor that all later
-  layers are reached through (module docstring)."""
-  if len(model.inputs) != 1 or len(model.outputs) != 1:
-    raise ParamsError(f"Keras model {model.name!r} has {len(model.inputs)} inputs and "
-                      f"{len(model.outputs)} outputs; from_keras takes one of each (pass "
-                      "a mask through g.layers.Keras with pass_through instead)")
+# The name of the input a functional model takes a padding mask by (KerasHub's
+# backbones: {"token_ids", "padding_mask"}).
+PADDING_MASK_INPUT = "padding_mask"
+
+
+def _chain_inputs(model: keras.Model, name: str) -> tuple[Any, Any]:
+  """(the input the chain starts from, the padding-mask input or None)."""
+  inputs = list(model.inputs)
+  if len(model.outputs) == 1 and len(inputs) == 1:
+    return inputs[0], None
+  if len(model.outputs) == 1 and len(inputs) == 2:
+    struct = getattr(model, "_inputs_struct", None)
+    named = dict(struct) if isinstance(struct, dict) else {
+        getattr(t, "name", ""): t for t in inputs}
+    side = named.get(PADDING_MASK_INPUT)
+    if side is not None:
+      return next(t for t in inputs if t is not side), side
+  raise ParamsError(f"Keras model {name!r} has {len(inputs)} inputs and "
+                    f"{len(model.outputs)} outputs; from_keras takes one output and one "
+                    f"input, or two: the ids and an input named {PADDING_MASK_INPUT!r} "
+                    "(KerasHub's backbones)")
+
+
+def _blocks(model: keras.Model, name: str) -> list[_Block]:
+  """The units of a functional model (or a Sequential's graph): its graph cut at each
+  tensor that all later layers are reached through, a padding-mask input aside (module
+  docstring)."""
+  start, side = _chain_inputs(model, name)
+  nodes = _computing_nodes(model)
+  calls: dict[int, list[int]] = {}  # a layer → the indices of its nodes
+  for i, node in enumerate(nodes):
+    calls.setdefault(id(node.operation), []).append(i)
+  # A layer called at several nodes becomes one unit per node, the later ones tied to
+  # the first, when each node is a block of its own; otherwise no cut falls between its
+  # first and last node (its span), so its nodes share one block. Spans merge blocks,
+  # which can leave another shared layer's node not alone: repeated until none does.
+  spans: set[tuple[int, int]] = set()
+  skipped = _mask_tensors(nodes) | ({id(side)} if side is not None else set())
+  while True:
+    cuts, starts = _cuts(nodes, start, skipped, model.outputs[0], spans)
+    alone = {starts[b] for b in range(len(cuts) - 1) if starts[b + 1] == starts[b] + 1
+             and _single(nodes[starts[b]], cuts[b], skipped)}
+    needed = {(indices[0], indices[-1]) for indices in calls.values() if len(indices) > 1
+              and (isinstance(nodes[indices[0]].operation, keras.layers.BatchNormalization)
+                   or not all(i in alone for i in indices))}
+    if needed <= spans:
+      break
+    spans |= needed
+  taken = {layer.name for layer in model.layers}
+  named: dict[int, str] = {}  # a shared layer → its first node's unit
+  blocks = []
+  for b in range(len(cuts) - 1):
+    inside = nodes[starts[b]:starts[b + 1]]
+    masks = {"keras_mask_in": b > 0 and get_keras_mask(cuts[b]) is not None,
+             "keras_mask_out": b + 2 < len(cuts) and get_keras_mask(cuts[b + 1]) is not None,
+             "padding_mask_dtype": "" if side is None else side.dtype}
+    if starts[b] in alone:
+      node = inside[0]
+      layer = node.operation
+      unit, tie_to = layer.name, named.get(id(layer))
+      if tie_to is None:
+        named[id(layer)] = unit
+      else:
+        unit = _unused(f"{layer.name}_call{calls[id(layer)].index(starts[b])}", taken)
+      args, kwargs, padding_mask = _constant_arguments(node, side, skipped, name)
+      blocks.append(_Block(layer, unit, args, kwargs, tie_to, padding_mask, **masks))
+      continue
+    names = [node.operation.name for node in inside]
+    uses_side = side is not None and any(
+        any(t is side for t in node.input_tensors) for node in inside)
+    try:
+      block = keras.Model([cuts[b], side] if uses_side else cuts[b], cuts[b + 1],
+                          name=f"{names[0]}_to_{names[-1]}")
+    except Exception as e:  # noqa: BLE001
+      raise ParamsError(f"Keras model {name!r}: the layers {names} cannot form one "
+                        f"block: {e}") from None
+    blocks.append(_Block(block, block.name, padding_mask="inputs" if uses_side else None,
+                         **masks))
+  return blocks
+
+
+def _mask_tensors(nodes: list) -> set[int]:
+  """The ids of the Keras masks of `nodes`' outputs (KerasTensors Keras passes as a
+  layer's `mask` argument; each unit's layers make their own)."""
+  return {id(mask) for node in nodes for tensor in node.output_tensors
+          if (mask := get_keras_mask(tensor)) is not None}
+
+
+def _computing_nodes(model: keras.Model) -> list:
+  """The model's nodes in the order Keras runs them, without its inputs and the ops
+  Keras adds to compute masks (`not_equal` for Embedding(mask_zero=True), `logical_or`
+  merging an Add's): a unit's layers compute their masks themselves when called."""
   nodes = [node for depth in sorted(model._nodes_by_depth, reverse=True)  # noqa: SLF001
            for node in model._nodes_by_depth[depth]  # noqa: SLF001
            if not isinstance(node.operation, keras.layers.InputLayer)]
-  shared = _shared_spans(nodes)
+  masks = _mask_tensors(nodes)
+  outputs = {id(tensor) for tensor in model.outputs}
+  mask_only: set[int] = set()  # nodes whose outputs are masks or feed mask ops only
+  for node in reversed(nodes):
+    readers = [other for other in nodes
+               if any(id(t) in {id(o) for o in node.output_tensors}
+                      for t in other.input_tensors)]
+    if all(id(t) not in outputs for t in node.output_tensors) and all(
+        id(t) in masks for t in node.output_tensors) or (
+        readers and all(id(r) in mask_only for r in readers)):
+      mask_only.add(id(node))
+  return [node for node in nodes if id(node) not in mask_only]
+
+
+def _cuts(nodes: list, start: Any, skipped: set[int], output: Any,
+          spans: set[tuple[int, int]]) -> tuple[list, list[int]]:
+  """([the tensors between blocks, in order, `start` first and `output` last], [the
+  index of each block's first node, and len(nodes)]): a cut wherever one tensor alone
+  is still needed (those in `skipped` aside: the padding-mask input, Keras's masks),
+  never inside a span."""
   consumers: dict[int, int] = {}  # tensor → index of its last consuming node
   for i, node in enumerate(nodes):
     for tensor in node.input_tensors:
-      consumers[id(tensor)] = i
-  output = model.outputs[0]
+      if id(tensor) not in skipped:
+        consumers[id(tensor)] = i
   consumers[id(output)] = len(nodes)
-  live = {id(model.inputs[0]): model.inputs[0]}
-  cuts = [model.inputs[0]]  # the tensors between blocks, in order
-  starts = [0]
+  live = {id(start): start}
+  cuts, starts = [start], [0]
   for i, node in enumerate(nodes):
     for tensor in node.output_tensors:
       if consumers.get(id(tensor), -1) > i:
         live[id(tensor)] = tensor
     live = {key: t for key, t in live.items() if consumers.get(key, -1) > i}
-    # (after the last node: the output, consumed "after" all; never inside a shared
-    # layer's span, whose nodes stay in one block)
-    if len(live) == 1 and not any(first <= i < last for first, last in shared):
+    # (after the last node: the output, consumed "after" all)
+    if len(live) == 1 and not any(first <= i < last for first, last in spans):
       cuts.append(next(iter(live.values())))
       starts.append(i + 1)
-  blocks = []
-  for b in range(len(cuts) - 1):
-    inside = nodes[starts[b]:starts[b + 1]]
-    if len(inside) == 1 and len(inside[0].input_tensors) == 1:
-      arguments = inside[0].arguments
-      if arguments.args and arguments.args[0] is inside[0].input_tensors[0]:
-        blocks.append(_Block(inside[0].operation, tuple(arguments.args[1:]),
-                             dict(arguments.kwargs)))
-        continue
-    names = [node.operation.name for node in inside]
-    try:
-      block = keras.Model(cuts[b], cuts[b + 1], name=f"{names[0]}_to_{names[-1]}")
-    except Exception as e:  # noqa: BLE001
-      raise ParamsError(f"Keras model {model.name!r}: the layers {names} cannot form one "
-                        f"block: {e}") from None
-    blocks.append(_Block(block))
-  return blocks
+  return cuts, starts
+
+
+def _single(node: Any, cut: Any, skipped: set[int]) -> bool:
+  """Whether `node` alone makes a unit: called with `cut` first, its other arguments
+  constants (or tensors in `skipped`: the padding mask, Keras's masks)."""
+  tensors = [t for t in node.input_tensors if id(t) not in skipped]
+  args = node.arguments.args
+  return len(tensors) == 1 and tensors[0] is cut and bool(args) and args[0] is cut
+
+
+def _constant_arguments(node: Any, side: Any, skipped: set[int], name: str
+                        ) -> tuple[tuple, dict, str | None]:
+  """(the node's positional arguments after its input, its keyword arguments but the
+  Keras masks Keras filled in (the unit's layer gets them from its input again), the
+  keyword the padding mask `side` is passed as, or None)."""
+  args = tuple(node.arguments.args[1:])
+  kwargs = {k: v for k, v in node.arguments.kwargs.items()
+            if v is side or id(v) not in skipped}
+  if side is not None and any(a is side for a in args):
+    raise ParamsError(f"Keras model {name!r}: layer {node.operation.name!r} takes the "
+                      f"padding mask as a positional argument; pass it by keyword "
+                      "(KerasHub's decoder_padding_mask=...)")
+  keyword = next((k for k, v in kwargs.items() if side is not None and v is side), None)
+  if keyword is not None:
+    del kwargs[keyword]
+  return args, kwargs, keyword
+
+
+def _unused(name: str, taken: set[str]) -> str:
+  """`name`, with underscores added until no layer of the model has it; then taken."""
+  while name in taken:
+    name += "_"
+  taken.add(name)
+  return name
 
 
 def _refuse_repeated_layers(model: keras.Sequential) -> None:
-  """Raises ParamsError naming a layer a Sequential holds twice (one weight set): its
-  entries would become units with weights of their own."""
+  """Raises ParamsError naming a layer a Sequential without a graph holds twice (one
+  weight set): its entries would become units with weights of their own."""
   seen: set[int] = set()
   for layer in model.layers:
     if id(layer) in seen:
       raise ParamsError(f"Keras layer {layer.name!r} appears more than once in Sequential "
-                        f"{model.name!r}, sharing its weights; build the model as a "
-                        "functional one (a shared layer's nodes then stay in one unit)")
+                        f"{model.name!r}, sharing its weights; build the model with "
+                        "keras.Input first, or as a functional one")
     seen.add(id(layer))
-
-
-def _shared_spans(nodes: list) -> list[tuple[int, int]]:
-  """(first, last) indices into `nodes` of each layer called at several of them (one
-  weight set used twice, e.g. a block applied twice): no cut falls between them, so
-  the layer stays one layer inside one unit and trains as Keras trains it."""
-  calls: dict[int, list[int]] = {}
-  for i, node in enumerate(nodes):
-    calls.setdefault(id(node.operation), []).append(i)
-  return [(indices[0], indices[-1]) for indices in calls.values() if len(indices) > 1]
 
 
 def load_keras_weights(stack: BaseLayer, model: keras.Model) -> None:
@@ -271,6 +420,8 @@ def load_keras_weights(stack: BaseLayer, model: keras.Model) -> None:
   """
   sources = keras_units(model)
   for unit in stack.walk():
+    if isinstance(unit, Keras) and unit.params.tie_to:
+      continue  # (it reads the weights of unit `tie_to`, loaded there)
     if isinstance(unit, Keras):
       unit.assign_from(_source(sources, unit))
     elif isinstance(unit, layers.BatchNorm):
@@ -313,8 +464,10 @@ def keras_units(model: keras.Model) -> dict[str, keras.layers.Layer]:
   """{name: the Keras layer (or functional block) of the unit of that name} for the
   units `from_keras(model)` makes (and the model's layers by name)."""
   sources = {layer.name: layer for layer in model.layers}
-  if _is_functional(model):
-    sources.update({block.layer.name: block.layer for block in _blocks(model)})
+  graph = getattr(model, "_functional", None) if isinstance(model, keras.Sequential) \
+      else model if _is_functional(model) else None
+  if graph is not None:
+    sources.update({block.name: block.layer for block in _blocks(graph, model.name)})
   return sources
 
 

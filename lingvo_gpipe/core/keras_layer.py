@@ -46,6 +46,7 @@ from typing import Any
 import keras
 import numpy as np
 import tensorflow as tf
+from keras.src.backend import get_keras_mask, set_keras_mask
 
 from lingvo_gpipe.core import base_layer
 from lingvo_gpipe.core.base_layer import BaseLayer
@@ -261,6 +262,24 @@ class Keras(BaseLayer):
              "from_keras records them; e.g. {'use_causal_mask': False}); `training` is "
              "the pipeline's.",
              convert=lambda v: literal_call_arguments(v, "call_kwargs", keyword=True))
+    p.define("tie_to", None, "The name of an earlier unit of this stack built from the "
+             "same Keras layer (a layer called at several nodes: GPT-2's embedding "
+             "reused as the output projection): this unit reads that unit's weights, "
+             "one weight set trained from both uses (pipeline/tied_weights.py across "
+             "cells). None: weights of its own.")
+    p.define("padding_mask", None, "Where the layer takes a padding mask made from the "
+             "stack's last input, the task's paddings [B, T] (1 = padded): the keyword "
+             "it is passed as (KerasHub's 'decoder_padding_mask', 'padding_mask'), or "
+             "'inputs' for a functional block whose second input it is. The mask is "
+             "1 - paddings (1 = a real token) in padding_mask_dtype. None: none.")
+    p.define("padding_mask_dtype", "int32", "The dtype the padding mask is passed in "
+             "(the Keras model's padding-mask input's): int32, bool or a float.")
+    p.define("keras_mask_in", False, "Whether the input after x is the Keras mask of x "
+             "(float [B, T], 1 = kept: an Embedding(mask_zero=True) or Masking earlier "
+             "in the stack), attached to x as Keras attaches it, so that the layer sees "
+             "it as it would unpipelined.")
+    p.define("keras_mask_out", False, "Whether the Keras mask of the layer's output is "
+             "returned after it (float [B, T], 1 = kept), for the next unit.")
     return p
 
   def __init__(self, params):
@@ -275,6 +294,22 @@ class Keras(BaseLayer):
     if not isinstance(p.pass_through, int) or p.pass_through < 0:
       raise ParamsError(f"{self.path}: pass_through must be an int >= 0, got "
                         f"{p.pass_through!r}")
+    if p.padding_mask is not None and (not isinstance(p.padding_mask, str)
+                                       or not p.padding_mask.isidentifier()):
+      raise ParamsError(f"{self.path}: padding_mask must be None, a keyword the layer "
+                        f"takes or 'inputs', got {p.padding_mask!r}")
+    try:
+      mask_dtype = tf.as_dtype(p.padding_mask_dtype)
+    except TypeError:
+      mask_dtype = None
+    if mask_dtype is None or not (mask_dtype.is_floating or mask_dtype.is_integer
+                                  or mask_dtype == tf.bool):
+      raise ParamsError(f"{self.path}: padding_mask_dtype must be an int, bool or float "
+                        f"dtype name, got {p.padding_mask_dtype!r}")
+    if p.tie_to is not None and (not isinstance(p.tie_to, str) or not p.tie_to
+                                 or p.tie_to == p.name):
+      raise ParamsError(f"{self.path}: tie_to must be None or the name of another, "
+                        f"earlier unit, got {p.tie_to!r}")
     policy = self._policy()
     # (Keras variable, the attribute holding the library variable it reads), and the
     # Keras seed generators' states: set by _build_keras.
@@ -322,6 +357,10 @@ class Keras(BaseLayer):
         # included; its layers check what they need (a generate step runs the stack on
         # other lengths).
         layer.input_spec = None
+        if p.keras_mask_in or p.keras_mask_out:
+          # (A Functional says it does not, and drops the mask its layers computed; in
+          # the whole model, Keras passes it on between them.)
+          layer.supports_masking = True
       if isinstance(layer, keras.Model):
         # (A model's config has no dtype of its own: its layers' are set in the config.)
         layer.dtype_policy = policy
@@ -338,7 +377,7 @@ class Keras(BaseLayer):
       except Exception as e:  # noqa: BLE001
         raise ParamsError(f"{self.path}: Keras layer {config['class_name']!r} cannot be "
                           f"built for input_shape={p.input_shape!r}: {e}") from None
-    ours = {id(getattr(self, name)): name for name in self._var_names}
+    ours = {id(getattr(self, name)): name for name in self._var_names + self._tied_names}
     bound, seeds = [], []
     keras_trainable = {id(variable) for variable in layer.trainable_weights}
     for variable in layer.variables:
@@ -388,9 +427,15 @@ class Keras(BaseLayer):
     trainable = (True if trainable is None else bool(trainable)) and not _frozen_scope()
     self._creating = True
     try:
-      variable = self.create_variable(
-          attribute, shape.as_list(), dtype=self.params.dtype, trainable=trainable,
-          make_initial=lambda: tf.cast(initial_fn(), self.params.dtype))
+      if self.params.tie_to:
+        # The same Keras layer as unit `tie_to` (same config, so the same weights in the
+        # same order, named alike): its variable, read here too.
+        variable = self.tie_variable(attribute, f"{self.params.tie_to}/{attribute}",
+                                     shape.as_list())
+      else:
+        variable = self.create_variable(
+            attribute, shape.as_list(), dtype=self.params.dtype, trainable=trainable,
+            make_initial=lambda: tf.cast(initial_fn(), self.params.dtype))
     finally:
       self._creating = False
     if isinstance(variable, base_layer.VariableShape):
@@ -418,10 +463,41 @@ class Keras(BaseLayer):
       self.keras_layer(*symbolic, *(self.params.call_args or []),
                        **(self.params.call_kwargs or {}))
 
+  def _layer_inputs(self, inputs: tuple) -> tuple[tuple, dict, tuple]:
+    """(the layer's positional inputs, its tensor keyword arguments, the inputs passed
+    through) from the stack's `inputs`: (x, [x's Keras mask, keras_mask_in], *others),
+    the padding mask (if any) made from the last of them."""
+    p = self.params
+    passed = inputs[len(inputs) - p.pass_through:] if p.pass_through else ()
+    paddings = inputs[-1]
+    if p.keras_mask_in:
+      x, mask, *others = inputs
+      # (Keras's own mask attribute: its layers read it, as on a tensor they made.)
+      set_keras_mask(x, tf.cast(mask, tf.bool))
+      inputs = (x, *others)
+    inputs = inputs[:p.num_inputs]
+    keywords = {}
+    if p.padding_mask is not None:
+      dtype = tf.as_dtype(p.padding_mask_dtype)
+      real = tf.cast(paddings, tf.float32) < 0.5  # [B, T], True at a real token
+      mask = real if dtype == tf.bool else tf.cast(real, dtype)
+      if p.padding_mask == "inputs":
+        inputs = ([inputs[0], mask],)
+      else:
+        keywords[p.padding_mask] = mask
+    return inputs, keywords, passed
+
+  def _with_keras_mask(self, outputs: Any) -> tuple:
+    """(outputs, their Keras mask as float [B, T]): keras_mask_out."""
+    mask = get_keras_mask(outputs)
+    if mask is None:
+      raise ParamsError(f"{self.path}: keras_mask_out is set, but the Keras layer's "
+                        "output carries no mask")
+    return outputs, tf.cast(mask, tf.float32)
+
   def fprop(self, *inputs: Any) -> Any:
     ctx = base_layer.current_context()
-    passed = inputs[len(inputs) - self.params.pass_through:] if self.params.pass_through else ()
-    inputs = inputs[:self.params.num_inputs]
+    inputs, keywords, passed = self._layer_inputs(inputs)
     if not self.keras_layer.built:
       self._build_on_first_call(inputs)
     # (A stacked row converts to its slice: stacked_variables' conversion function.)
@@ -434,7 +510,7 @@ class Keras(BaseLayer):
       entered = [(variable, scope.get_current_value(variable)) for variable, _ in weights]
       outputs = self.keras_layer(*inputs, *(self.params.call_args or []),
                                  training=bool(ctx.training),
-                                 **(self.params.call_kwargs or {}))
+                                 **(self.params.call_kwargs or {}), **keywords)
     if scope.losses:
       raise ParamsError(f"{self.path}: the Keras layer adds a loss in call, which a "
                         "pipeline's task loss does not see; add it to the task's loss")
@@ -443,7 +519,8 @@ class Keras(BaseLayer):
         raise ParamsError(f"{self.path}: the Keras layer assigns to its weight "
                           f"{variable.path!r} in call; a pipeline runs call once per "
                           "micro-batch and again in a recompute")
-    return (outputs, *passed) if passed else outputs
+    outputs = self._with_keras_mask(outputs) if self.params.keras_mask_out else (outputs,)
+    return (*outputs, *passed) if len(outputs) + len(passed) > 1 else outputs[0]
 
   def _paired(self, source: keras.layers.Layer) -> list[tuple[Any, str]]:
     """[(`source`'s weight, the attribute of this layer's that it pairs with)], in

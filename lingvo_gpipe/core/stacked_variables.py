@@ -281,9 +281,9 @@ def per_weight(weights: Sequence[Any], variables: Sequence[Any], values: Sequenc
 def deferred(enabled: bool = True, kept_whole: Sequence[str] = ()) -> Iterator[None]:
   """Within (this thread), `BaseLayer.create_variable` makes unbound RowVariables for
   trainable floating-point variables, to be stacked by `stack`; except those whose
-  path ends in '/' + one of `kept_whole`: variables other layers tie to
-  (BaseLayer.tie_variable), which cells on other devices read, stay variables of
-  their own."""
+  path ends in '/' + one of `kept_whole`, or lies below it (a Keras unit's `tie_to`
+  names the unit): variables other layers tie to (BaseLayer.tie_variable), which cells
+  on other devices read, stay variables of their own."""
   previous = getattr(_STATE, "deferred", False), getattr(_STATE, "kept_whole", ())
   _STATE.deferred, _STATE.kept_whole = enabled, tuple(kept_whole)
   try:
@@ -296,7 +296,7 @@ def deferring(path: str | None = None) -> bool:
   """Whether a variable (at `path`, if given) is made a row to stack now."""
   if not getattr(_STATE, "deferred", False):
     return False
-  return path is None or not any(path.endswith("/" + k)
+  return path is None or not any(path.endswith("/" + k) or f"/{k}/" in path
                                  for k in getattr(_STATE, "kept_whole", ()))
 
 

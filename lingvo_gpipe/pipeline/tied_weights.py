@@ -76,9 +76,10 @@ def make_copies(cells: Sequence[Sequence[BaseLayer]], devices: Sequence[str]
         key = (variable.ref(), device)
         if key not in made:
           with tf.device(device):
-            # Trainable, so that the cell's tape watches it; no optimizer, checkpoint or
-            # module's variable list sees it (it is held here only).
-            made[key] = tf.Variable(variable.read_value(), trainable=True,
+            # Trainable as its variable (so that the cell's tape watches it, or, frozen,
+            # does not); no optimizer, checkpoint or module's variable list sees it (it
+            # is held here only).
+            made[key] = tf.Variable(variable.read_value(), trainable=variable.trainable,
                                     name=f"{variable.name.split(':')[0]}/copy")
         copies.append(TiedCopy(layer, name, variable, made[key], device))
   return copies
