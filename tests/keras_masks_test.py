@@ -9,6 +9,7 @@ import pytest
 import tensorflow as tf
 from conftest import engine_loss_and_grads
 from keras_test import STEP, keras_paths, mse, pipelined
+from lingvo_gpipe_params import lm
 from numerics import assert_close, tolerance
 from tiers import quick_sample
 
@@ -21,22 +22,23 @@ keras_hub = pytest.importorskip("keras_hub")  # (make install puts it in; docs/k
 VOCAB, LENGTH, WIDTH, BATCH = 23, 6, 8, 8
 
 
-def gpt2_shaped(tied: bool = True, num_layers: int = 2) -> keras.Model:
+def gpt2_shaped(tied: bool = True, num_layers: int = 2, vocab: int = VOCAB,
+                max_length: int = LENGTH) -> keras.Model:
   """KerasHub's GPT2Backbone, small, with its LM head: {"token_ids", "padding_mask"}
   [B, T] → logits [B, T, VOCAB]. Token and position embeddings added, decoder blocks
   taking the padding mask by keyword, a final norm, and the output projection the
   token embedding reversed (tied, as GPT-2's) or a Dense."""
   ids = keras.Input((None,), dtype="int32", name="token_ids")
   padding_mask = keras.Input((None,), dtype="int32", name="padding_mask")
-  tokens = keras.layers.ReversibleEmbedding(VOCAB, WIDTH, name="token_embedding")
+  tokens = keras.layers.ReversibleEmbedding(vocab, WIDTH, name="token_embedding")
   h = tokens(ids)
   h = keras.layers.Add(name="embeddings_add")([
-      h, keras_hub.layers.PositionEmbedding(LENGTH, name="position_embedding")(h)])
+      h, keras_hub.layers.PositionEmbedding(max_length, name="position_embedding")(h)])
   for i in range(num_layers):
     h = keras_hub.layers.TransformerDecoder(16, 2, name=f"transformer_layer_{i}")(
         h, decoder_padding_mask=padding_mask)
   h = keras.layers.LayerNormalization(name="layer_norm")(h)
-  logits = tokens(h, reverse=True) if tied else keras.layers.Dense(VOCAB, name="logits")(h)
+  logits = tokens(h, reverse=True) if tied else keras.layers.Dense(vocab, name="logits")(h)
   return keras.Model({"token_ids": ids, "padding_mask": padding_mask}, logits)
 
 
@@ -125,6 +127,70 @@ def test_a_gpt2_shaped_backbone_trains_tied_with_its_padding_mask_as_keras_does(
   # (The mask matters: without it Keras's own loss differs.)
   assert abs(keras_lm_step(model, data, padding_mask=False)[0] - loss) > 10 * tolerance(
       loss, dtype=np.float32)
+
+
+@g.register
+class Gpt2Lm(lm.TransformerTiny):
+  """`gpt2_shaped()`, tied, as a LanguageModelTask's stack over 2 cells: the synthetic
+  corpus's (ids, paddings) become its {"token_ids", "padding_mask"}."""
+
+  def task(self):
+    vocab = self.train_input().instantiate().vocab.size
+    p = super().task().set(name="gpt2_lm")
+    p.stack = g.from_keras(gpt2_shaped(vocab=vocab, max_length=32), name="stack")
+    return p
+
+
+def test_a_tied_backbone_trains_in_the_trainer_and_serves_keras_scores(tmp_path):
+  """GPT-2's idiom through the trainer (K=2, the embedding and its reversed use in
+  different cells), exported: its served `score` is Keras's own forward of the same
+  model holding the trained weights, and its `generate` answers."""
+  from keras_test import example_params  # noqa: PLC0415
+
+  from lingvo_gpipe import exporter  # noqa: PLC0415
+  from lingvo_gpipe.core.from_keras import keras_units  # noqa: PLC0415
+  from lingvo_gpipe.core.keras_layer import Keras  # noqa: PLC0415
+  from lingvo_gpipe.tasks import serving  # noqa: PLC0415
+  from lingvo_gpipe.trainer import Trainer  # noqa: PLC0415
+
+  params = example_params("keras_masks_test.Gpt2Lm")
+  vocab = params.task.stack.layers[0].layer["config"]["input_dim"]
+  bounds = params.task.cls.id_bounds(params.task)  # (the reversed embedding: the labels')
+  assert bounds["ids"].bound == bounds["labels"].bound == vocab == (
+      params.train_input.instantiate().id_space_size())
+  trainer = Trainer(params, str(tmp_path), log=lambda _: None)
+  trainer.train(2)
+  stack = trainer.task.main_stack
+  assert stack.cell_layers(1)[-1].params.tie_to == "token_embedding"
+  model = gpt2_shaped(vocab=vocab, max_length=32)
+  sources = keras_units(model)
+  weights = {w.path: w for w in model.weights}
+  for unit in stack.walk():
+    if isinstance(unit, Keras) and not unit.params.tie_to:
+      for name, path in unit.keras_weight_paths(sources[unit.name]).items():
+        weights[path].assign(tf.convert_to_tensor(getattr(unit, name)))
+  path = exporter.export(params, str(tmp_path), model_name="keras_masks_test.Gpt2Lm",
+                         options=serving.ServingOptions(max_decode_length=16),
+                         log=lambda _: None)
+  batch = next(iter(params.eval_input.instantiate().dataset()))
+  ids, paddings = batch["ids"], tf.cast(batch["paddings"], tf.float32)
+  loaded = tf.saved_model.load(path)
+  served = loaded.signatures["score"](ids=ids, paddings=paddings)["token_log_probs"]
+  logits = model({"token_ids": ids, "padding_mask": tf.cast(paddings < 0.5, tf.int32)})
+  log_probs = tf.nn.log_softmax(logits)
+  # token t's log p(ids[t] | ids[<t]) is read from position t - 1's logits.
+  want = tf.gather(log_probs[:, :-1], ids[:, 1:], batch_dims=2) * (1.0 - paddings[:, 1:])
+  assert_close(served.numpy()[:, 1:], want.numpy())
+  prefix = ids[:, :3]
+  generated = loaded.signatures["generate"](
+      prefix_ids=prefix, max_new_tokens=tf.constant(2), temperature=tf.constant(0.0),
+      seed=tf.constant(7, tf.int64))["ids"].numpy()
+  # Greedy: the first token generated is the argmax of Keras's logits after the prefix.
+  first = tf.argmax(model({"token_ids": prefix, "padding_mask": tf.ones_like(prefix)})[
+      :, -1], axis=-1, output_type=tf.int32)
+  np.testing.assert_array_equal(generated[:, 0], first.numpy())
+  with pytest.raises(tf.errors.InvalidArgumentError, match=rf"score: ids.*{vocab}"):
+    loaded.signatures["score"](ids=tf.constant([[1, vocab]]), paddings=tf.zeros([1, 2]))
 
 
 def masked_classifier(kind: str) -> keras.Model:

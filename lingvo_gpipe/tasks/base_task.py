@@ -218,9 +218,11 @@ def vocabulary_bounds(task_params: Params, input_keys: tuple[str, ...],
   return bounds
 
 
-# Keras embeddings and the config field holding their vocabulary (keras_hub's too).
-_KERAS_EMBEDDINGS = {"Embedding": "input_dim", "ReversibleEmbedding": "vocabulary_size",
-                     "TokenAndPositionEmbedding": "vocabulary_size"}
+# Keras embeddings and the config fields holding their vocabulary (keras_hub's too:
+# its ReversibleEmbedding has vocabulary_size where Keras's own has input_dim).
+_KERAS_EMBEDDINGS = {"Embedding": ("input_dim",),
+                     "ReversibleEmbedding": ("input_dim", "vocabulary_size"),
+                     "TokenAndPositionEmbedding": ("vocabulary_size",)}
 
 
 def _keras_vocabulary(config: dict) -> tuple[str, int, bool] | None:
@@ -230,7 +232,7 @@ def _keras_vocabulary(config: dict) -> tuple[str, int, bool] | None:
   first found inside a block), or a final `Dense`'s `units` (logits)."""
   inner = config.get("config", {})
   name = config.get("class_name")
-  fields = [_KERAS_EMBEDDINGS[name]] if name in _KERAS_EMBEDDINGS else []
+  fields = list(_KERAS_EMBEDDINGS.get(name, ()))
   for field in [*fields, "vocab_size", "vocabulary_size"]:
     size = inner.get(field)
     if isinstance(size, int) and not isinstance(size, bool):
