@@ -728,14 +728,20 @@ def checkpointed(logdir) -> dict:
 
 @pytest.mark.parametrize("key, dtype", quick_sample(
     [("keras_examples.KerasConvNet", "bfloat16"), ("keras_examples.KerasConvNet", "float16"),
-     ("keras_examples.KerasTransformerLm", "bfloat16")],
-    quick=[("keras_examples.KerasConvNet", "bfloat16")]))
+     ("keras_examples.KerasTransformerLm", "bfloat16"), ("keras_masks_test.Gpt2Lm", "bfloat16"),
+     ("keras_masks_test.Gpt2Lm", "float16")],
+    quick=[("keras_examples.KerasConvNet", "bfloat16"), ("keras_masks_test.Gpt2Lm", "float16")]))
 def test_half_precision_exports_of_keras_models_agree_with_float32(tmp_path, key, dtype):
-  """The Keras examples trained a step and served in a half dtype (weights stored so;
-  Keras's policy casts them), against float32, to the half dtype's precision."""
+  """The Keras examples and a GPT-2-shaped model of KerasHub's layers (tied, with a
+  padding mask) trained a step and served in a half dtype (weights stored so; Keras's
+  policy casts them), against float32, to the half dtype's precision."""
   from lingvo_gpipe import exporter
   from lingvo_gpipe.tasks import serving
   from lingvo_gpipe.trainer import Trainer
+
+  if key.startswith("keras_masks_test."):
+    pytest.importorskip("keras_hub")
+    import keras_masks_test  # noqa: F401 (registers the model)
 
   params = example_params(key, num_cells=2)
   Trainer(params, str(tmp_path), log=lambda _: None).train(1)
@@ -791,6 +797,71 @@ def test_a_keras_language_models_ids_are_checked_by_its_embeddings_vocabulary(tm
     served("score", ids=ids, paddings=np.zeros(ids.shape, np.float32))
   with pytest.raises(tf.errors.InvalidArgumentError, match=rf"generate: prefix_ids.*{vocab}"):
     served("generate", prefix_ids=ids, max_new_tokens=2, temperature=0.0, seed=1)
+
+
+def weights_file_model(kind: str) -> keras.Model:
+  """'conv_bn': a Sequential with batch norm (a library BatchNorm unit) and dropout;
+  'nested': a frozen Sequential backbone inside a functional model; 'residual': blocks
+  of several layers (each block one unit); 'gpt2': KerasHub decoders, a tied
+  embedding."""
+  if kind == "gpt2":
+    pytest.importorskip("keras_hub")
+    from keras_masks_test import gpt2_shaped  # noqa: PLC0415
+    return gpt2_shaped()
+  return {"conv_bn": conv_bn_model, "nested": lambda: frozen_model("nested"),
+          "residual": lambda: residual_model(blocks=2)}[kind]()
+
+
+@pytest.mark.parametrize("kind", quick_sample(["conv_bn", "nested", "residual", "gpt2"],
+                                              quick=["conv_bn", "gpt2"]))
+def test_a_stack_starts_from_a_keras_weights_file_as_from_the_model_itself(
+    tmp_path, cpu_devices, kind):
+  """A `.weights.h5` file (model.save_weights) sets each unit's weights, read at the
+  place from_keras recorded, to exactly what load_keras_weights copies from the model
+  object itself: Keras units, blocks, nested models, batch norms, tied units."""
+  from lingvo_gpipe.core.from_keras import load_saved_keras_weights
+
+  keras.utils.set_random_seed(31)
+  model = weights_file_model(kind)
+  path = str(tmp_path / "pretrained.weights.h5")
+  model.save_weights(path)
+  want = pipelined(model, num_cells=2, num_micro_batches=1, devices=cpu_devices[:2])
+  got = PipeliningLayer.Params().set(name="body", layers=g.from_keras(model).layers,
+                                     num_cells=2, num_micro_batches=1,
+                                     devices=cpu_devices[:2]).instantiate()
+  values = [(a.path if hasattr(a, "path") else a.name, a, b)
+            for a, b in zip(got.variables, want.variables)]
+  assert any(not np.array_equal(a.numpy(), b.numpy()) for _, a, b in values)
+  load_saved_keras_weights(path, got)
+  for name, a, b in values:
+    np.testing.assert_array_equal(a.numpy(), b.numpy(), err_msg=name)
+
+
+def test_a_weights_file_that_does_not_fit_is_refused_naming_the_param(tmp_path, cpu_devices):
+  from lingvo_gpipe.core.from_keras import load_saved_keras_weights
+
+  stack = pipelined(conv_bn_model(), num_cells=2, num_micro_batches=1,
+                    devices=cpu_devices[:2])
+  wider = keras.Sequential([keras.Input((6, 6, 3)), keras.layers.Conv2D(
+      8, 3, use_bias=False), keras.layers.BatchNormalization(),
+      keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(2)])
+  other = dense_chain()
+  for model, name in ((wider, "wider"), (other, "other")):
+    model.save_weights(tmp_path / f"{name}.weights.h5")
+  (tmp_path / "text.weights.h5").write_text("not a weights file")
+  for name, message in [
+      ("wider", r"body/conv: a weight does not fit its unit"),
+      ("other", r"body/conv: the file holds no weights at 'layers/conv2d'"),
+      ("text", r"not a Keras weights file"),
+      ("missing", r"not a Keras weights file|cannot be read"),
+  ]:
+    path = str(tmp_path / f"{name}.weights.h5")
+    with pytest.raises(hyperparams.ParamsError,
+                       match=rf"task.train.init_from_keras='{path}'.*({message})"):
+      load_saved_keras_weights(path, stack)
+  with pytest.raises(hyperparams.ParamsError, match=r"neither a .keras file .* nor a "
+                     r".weights.h5 file"):
+    load_saved_keras_weights(str(tmp_path / "model.h5"), stack)
 
 
 @EXHAUSTIVE

@@ -69,11 +69,13 @@ def from_keras(model: keras.Model, name: str = "body") -> InstantiableParams:
     graph = getattr(model, "_functional", None)
     if graph is None:  # (a Sequential Keras could not trace symbolically)
       _refuse_repeated_layers(model)
-      return layers.Sequential.Params().set(
-          name=name, layers=[unit_params(_Block(layer, layer.name)) for layer in model.layers])
-    blocks = _blocks(graph, model.name)
+      saved = saved_paths(model)
+      return layers.Sequential.Params().set(name=name, layers=[
+          unit_params(_Block(layer, layer.name, saved_as=(saved[id(layer)],)))
+          for layer in model.layers])
+    blocks = _blocks(graph, model.name, saved_paths(model))
   elif _is_functional(model):
-    blocks = _blocks(model, model.name)
+    blocks = _blocks(model, model.name, saved_paths(model))
   else:
     raise ParamsError(f"Keras model {model.name!r} ({type(model).__name__}) is subclassed: "
                       "its call is Python that no config records, so it cannot be cut; "
@@ -128,10 +130,14 @@ def unit_params(block: _Block, carrying: bool = False) -> InstantiableParams:
       raise ParamsError(f"Keras layer {layer.name!r} ({type(layer).__name__}) is called "
                         f"with {passed[0]}, which g.layers.{kind} does not take; call it "
                         "with its input alone")
-    return (_dropout_params if kind == "Dropout" else _batch_norm_params)(layer)
+    if kind == "Dropout":
+      return _dropout_params(layer)
+    return _batch_norm_params(layer).set(keras_saved_as=block.saved_as[0] if block.saved_as
+                                         else "")
   p = Keras.Params().set(name=block.name, layer=layer, tie_to=block.tie_to,
                          keras_mask_in=block.keras_mask_in,
-                         keras_mask_out=block.keras_mask_out)
+                         keras_mask_out=block.keras_mask_out,
+                         keras_saved_as=list(block.saved_as))
   if block.padding_mask:
     p.set(padding_mask=block.padding_mask, padding_mask_dtype=block.padding_mask_dtype)
   try:
@@ -218,6 +224,8 @@ class _Block(NamedTuple):
     ('' when the model has none).
   keras_mask_in, keras_mask_out: whether the tensor before, after the unit carries a
     Keras mask (Embedding(mask_zero=True), Masking) that later layers read.
+  saved_as: where a weights file of the model holds the layer's weights (a block: each
+    inner layer's, in order; `saved_paths`).
   """
   layer: keras.layers.Layer
   name: str
@@ -228,6 +236,7 @@ class _Block(NamedTuple):
   padding_mask_dtype: str = ""
   keras_mask_in: bool = False
   keras_mask_out: bool = False
+  saved_as: tuple = ()
 
 
 # The name of the input a functional model takes a padding mask by (KerasHub's
@@ -253,10 +262,25 @@ def _chain_inputs(model: keras.Model, name: str) -> tuple[Any, Any]:
                     "(KerasHub's backbones)")
 
 
-def _blocks(model: keras.Model, name: str) -> list[_Block]:
+def saved_paths(model: keras.Model) -> dict[int, str]:
+  """{id(layer): where `model.save_weights` puts its weights} for `model.layers`: Keras
+  addresses each by its class in snake case, numbered in the order of model.layers
+  ('layers/dense', 'layers/dense_1'), not by its name (keras.src.saving.saving_lib)."""
+  from keras.src.utils import naming  # noqa: PLC0415
+
+  used: dict[str, int] = {}
+  paths = {}
+  for layer in model.layers:
+    base = naming.to_snake_case(type(layer).__name__)
+    used[base] = used[base] + 1 if base in used else 0
+    paths[id(layer)] = f"layers/{base}" + (f"_{used[base]}" if used[base] else "")
+  return paths
+
+
+def _blocks(model: keras.Model, name: str, saved: dict[int, str]) -> list[_Block]:
   """The units of a functional model (or a Sequential's graph): its graph cut at each
   tensor that all later layers are reached through, a padding-mask input aside (module
-  docstring)."""
+  docstring); `saved`: where a weights file holds each layer's (saved_paths)."""
   start, side = _chain_inputs(model, name)
   nodes = _computing_nodes(model)
   calls: dict[int, list[int]] = {}  # a layer → the indices of its nodes
@@ -295,7 +319,8 @@ def _blocks(model: keras.Model, name: str) -> list[_Block]:
       else:
         unit = _unused(f"{layer.name}_call{calls[id(layer)].index(starts[b])}", taken)
       args, kwargs, padding_mask = _constant_arguments(node, side, skipped, name)
-      blocks.append(_Block(layer, unit, args, kwargs, tie_to, padding_mask, **masks))
+      blocks.append(_Block(layer, unit, args, kwargs, tie_to, padding_mask, **masks,
+                           saved_as=(saved[id(layer)],) if id(layer) in saved else ()))
       continue
     names = [node.operation.name for node in inside]
     uses_side = side is not None and any(
@@ -306,8 +331,9 @@ def _blocks(model: keras.Model, name: str) -> list[_Block]:
     except Exception as e:  # noqa: BLE001
       raise ParamsError(f"Keras model {name!r}: the layers {names} cannot form one "
                         f"block: {e}") from None
+    inner = [layer for layer in block.layers if not isinstance(layer, keras.layers.InputLayer)]
     blocks.append(_Block(block, block.name, padding_mask="inputs" if uses_side else None,
-                         **masks))
+                         **masks, saved_as=tuple(saved.get(id(layer), "") for layer in inner)))
   return blocks
 
 
@@ -434,30 +460,105 @@ def load_keras_weights(stack: BaseLayer, model: keras.Model) -> None:
 
 def load_saved_keras_weights(path: str, stack: BaseLayer,
                              what: str = "task.train.init_from_keras") -> None:
-  """`load_keras_weights(stack, model)` for the Keras model saved whole at `path` (a
-  `.keras` file): a run's start from trained weights (`what`, the param naming `path`).
+  """Sets the weights of `stack` (from_keras's units, or a pipeline of them) to those
+  saved at `path`: a run's start from trained weights (`what`, the param naming it).
+  A `.keras` file (the model saved whole): each unit from the layer of its name
+  (`load_keras_weights`). A `.weights.h5` file (`model.save_weights`): each unit from
+  the place from_keras recorded for its layer (`keras_saved_as`).
 
   Raises:
-    ParamsError: naming `what` and what does not fit: a file that is not a saved Keras
-      model, a unit without its layer there, a weight of another shape.
+    ParamsError: naming `what` and what does not fit: a file of another kind, one
+      Keras cannot read, a unit without its layer there, a weight of another shape.
   """
   where = f"{what}={path!r}"
-  if not path.endswith(".keras"):
-    raise ParamsError(f"{where}: not a .keras file; save the Keras model whole with "
-                      "model.save('name.keras') (a .weights.h5 file holds no layers to "
-                      "match the units with)")
+  if path.endswith(".weights.h5"):
+    loader = _load_weights_file
+  elif path.endswith(".keras"):
+    loader = _load_model_file
+  else:
+    raise ParamsError(f"{where}: neither a .keras file (model.save('name.keras')) nor a "
+                      ".weights.h5 file (model.save_weights('name.weights.h5'))")
+  try:
+    loader(path, stack)
+  except ParamsError as e:
+    raise ParamsError(f"{where}: {e}") from None
+  except OSError as e:  # (h5py: a missing or unreadable file)
+    raise ParamsError(f"{where} cannot be read: {_first_line(e)}") from None
+  except ValueError as e:  # a weight of another shape, a layer without its weights
+    raise ParamsError(f"{where}: a weight does not fit its unit: {_first_line(e)}") from None
+
+
+def _first_line(error: Exception) -> str:
+  return (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+
+
+def _load_model_file(path: str, stack: BaseLayer) -> None:
   try:
     model = keras.saving.load_model(path, compile=False)
   except Exception as e:  # noqa: BLE001 (Keras raises many kinds: each means it cannot)
-    raise ParamsError(f"{where} cannot be loaded as a Keras model: "
-                      f"{str(e).strip().splitlines()[0][:200]}") from None
+    raise ParamsError(f"cannot be loaded as a Keras model: {_first_line(e)}") from None
+  load_keras_weights(stack, model)
+
+
+def _load_weights_file(path: str, stack: BaseLayer) -> None:
+  """Each unit's weights from the weights file at `path`, read at the places its
+  `keras_saved_as` names into a Keras copy of its layer (Keras's own loader), then
+  assigned. Keras's saving internals (keras.src.saving.saving_lib, Keras 3.15)."""
+  import h5py  # noqa: PLC0415 (Keras's own dependency for weights files)
+  from keras.src.saving import saving_lib  # noqa: PLC0415
+
+  if not h5py.is_hdf5(path):
+    raise ParamsError("not a Keras weights file (HDF5)")
+  store = saving_lib.H5IOStore(path, mode="r")
   try:
-    load_keras_weights(stack, model)
-  except ParamsError as e:
-    raise ParamsError(f"{where}: {e}") from None
-  except ValueError as e:  # a weight of another shape
-    raise ParamsError(f"{where}: a weight does not fit its unit: "
-                      f"{str(e).strip().splitlines()[0][:200]}") from None
+    for unit in stack.walk():
+      if isinstance(unit, Keras) and not unit.params.tie_to:
+        places = unit.params.keras_saved_as
+        copy = unit.keras_copy()
+        targets = [copy] if len(places) <= 1 else [
+            layer for layer in copy.layers if not isinstance(layer, keras.layers.InputLayer)]
+        if not places or len(places) != len(targets) or not all(places):
+          raise ParamsError(f"{unit.path} records no place in a weights file (a unit "
+                            "not made by g.from_keras); save the model whole (.keras)")
+        try:
+          for layer, place in zip(targets, places):
+            _load_layer(store, layer, place, unit)
+        except ValueError as e:  # (Keras: a weight of another shape, or count)
+          raise ParamsError(f"{unit.path}: a weight does not fit its unit: "
+                            f"{_first_line(e)}") from None
+        unit.assign_from(copy)
+      elif isinstance(unit, layers.BatchNorm) and unit.params.keras_saved_as:
+        values = _saved_values(store, unit.params.keras_saved_as, unit, 4)
+        for variable, value in zip((unit.gamma, unit.beta, unit.moving_mean,
+                                    unit.moving_variance), values):
+          variable.assign(tf.cast(value, variable.dtype))
+      elif isinstance(unit, layers.BatchNorm):
+        raise ParamsError(f"{unit.path} records no place in a weights file (not made by "
+                          "g.from_keras); save the model whole (.keras)")
+  finally:
+    store.close()
+
+
+def _load_layer(store: Any, layer: keras.layers.Layer, place: str, unit: BaseLayer) -> None:
+  """`layer`'s weights from `place` in the weights file `store` (Keras's own walk of
+  its sublayers), refusing a place that holds none of a layer that has some."""
+  from keras.src.saving import saving_lib  # noqa: PLC0415
+
+  if layer.weights and place not in store.h5_file:
+    raise ParamsError(f"{unit.path}: the file holds no weights at {place!r} (the place "
+                      f"of Keras layer {layer.name!r} in the model from_keras was given); "
+                      "was it saved from another model?")
+  saving_lib._load_state(layer, store, None, inner_path=place,  # noqa: SLF001
+                         visited_saveables=set())
+
+
+def _saved_values(store: Any, place: str, unit: BaseLayer, count: int) -> list:
+  """The `count` arrays at `place`/vars in the weights file `store`."""
+  variables = store.h5_file.get(f"{place}/vars")
+  if variables is None or len(variables) != count:
+    raise ParamsError(f"{unit.path}: the file holds no {count} weights at {place!r}; was "
+                      "it saved from another model?")
+  return [variables[str(i)][()] for i in range(count)]
 
 
 def keras_units(model: keras.Model) -> dict[str, keras.layers.Layer]:
@@ -467,7 +568,7 @@ def keras_units(model: keras.Model) -> dict[str, keras.layers.Layer]:
   graph = getattr(model, "_functional", None) if isinstance(model, keras.Sequential) \
       else model if _is_functional(model) else None
   if graph is not None:
-    sources.update({block.name: block.layer for block in _blocks(graph, model.name)})
+    sources.update({block.name: block.layer for block in _blocks(graph, model.name, {})})
   return sources
 
 

@@ -278,6 +278,10 @@ class Keras(BaseLayer):
              "(float [B, T], 1 = kept: an Embedding(mask_zero=True) or Masking earlier "
              "in the stack), attached to x as Keras attaches it, so that the layer sees "
              "it as it would unpipelined.")
+    p.define("keras_saved_as", [], "Where a Keras weights file of the model this unit was "
+             "made from (`model.save_weights('m.weights.h5')`) holds its layer's weights: "
+             "one path (e.g. 'layers/dense_1'), or for a block one per inner layer, in "
+             "order; from_keras records them (task.train.init_from_keras).")
     p.define("keras_mask_out", False, "Whether the Keras mask of the layer's output is "
              "returned after it (float [B, T], 1 = kept), for the next unit.")
     return p
@@ -364,19 +368,7 @@ class Keras(BaseLayer):
       if isinstance(layer, keras.Model):
         # (A model's config has no dtype of its own: its layers' are set in the config.)
         layer.dtype_policy = policy
-      build_config = config.get("build_config")
-      try:
-        if isinstance(p.input_shape, dict):
-          layer.build(**{k: (None, *v) for k, v in p.input_shape.items()})
-        elif p.input_shape is not None:
-          layer.build((None, *p.input_shape))
-        elif build_config and not layer.built:
-          layer.build_from_config(build_config)
-      except ParamsError:
-        raise
-      except Exception as e:  # noqa: BLE001
-        raise ParamsError(f"{self.path}: Keras layer {config['class_name']!r} cannot be "
-                          f"built for input_shape={p.input_shape!r}: {e}") from None
+      self._build(layer, config)
     ours = {id(getattr(self, name)): name for name in self._var_names + self._tied_names}
     bound, seeds = [], []
     keras_trainable = {id(variable) for variable in layer.trainable_weights}
@@ -395,6 +387,33 @@ class Keras(BaseLayer):
     # (Past tf.Module's tracking, as keras_layer.)
     object.__setattr__(self, "_bound", tuple(bound))
     object.__setattr__(self, "_seed_states", tuple(seeds))
+    return layer
+
+  def _build(self, layer: keras.layers.Layer, config: dict) -> None:
+    """Builds `layer` (deserialized from `config`) for input_shape, or its build config."""
+    p = self.params
+    build_config = config.get("build_config")
+    try:
+      if isinstance(p.input_shape, dict):
+        layer.build(**{k: (None, *v) for k, v in p.input_shape.items()})
+      elif p.input_shape is not None:
+        layer.build((None, *p.input_shape))
+      elif build_config and not layer.built:
+        layer.build_from_config(build_config)
+    except ParamsError:
+      raise
+    except Exception as e:  # noqa: BLE001
+      raise ParamsError(f"{self.path}: Keras layer {config['class_name']!r} cannot be "
+                        f"built for input_shape={p.input_shape!r}: {e}") from None
+
+  def keras_copy(self) -> keras.layers.Layer:
+    """A Keras layer of this unit's config, built, its weights Keras's own (not this
+    unit's), float32: to load saved weights into, then `assign_from` it."""
+    config = _built_config(self, self.params.layer, "float32")
+    if self.params.input_shape is not None:
+      config = {key: value for key, value in config.items() if key != "build_config"}
+    layer = keras.layers.deserialize(config)
+    self._build(layer, config)
     return layer
 
   def _create_variable(self, next_creator: Any, **kwargs: Any) -> Any:

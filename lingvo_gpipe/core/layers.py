@@ -319,6 +319,9 @@ class BatchNorm(BaseLayer):
     p.define("epsilon", 1e-3, "Added to the variance.")
     p.define("frozen", False, "True: gamma and beta not trained, the moving averages used "
              "in training too and never updated (a frozen Keras BatchNormalization).")
+    p.define("keras_saved_as", "", "Made from a Keras BatchNormalization (g.from_keras): "
+             "where a weights file of that Keras model holds its weights (e.g. "
+             "'layers/batch_normalization_1'; task.train.init_from_keras).")
     return p
 
   def __init__(self, params):

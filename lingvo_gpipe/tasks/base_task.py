@@ -68,11 +68,12 @@ def train_params() -> Params:
            "every bucket, and a bucket that cannot be built fails before anything is "
            "written); 'when_needed': each at its first batch (a faster start, then a "
            "stall mid-run per bucket).")
-  p.define("init_from_keras", "", "A Keras model saved whole (`model.save('m.keras')`) "
-           "whose weights a fresh run starts from instead of its initializers: each Keras "
-           "unit (and batch norm) from the saved model's layer of its name, checked by "
-           "name and shape before anything is written. A resumed run restores its "
-           "checkpoint and ignores it.")
+  p.define("init_from_keras", "", "A Keras model saved whole (`model.save('m.keras')`: "
+           "each Keras unit and batch norm from the saved layer of its name) or its "
+           "weights file (`model.save_weights('m.weights.h5')`: each from the place "
+           "from_keras recorded for its layer) whose weights a fresh run starts from "
+           "instead of its initializers, checked by name and shape before anything is "
+           "written. A resumed run restores its checkpoint and ignores it.")
   return p
 
 
