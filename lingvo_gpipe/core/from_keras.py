@@ -1,15 +1,24 @@
 """`from_keras(model)`: a Keras Sequential or functional model as a Params stack.
 
-The stack is a `layers.Sequential` whose units the pipeline can cut between:
+The stack is a `layers.Sequential` whose units the pipeline can cut between: the
+model's graph cut at every tensor that all later layers are reached through (the single
+tensor alive between two layers, in the order Keras runs them; a Sequential: between
+every two layers). Between two cuts lies a block with one input and one output: a
+single layer is its own unit, several (a residual branch and its Add) become one unit,
+a functional model of those layers. A model whose graph has no such cut between its
+input and output is one unit.
 
-- a `keras.Sequential`: one unit per layer;
-- a functional model: its graph is cut at every tensor that all later layers are
-  reached through (the single tensor alive between two layers, in the order Keras runs
-  them). Between two cuts lies a block with one input and one output: a single layer is
-  its own unit, several (a residual branch and its Add) become one unit, a functional
-  model of those layers. A layer called at several nodes (its weights shared) keeps
-  all its nodes inside one block. A model whose graph has no such cut between its input
-  and output is one unit.
+- **Shared layers.** A layer called at several nodes (one weight set) is a unit per
+  node when each node is a block of its own: the later ones `tie_to` the first (one
+  variable; across cells a copy, pipeline/tied_weights.py). Otherwise (its nodes inside
+  blocks) no cut falls between its first and last node, so they share one unit.
+- **Padding masks.** A model whose second input is named `padding_mask` (KerasHub's
+  backbones) takes the stack's (ids, paddings); a node that took the mask by keyword
+  gets 1 - paddings (`Keras.padding_mask`).
+- **Keras's masks** (Embedding(mask_zero=True), Masking): carried beside the
+  activations between units where a cut tensor has one (`keras_mask_in`/`_out`); the
+  ops Keras adds to compute them are not nodes of the chain (each unit's layers compute
+  their masks again).
 
 Each unit is a `layers.Keras` holding the layer's config (its build config gives the
 input shape), except two layers that a pipeline must treat as the library's own:
@@ -23,13 +32,17 @@ input shape), except two layers that a pipeline must treat as the library's own:
   epsilon; a frozen one (`trainable=False`) → `frozen=True`, its moving averages in
   training too, as Keras runs it.
 
-A frozen layer (`trainable=False`, on it or on a model around it) keeps its weights as
-non-trainable variables: no gradient, no optimizer slots, still checkpointed.
+(In a stack carrying masks both stay Keras's, a trainable batch norm refused: the
+library's take one tensor.) A frozen layer (`trainable=False`, on it or on a model
+around it) keeps its weights as non-trainable variables: no gradient, no optimizer
+slots, still checkpointed.
 
-A model with several inputs or outputs, a subclassed model (its call is Python that
-no config records) and a layer that cannot be serialized are refused in one line
-naming them. Weights are not carried by the params (params.txt holds configs only):
-`load_keras_weights` copies a Keras model's weights into the built stack.
+A model with several outputs or other inputs, a subclassed model (its call is Python
+that no config records) and a layer that cannot be serialized are refused in one line
+naming them. Weights are not carried by the params (params.txt holds configs, and each
+unit's place in the model's weights file): `load_keras_weights` copies a Keras model's
+weights into the built stack, `load_saved_keras_weights` a saved model's or weights
+file's.
 """
 
 from __future__ import annotations
