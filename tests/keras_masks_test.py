@@ -240,7 +240,8 @@ def keras_mse_step(model: keras.Model, data: dict):
                         for w, gr in zip(weights, grads)}
 
 
-MASK_CASES = [("embedding", "1f1b", 2), ("embedding", "zb_h1", 4), ("lstm", "gpipe", 2),
+MASK_CASES = [("embedding", "1f1b", 2), ("embedding", "zb_h1", 4), ("embedding", "gpipe", 1),
+              ("lstm", "gpipe", 2),
               ("lstm", "1f1b", 3), ("masking", "gpipe", 2), ("masking", "zb_h1", 4)]
 
 

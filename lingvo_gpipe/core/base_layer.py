@@ -130,9 +130,12 @@ def inherit_fprop_dtype(params: InstantiableParams, dtype: tf.DType) -> Instanti
 
 def params_kind(params: InstantiableParams) -> tuple:
   """What layers built from `params` have in common whatever their name: the class and
-  every other param (as text). Layers of one kind have the same variables and compute
-  the same function of them."""
-  return params.cls, params.copy().set(name="").to_text()
+  every other param (as text) but those its class names in `params_outside_kind`.
+  Layers of one kind have the same variables and compute the same function of them."""
+  kind = params.copy().set(name="")
+  for key in getattr(params.cls, "params_outside_kind", ()):
+    kind.set(**{key: None})
+  return params.cls, kind.to_text()
 
 
 # ---------------------------------------------------------------------------
@@ -364,6 +367,9 @@ class BaseLayer(hyperparams.Instantiable, tf.Module):
   # and draws its seeds through `seed_tensor`. A subclass keeping other per-instance
   # state that fprop reads sets it to False.
   shares_traces = True
+  # Params that say nothing of what the layer computes or holds (where its weights were
+  # saved from): layers differing only in them are one kind (`params_kind`).
+  params_outside_kind: tuple[str, ...] = ()
   # How the layer treats the sequence axis of its inputs, for token slices
   # (core/token_slices.py): "tokenwise", "causal", or None (it may mix all positions;
   # a pipeline refuses num_token_slices > 1 over it).

@@ -47,6 +47,7 @@ file's.
 
 from __future__ import annotations
 
+import os
 from typing import Any, NamedTuple
 
 import keras
@@ -84,7 +85,7 @@ def from_keras(model: keras.Model, name: str = "body") -> InstantiableParams:
       _refuse_repeated_layers(model)
       saved = saved_paths(model)
       return layers.Sequential.Params().set(name=name, layers=[
-          unit_params(_Block(layer, layer.name, saved_as=(saved[id(layer)],)))
+          unit_params(_Block(layer, layer.name, saved_as=saved[id(layer)]))
           for layer in model.layers])
     blocks = _blocks(graph, model.name, saved_paths(model))
   elif _is_functional(model):
@@ -145,12 +146,11 @@ def unit_params(block: _Block, carrying: bool = False) -> InstantiableParams:
                         "with its input alone")
     if kind == "Dropout":
       return _dropout_params(layer)
-    return _batch_norm_params(layer).set(keras_saved_as=block.saved_as[0] if block.saved_as
-                                         else "")
+    return _batch_norm_params(layer).set(keras_saved_as=block.saved_as)
   p = Keras.Params().set(name=block.name, layer=layer, tie_to=block.tie_to,
                          keras_mask_in=block.keras_mask_in,
                          keras_mask_out=block.keras_mask_out,
-                         keras_saved_as=list(block.saved_as))
+                         keras_saved_as=block.saved_as)
   if block.padding_mask:
     p.set(padding_mask=block.padding_mask, padding_mask_dtype=block.padding_mask_dtype)
   try:
@@ -237,8 +237,8 @@ class _Block(NamedTuple):
     ('' when the model has none).
   keras_mask_in, keras_mask_out: whether the tensor before, after the unit carries a
     Keras mask (Embedding(mask_zero=True), Masking) that later layers read.
-  saved_as: where a weights file of the model holds the layer's weights (a block: each
-    inner layer's, in order; `saved_paths`).
+  saved_as: where a weights file of the model holds the layer's weights (a str), or a
+    block's: each inner layer's, in order (a list; `saved_paths`).
   """
   layer: keras.layers.Layer
   name: str
@@ -249,7 +249,7 @@ class _Block(NamedTuple):
   padding_mask_dtype: str = ""
   keras_mask_in: bool = False
   keras_mask_out: bool = False
-  saved_as: tuple = ()
+  saved_as: str | list = ""
 
 
 # The name of the input a functional model takes a padding mask by (KerasHub's
@@ -286,7 +286,8 @@ def saved_paths(model: keras.Model) -> dict[int, str]:
   for layer in model.layers:
     base = naming.to_snake_case(type(layer).__name__)
     used[base] = used[base] + 1 if base in used else 0
-    paths[id(layer)] = f"layers/{base}" + (f"_{used[base]}" if used[base] else "")
+    # (A layer listed twice is saved at its first place; the count still moves on.)
+    paths.setdefault(id(layer), f"layers/{base}" + (f"_{used[base]}" if used[base] else ""))
   return paths
 
 
@@ -297,21 +298,26 @@ def _blocks(model: keras.Model, name: str, saved: dict[int, str]) -> list[_Block
   start, side = _chain_inputs(model, name)
   nodes = _computing_nodes(model)
   calls: dict[int, list[int]] = {}  # a layer → the indices of its nodes
+  holders: dict[int, list[int]] = {}  # a layer → the nodes whose layer holds it (nested)
   for i, node in enumerate(nodes):
     calls.setdefault(id(node.operation), []).append(i)
+    for layer in {id(sub): sub for sub in _layer_tree(node.operation)}:
+      holders.setdefault(layer, []).append(i)
   # A layer called at several nodes becomes one unit per node, the later ones tied to
-  # the first, when each node is a block of its own; otherwise no cut falls between its
-  # first and last node (its span), so its nodes share one block. Spans merge blocks,
-  # which can leave another shared layer's node not alone: repeated until none does.
+  # the first, when each node is a block of its own and calls it itself (not through a
+  # model holding it too); otherwise no cut falls between the first and last node
+  # holding it (a span), so those nodes share one block and it stays one layer. Spans
+  # merge blocks, which can leave another shared layer's node not alone: repeated until
+  # none does.
+  _refuse_layers_held_twice(nodes, holders, name)
   spans: set[tuple[int, int]] = set()
   skipped = _mask_tensors(nodes) | ({id(side)} if side is not None else set())
   while True:
     cuts, starts = _cuts(nodes, start, skipped, model.outputs[0], spans)
     alone = {starts[b] for b in range(len(cuts) - 1) if starts[b + 1] == starts[b] + 1
              and _single(nodes[starts[b]], cuts[b], skipped)}
-    needed = {(indices[0], indices[-1]) for indices in calls.values() if len(indices) > 1
-              and (isinstance(nodes[indices[0]].operation, keras.layers.BatchNormalization)
-                   or not all(i in alone for i in indices))}
+    needed = {(indices[0], indices[-1]) for indices in holders.values()
+              if len(indices) > 1 and not _tied_calls(nodes, indices, calls, alone)}
     if needed <= spans:
       break
     spans |= needed
@@ -333,7 +339,7 @@ def _blocks(model: keras.Model, name: str, saved: dict[int, str]) -> list[_Block
         unit = _unused(f"{layer.name}_call{calls[id(layer)].index(starts[b])}", taken)
       args, kwargs, padding_mask = _constant_arguments(node, side, skipped, name)
       blocks.append(_Block(layer, unit, args, kwargs, tie_to, padding_mask, **masks,
-                           saved_as=(saved[id(layer)],) if id(layer) in saved else ()))
+                           saved_as=saved.get(id(layer), "")))
       continue
     names = [node.operation.name for node in inside]
     uses_side = side is not None and any(
@@ -346,7 +352,7 @@ def _blocks(model: keras.Model, name: str, saved: dict[int, str]) -> list[_Block
                         f"block: {e}") from None
     inner = [layer for layer in block.layers if not isinstance(layer, keras.layers.InputLayer)]
     blocks.append(_Block(block, block.name, padding_mask="inputs" if uses_side else None,
-                         **masks, saved_as=tuple(saved.get(id(layer), "") for layer in inner)))
+                         **masks, saved_as=[saved.get(id(layer), "") for layer in inner]))
   return blocks
 
 
@@ -376,6 +382,45 @@ def _computing_nodes(model: keras.Model) -> list:
         readers and all(id(r) in mask_only for r in readers)):
       mask_only.add(id(node))
   return [node for node in nodes if id(node) not in mask_only]
+
+
+def _layer_tree(operation: Any) -> list:
+  """`operation` and every layer inside it (a nested model's, a block's sublayers)."""
+  flatten = getattr(operation, "_flatten_layers", None)
+  return list(flatten(include_self=True, recursive=True)) if flatten else [operation]
+
+
+def _refuse_layers_held_twice(nodes: list, holders: dict[int, list[int]], name: str
+                              ) -> None:
+  """Raises ParamsError naming a layer that two different layers' nodes hold (itself
+  and a nested model around it, or two nested models): a Keras config records it once
+  in each, so Keras's own from_config makes two layers of it (load_model fails), and
+  a unit's config would too."""
+  for indices in holders.values():
+    operations = {id(nodes[i].operation): nodes[i].operation for i in indices}
+    if len(operations) > 1:
+      outer = [op for op in operations.values() if isinstance(op, keras.Model)]
+      shared = next(sub for sub in _layer_tree(outer[0])
+                    if holders.get(id(sub)) is indices) if outer else None
+      what = repr(shared.name) if shared is not None else "a layer"
+      raise ParamsError(
+          f"Keras model {name!r}: layer {what} is used inside "
+          f"{' and '.join(repr(op.name) for op in operations.values())} at once; a "
+          "Keras config records it in each (keras.Model.from_config makes two layers "
+          "of it, load_model fails), so a unit's config cannot hold it once; call it at "
+          "nodes of one model")
+
+
+def _tied_calls(nodes: list, indices: list[int], calls: dict[int, list[int]],
+                alone: set[int]) -> bool:
+  """Whether the nodes `indices` (those holding one layer) can be units tied to the
+  first: all call one layer (the shared one, or one holding it) at exactly these nodes,
+  each node a block of its own, and not a BatchNormalization (whose units are the
+  library's own, untied)."""
+  operation = nodes[indices[0]].operation
+  return (all(nodes[i].operation is operation for i in indices)
+          and calls[id(operation)] == indices and all(i in alone for i in indices)
+          and not isinstance(operation, keras.layers.BatchNormalization))
 
 
 def _cuts(nodes: list, start: Any, skipped: set[int], output: Any,
@@ -520,6 +565,8 @@ def _load_weights_file(path: str, stack: BaseLayer) -> None:
   import h5py  # noqa: PLC0415 (Keras's own dependency for weights files)
   from keras.src.saving import saving_lib  # noqa: PLC0415
 
+  if not os.path.isfile(path):
+    raise ParamsError("no such file" if not os.path.exists(path) else "not a file")
   if not h5py.is_hdf5(path):
     raise ParamsError("not a Keras weights file (HDF5)")
   store = saving_lib.H5IOStore(path, mode="r")
@@ -528,16 +575,20 @@ def _load_weights_file(path: str, stack: BaseLayer) -> None:
       if isinstance(unit, Keras) and not unit.params.tie_to:
         places = unit.params.keras_saved_as
         copy = unit.keras_copy()
-        targets = [copy] if len(places) <= 1 else [
+        # (A layer's place is a str; a block's, one per inner layer.)
+        targets = [copy] if isinstance(places, str) else [
             layer for layer in copy.layers if not isinstance(layer, keras.layers.InputLayer)]
-        if not places or len(places) != len(targets) or not all(places):
+        places = [places] if isinstance(places, str) else places
+        if len(places) != len(targets) or not all(places):
           raise ParamsError(f"{unit.path} records no place in a weights file (a unit "
                             "not made by g.from_keras); save the model whole (.keras)")
         try:
           for layer, place in zip(targets, places):
             _load_layer(store, layer, place, unit)
+        except ParamsError:
+          raise
         except ValueError as e:  # (Keras: a weight of another shape, or count)
-          raise ParamsError(f"{unit.path}: a weight does not fit its unit: "
+          raise ParamsError(f"{unit.path}: the file's weights do not fit: "
                             f"{_first_line(e)}") from None
         unit.assign_from(copy)
       elif isinstance(unit, layers.BatchNorm) and unit.params.keras_saved_as:

@@ -234,9 +234,13 @@ def _check_supported(path: str, layer: keras.layers.Layer) -> None:
 
 
 class Keras(BaseLayer):
-  """One Keras layer: inputs → `layer(*inputs[:num_inputs], *call_args, training=...,
-  **call_kwargs)` (followed by the last `pass_through` inputs, unchanged). Shapes are
-  the Keras layer's, batch first."""
+  """One Keras layer: inputs (x, [x's Keras mask if keras_mask_in], *others) →
+  `layer(*(x, *others)[:num_inputs], *call_args, training=..., **call_kwargs, [its
+  padding-mask keyword: 1 - the last input])`, followed by its output's Keras mask if
+  keras_mask_out, then the last `pass_through` inputs, unchanged. Shapes are the Keras
+  layer's, batch first; masks [B, T] float, 1 = kept."""
+
+  params_outside_kind = ("keras_saved_as",)  # (where a weights file holds its weights)
 
   @classmethod
   def Params(cls):  # noqa: N802
@@ -278,10 +282,10 @@ class Keras(BaseLayer):
              "(float [B, T], 1 = kept: an Embedding(mask_zero=True) or Masking earlier "
              "in the stack), attached to x as Keras attaches it, so that the layer sees "
              "it as it would unpipelined.")
-    p.define("keras_saved_as", [], "Where a Keras weights file of the model this unit was "
-             "made from (`model.save_weights('m.weights.h5')`) holds its layer's weights: "
-             "one path (e.g. 'layers/dense_1'), or for a block one per inner layer, in "
-             "order; from_keras records them (task.train.init_from_keras).")
+    p.define("keras_saved_as", "", "Where a Keras weights file of the model this unit "
+             "was made from (`model.save_weights('m.weights.h5')`) holds its layer's "
+             "weights: a path (e.g. 'layers/dense_1'), or for a block a list, one per "
+             "inner layer, in order; from_keras records them (task.train.init_from_keras).")
     p.define("keras_mask_out", False, "Whether the Keras mask of the layer's output is "
              "returned after it (float [B, T], 1 = kept), for the next unit.")
     return p

@@ -311,6 +311,8 @@ class BatchNorm(BaseLayer):
   usual way to fine-tune on a pretrained backbone).
   """
 
+  params_outside_kind = ("keras_saved_as",)  # (where a weights file holds its weights)
+
   @classmethod
   def Params(cls):  # noqa: N802
     p = super().Params()
