@@ -326,6 +326,21 @@ def test_frozen_layers_stay_as_keras_keeps_them_while_the_rest_trains(cpu_device
 
 
 @keras.saving.register_keras_serializable(package="lingvo_gpipe_tests")
+@pytest.mark.parametrize("make", [lambda: residual_model(blocks=1), conv_bn_model])
+def test_a_frozen_model_trains_nothing_whatever_its_layers_flags_say(make):
+  """model.trainable = False, then a layer's own flag set back to True: Keras trains
+  nothing (trainable_weights is empty), and neither does the stack (its head trained)."""
+  model = make()
+  model.trainable = False
+  for layer in model.layers:
+    layer.trainable = True
+  assert model.trainable_weights == []
+  stack = layers.Sequential.Params().set(name="b", layers=g.from_keras(model).layers
+                                         ).instantiate()
+  assert not stack.trainable_variables
+  assert len(stack.variables) == len(model.weights)
+
+
 class PrefixMix(keras.layers.Layer):
   """x [B, T, D] → x + scale · w · (the mean of x over each position's prefix, or over
   all positions when use_causal_mask=False), plus `bias` (a tensor or None: Keras takes

@@ -47,6 +47,7 @@ file's.
 
 from __future__ import annotations
 
+import copy
 import os
 from typing import Any, NamedTuple
 
@@ -84,9 +85,10 @@ def from_keras(model: keras.Model, name: str = "body") -> InstantiableParams:
     if graph is None:  # (a Sequential Keras could not trace symbolically)
       _refuse_repeated_layers(model)
       saved = saved_paths(model)
-      return layers.Sequential.Params().set(name=name, layers=[
-          unit_params(_Block(layer, layer.name, saved_as=saved[id(layer)]))
-          for layer in model.layers])
+      units = [unit_params(_Block(layer, layer.name, saved_as=saved[id(layer)]))
+               for layer in model.layers]
+      return layers.Sequential.Params().set(name=name, layers=units if model.trainable
+                                            else [_frozen(unit) for unit in units])
     blocks = _blocks(graph, model.name, saved_paths(model))
   elif _is_functional(model):
     blocks = _blocks(model, model.name, saved_paths(model))
@@ -98,12 +100,41 @@ def from_keras(model: keras.Model, name: str = "body") -> InstantiableParams:
   carrying = any(block.padding_mask_dtype or block.keras_mask_in or block.keras_mask_out
                  for block in blocks)
   units = [unit_params(block, carrying) for block in blocks]
+  if not model.trainable:
+    # A frozen model trains nothing (Keras: its trainable_weights is empty, whatever
+    # its layers' flags say), so no unit does.
+    units = [_frozen(unit) for unit in units]
   if any(block.padding_mask_dtype for block in blocks):
     # The stack takes (ids, paddings): each unit its x, passing the paddings on to the
     # next; the last returns its output alone.
     for i, unit in enumerate(units):
       unit.set(num_inputs=1, pass_through=int(i < len(units) - 1))
   return layers.Sequential.Params().set(name=name, layers=units)
+
+
+def _frozen(unit: InstantiableParams) -> InstantiableParams:
+  """`unit` with its weights frozen: a Keras unit's layer config trainable=False, a
+  batch norm frozen (a Dropout has none)."""
+  if unit.cls is layers.BatchNorm:
+    return unit.set(frozen=True)
+  if unit.cls is Keras:
+    config = copy.deepcopy(unit.layer)
+    _set_untrainable(config)
+    return unit.set(layer=config)
+  return unit
+
+
+def _set_untrainable(config: Any) -> None:
+  """Every layer config in the serialized `config` (a block's inner layers too, which
+  Keras builds before it sets the block's own flag) made trainable=False, in place."""
+  if isinstance(config, dict):
+    if isinstance(config.get("config"), dict) and "trainable" in config["config"]:
+      config["config"]["trainable"] = False
+    for value in config.values():
+      _set_untrainable(value)
+  elif isinstance(config, list):
+    for value in config:
+      _set_untrainable(value)
 
 
 def _is_functional(model: keras.Model) -> bool:
