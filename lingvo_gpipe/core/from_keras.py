@@ -609,7 +609,7 @@ def _load_weights_file(path: str, stack: BaseLayer) -> None:
         # (A layer's place is a str; a block's, one per inner layer.)
         targets = [copy] if isinstance(places, str) else [
             layer for layer in copy.layers if not isinstance(layer, keras.layers.InputLayer)]
-        places = [places] if isinstance(places, str) else places
+        places = [places] if isinstance(places, str) else list(places or [])
         if len(places) != len(targets) or not all(places):
           raise ParamsError(f"{unit.path} records no place in a weights file (a unit "
                             "not made by g.from_keras); save the model whole (.keras)")

@@ -282,10 +282,11 @@ class Keras(BaseLayer):
              "(float [B, T], 1 = kept: an Embedding(mask_zero=True) or Masking earlier "
              "in the stack), attached to x as Keras attaches it, so that the layer sees "
              "it as it would unpipelined.")
-    p.define("keras_saved_as", "", "Where a Keras weights file of the model this unit "
+    p.define("keras_saved_as", None, "Where a Keras weights file of the model this unit "
              "was made from (`model.save_weights('m.weights.h5')`) holds its layer's "
              "weights: a path (e.g. 'layers/dense_1'), or for a block a list, one per "
-             "inner layer, in order; from_keras records them (task.train.init_from_keras).")
+             "inner layer, in order; from_keras records them (task.train.init_from_keras). "
+             "None: not made by from_keras.")
     p.define("keras_mask_out", False, "Whether the Keras mask of the layer's output is "
              "returned after it (float [B, T], 1 = kept), for the next unit.")
     return p
