@@ -325,7 +325,6 @@ def test_frozen_layers_stay_as_keras_keeps_them_while_the_rest_trains(cpu_device
     assert_close(tf.convert_to_tensor(ours).numpy(), keras_weights[path].numpy(), err_msg=path)
 
 
-@keras.saving.register_keras_serializable(package="lingvo_gpipe_tests")
 @pytest.mark.parametrize("make", [lambda: residual_model(blocks=1), conv_bn_model])
 def test_a_frozen_model_trains_nothing_whatever_its_layers_flags_say(make):
   """model.trainable = False, then a layer's own flag set back to True: Keras trains
@@ -341,6 +340,7 @@ def test_a_frozen_model_trains_nothing_whatever_its_layers_flags_say(make):
   assert len(stack.variables) == len(model.weights)
 
 
+@keras.saving.register_keras_serializable(package="lingvo_gpipe_tests")
 class PrefixMix(keras.layers.Layer):
   """x [B, T, D] → x + scale · w · (the mean of x over each position's prefix, or over
   all positions when use_causal_mask=False), plus `bias` (a tensor or None: Keras takes
