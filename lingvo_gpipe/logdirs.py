@@ -307,6 +307,42 @@ class ParamsChange:
                                  for key, old, new, rule in self.changes)
 
 
+def params_added_since(params: Params, text_leaves: dict[str, str]
+                       ) -> list[tuple[str, object]]:
+  """[(key, the value it had before it existed)] for each leaf of `params` that an
+  older version's params text (its leaves `text_leaves`) lacks while holding the
+  params around it: a param added since, whose absence means what the code did then
+  (`Params.value_before`: its default, unless its define says otherwise). A leaf whose
+  enclosing params the text lacks as well (a layer more in a list) is not one: the
+  model's structure changed, which the restore checks."""
+  prefixes = set()
+  for key in text_leaves:
+    parts = key.split(".")
+    prefixes.update(".".join(parts[:n]) for n in range(1, len(parts)))
+  added = []
+  for key, _ in params.flatten():
+    parent = key.rpartition(".")[0]
+    if key in text_leaves or (parent and parent not in prefixes):
+      continue
+    added.append((key, params.value_before(key)))
+  return added
+
+
+def take_params_added_since(params: Params, text: str, path: str,
+                            keep: frozenset[str] = frozenset()) -> list[str]:
+  """Sets on `params` (unfrozen) each param added since the params text `text` (read
+  from `path`) was written to the value it had before it existed (params_added_since),
+  but the keys in `keep` (set explicitly, e.g. by --params_override); returns
+  'key = value' for each that changed a value of `params`, for the log."""
+  changed = []
+  for key, before in params_added_since(params, params_leaves(text, path)):
+    if key in keep or repr(params.get(key)) == repr(before):
+      continue
+    params.set(**{key: before})
+    changed.append(f"{key} = {before!r}")
+  return changed
+
+
 def compare_params(logdir: str, params: Params) -> ParamsChange | None:
   """Compares `params` with <logdir>/params.txt; None if the logdir has none. Raises
   LogdirError if params.txt is damaged: a line that is not `key : value`, or a value
@@ -320,9 +356,13 @@ def compare_params(logdir: str, params: Params) -> ParamsChange | None:
   _check_values(old, new, params, path)
   has_checkpoints = bool(checkpoints.find(os.path.join(logdir, "train")))
   change = ParamsChange([], has_checkpoints)
+  # (A param added since params.txt was written, at the value it had before it existed,
+  # is no change: the run goes on as it trained.)
+  as_before = {key for key, value in params_added_since(params, old)
+               if repr(params.get(key)) == repr(value)}
   for key in sorted(old.keys() | new.keys()):
     before, after = old.get(key, _ABSENT), new.get(key, _ABSENT)
-    if before == after or key in _EXPECTED_TO_CHANGE:
+    if before == after or key in _EXPECTED_TO_CHANGE or key in as_before:
       continue
     change.changes.append((key, before, after, resume_rule(key, before, after)))
   return change

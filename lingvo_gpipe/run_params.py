@@ -77,9 +77,12 @@ def checkpoint_step(prefix: str) -> int | None:
     return None
 
 
-def trained_params(registered: Params, path: str) -> Params:
+def trained_params(registered: Params, path: str,
+                   log: Callable[[str], None] = lambda _: None) -> Params:
   """`registered` (unfrozen, changed in place and returned) with every leaf of the
-  params text at `path` that differs from it set from that text.
+  params text at `path` that differs from it set from that text, and every param added
+  since that text was written set to what the code did before it existed
+  (logdirs.take_params_added_since; `log` names them).
 
   Raises:
     RunParamsError: `path` cannot be read as params text, or names a key `registered`
@@ -107,6 +110,10 @@ def trained_params(registered: Params, path: str) -> Params:
       raise RunParamsError(f"{path}: '{key} : {value[:80]}' cannot be set on this "
                            f"model ({str(e).splitlines()[0]}): the logdir was trained "
                            "with another --model") from None
+  added = logdirs.take_params_added_since(registered, text, path)
+  if added:
+    log(f"{path} was written before these params existed; served as the run trained, "
+        f"with each as it was then: {'; '.join(added)}")
   return registered
 
 
@@ -175,5 +182,5 @@ def served_params(registered: Params, logdir: str, checkpoint: str | None,
       registered.set_from_text(key, value)
     return registered, [{"key": key, "served": value} for key, value in overrides]
   log(f"Serving the params the checkpoint was trained with: {path}")
-  params = trained_params(registered, path)
+  params = trained_params(registered, path, log)
   return params, apply_serving_overrides(params, overrides)

@@ -2,12 +2,17 @@
 writability probe leaves nothing behind."""
 
 import errno
+import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
+import numpy as np
 import pytest
+import tensorflow as tf
 
 from lingvo_gpipe import logdirs, model_registry
 
@@ -60,13 +65,15 @@ def test_each_change_falls_in_its_row_of_the_resume_rules(tmp_path):
   float16 = logdirs.check_resumable(str(logdir), demo_params(**{"task.fprop_dtype": "float16"}))
   assert [rule.verdict for *_, rule in float16.changes] == [logdirs.CONSEQUENCE]
   assert "loss scale" in float16.describe()
-  # A logdir written before the inputs had `autotune` resumes.
+  # A logdir written before the inputs had `autotune` resumes: at the value it had
+  # then (its default), that param is no change; set otherwise, a change of its row.
   params_txt = logdir / "params.txt"
   params_txt.write_text("".join(line for line in params_txt.read_text().splitlines(True)
                                 if "_input.autotune" not in line))
-  older = logdirs.check_resumable(str(logdir), demo_params())
+  assert not logdirs.check_resumable(str(logdir), demo_params()).changes
+  older = logdirs.check_resumable(str(logdir), demo_params(**{"train_input.autotune": True}))
   assert {key: rule.verdict for key, _, _, rule in older.changes} == {
-      "eval_input.autotune": logdirs.ALLOWED, "train_input.autotune": logdirs.ALLOWED}
+      "train_input.autotune": logdirs.ALLOWED}
 
 
 def test_freezing_or_unfreezing_a_layer_is_refused_on_resume():
@@ -228,3 +235,84 @@ def test_a_params_txt_that_is_not_params_text_is_refused_naming_it(tmp_path, con
   with pytest.raises(logdirs.LogdirError, match=f"params.txt.*{why}"):
     logdirs.check_resumable(str(logdir), demo_params())
   assert (logdir / "params.txt").read_bytes() == content
+
+
+# -- logdirs an earlier version wrote ---------------------------------------------------
+
+EARLIER = Path(__file__).resolve().parent / "data" / "logdir_of_fb46c18"
+EARLIER_MODEL = ("--model=earlier_version_lm.SmallLm",
+                 f"--params_path={EARLIER.parent / 'earlier_version_lm.py'}")
+
+
+def test_a_param_added_since_a_params_text_means_what_the_code_did_before_it():
+  """A leaf the text lacks while holding the params around it is a param added since:
+  it takes its `before` (its default unless its define says otherwise). A leaf under
+  params the text lacks too (a layer more) is a change of structure, not one."""
+  from lingvo_gpipe.core.hyperparams import Params
+
+  def params(layers: int) -> Params:
+    p = Params()
+    p.define("width", 8, "")
+    p.define("tied", True, "", before=False)  # added later, with another default
+    p.define("scale", 2.0, "")  # added later, its default what the code did
+    p.define("layers", [Params() for _ in range(layers)], "")
+    for layer in p.layers:
+      layer.define("dim", 4, "")
+      layer.define("bias", True, "")
+    return p.set(width=16, scale=3.0)
+
+  text = "width : 16\nlayers[0].dim : 4\n"
+  added = dict(logdirs.params_added_since(params(2), logdirs.params_leaves(text)))
+  assert added == {"tied": False, "scale": 2.0, "layers[0].bias": True}
+  p = params(1)
+  changed = logdirs.take_params_added_since(p, text, "params.txt", keep=frozenset({"scale"}))
+  assert changed == ["tied = False"] and (p.tied, p.scale) == (False, 3.0)
+
+
+def test_a_logdir_of_an_earlier_version_serves_what_it_trained(tmp_path):
+  """tests/data/logdir_of_fb46c18, trained by the library before tied weights and
+  length buckets (its params.txt has neither), with a param file that ties its
+  softmax since: today's export serves it untied, as it trained, and its `score` is
+  the one that version served."""
+  from numerics import assert_close
+
+  from lingvo_gpipe import exporter, run_params
+  from lingvo_gpipe.tasks import serving
+
+  logdir = tmp_path / "run"
+  shutil.copytree(EARLIER, logdir)
+  model_registry.load_param_files([str(EARLIER.parent / "earlier_version_lm.py")])
+  registered = model_registry.get_params("earlier_version_lm.SmallLm")
+  assert registered.task.stack.layers[2].tie_to  # (tied today)
+  lines = []
+  params, _ = run_params.served_params(registered, str(logdir), None, [],
+                                       "earlier_version_lm.SmallLm", log=lines.append)
+  assert any("was written before these params existed" in line
+             and "task.stack.layers[2].tie_to = None" in line for line in lines), lines
+  path = exporter.export(params.freeze(), str(logdir), model_name="earlier_version_lm.SmallLm",
+                         options=serving.ServingOptions(max_decode_length=16),
+                         log=lambda _: None)
+  expected = json.loads((EARLIER / "expected_scores.json").read_text())
+  served = tf.saved_model.load(path).signatures["score"](
+      ids=tf.constant(expected["ids"], tf.int32), paddings=tf.constant(expected["paddings"]))
+  assert_close(served["token_log_probs"].numpy(), np.array(expected["token_log_probs"]))
+
+
+def test_a_logdir_of_an_earlier_version_resumes_and_decodes_through_the_binary(tmp_path):
+  """The same logdir resumed for a step (the params added since as they were then,
+  noted; before: refused for bucket keys it never had), then decoded."""
+  from conftest import run_trainer
+
+  logdir = tmp_path / "run"
+  shutil.copytree(EARLIER, logdir)
+  resumed = run_trainer(*EARLIER_MODEL, f"--logdir={logdir}", "--devices=cpu:1",
+                        "--max_steps=3")
+  assert resumed.returncode == 0, resumed.stderr[-2000:]
+  assert ("was written before these params existed; the run goes on as it trained, with "
+          "each as it was then: task.stack.layers[2].tie_to = None") in resumed.stdout
+  assert "Resuming from checkpoint" in resumed.stdout and "step 3/3" in resumed.stdout
+  assert (logdir / "params.before_step_2.txt").read_text() == (
+      EARLIER / "params.txt").read_text()
+  decoded = run_trainer(*EARLIER_MODEL, f"--logdir={logdir}", "--mode=decode")
+  assert decoded.returncode == 0, decoded.stderr[-2000:]
+  assert "decode at step 3" in decoded.stdout

@@ -52,6 +52,8 @@ MODES = ("train", "eval", "train_and_eval", "inspect_params", "inspect_model", "
          "plan", "export", "decode")
 
 FLAGS = flags.FLAGS
+# The modes that run the logdir's own model on (and write to it).
+_TRAIN_MODES = ("train", "eval", "train_and_eval")
 flags.DEFINE_string("model", None, "Registered model key, e.g. demo.TinyConvNet.")
 flags.DEFINE_string("logdir", None, "Directory for checkpoints, summaries and params.txt.")
 flags.DEFINE_integer("max_steps", None, "Train until this global step (default: the "
@@ -172,6 +174,8 @@ def _model_params(serving_changes: list[dict[str, str]] | None = None):
     else:
       for key, value in overrides:
         params.set_from_text(key, value)
+      if FLAGS.mode in _TRAIN_MODES and FLAGS.logdir and not FLAGS.reset_params:
+        _take_params_added_since_the_logdir(params, frozenset(k for k, _ in overrides))
   except run_params.RunParamsError as e:
     raise UsageFailure(str(e)) from None
   except hyperparams.ParamsError as e:
@@ -189,6 +193,25 @@ def _model_params(serving_changes: list[dict[str, str]] | None = None):
       raise UsageFailure(f"--max_steps must be >= 0, got {FLAGS.max_steps}")
     params.task.train.max_steps = FLAGS.max_steps
   return params.freeze()
+
+
+def _take_params_added_since_the_logdir(params, overridden: frozenset[str]) -> None:
+  """A logdir written by an older version: each param added since takes what the code
+  did before it existed (logdirs.take_params_added_since), unless --params_override
+  set it, so that the run goes on as it trained; noted. A damaged params.txt is left to
+  the resume check, which names it."""
+  from lingvo_gpipe import logdirs
+
+  try:
+    text = logdirs.read_params_text(FLAGS.logdir)
+    path = os.path.join(FLAGS.logdir, logdirs.PARAMS_FILE)
+    added = [] if text is None else logdirs.take_params_added_since(
+        params, text, path, keep=overridden)
+  except logdirs.LogdirError:
+    return
+  if added:
+    print(f"{path} was written before these params existed; the run goes on as it "
+          f"trained, with each as it was then: {'; '.join(added)}", flush=True)
 
 
 def _inspect_model(params) -> None:

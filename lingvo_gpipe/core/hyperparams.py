@@ -33,6 +33,10 @@ class ParamsError(ValueError):
   """Raised for an unknown key, a bad value or a change to frozen params."""
 
 
+# `define`'s marker for "no `before` given: the default".
+_DEFAULT = object()
+
+
 class _Param:
   """One named value with its description, and the kind of value its default declares
   (bool, int, float or str; None for anything else, which any value may replace).
@@ -40,17 +44,20 @@ class _Param:
   e.g. an object to the config that its text dump can write and read back."""
 
   def __init__(self, name: str, default: Any, description: str, kind: type | None = None,
-               convert: Callable[[Any], Any] | None = None):
+               convert: Callable[[Any], Any] | None = None, before: Any = None):
     self.name = name
     self.convert = convert
     self.value = default if convert is None or default is None else convert(default)
     self.description = description
     self.kind = kind if kind is not None else _declared_kind(default)
+    # The value a run had before this param existed: what a params text written then,
+    # which lacks it, means (`Params.value_before`).
+    self.before = before
 
   def __deepcopy__(self, memo):
     # Classes, dtypes and functions are shared; everything else is copied.
     return _Param(self.name, copy_lib.deepcopy(self.value, memo), self.description, self.kind,
-                  self.convert)
+                  self.convert, copy_lib.deepcopy(self.before, memo))
 
   def admits(self, value: Any) -> bool:
     """Whether `value` is of the declared kind (None always is: "not set")."""
@@ -220,16 +227,28 @@ class Params:
   # -- definition and access -------------------------------------------------
 
   def define(self, name: str, default: Any, description: str,
-             convert: Callable[[Any], Any] | None = None) -> None:
+             convert: Callable[[Any], Any] | None = None, before: Any = _DEFAULT) -> None:
     """Adds a new hyperparameter `name` with a default value and a description.
     `convert`: applied to every value set other than None (it raises ParamsError for
-    a value it cannot take), e.g. to keep a Keras layer as its config."""
+    a value it cannot take), e.g. to keep a Keras layer as its config.
+    `before`: what the library did before this param existed, which a params text
+    written then (an older run's params.txt, lacking the key) means
+    (`value_before`). By default the default: a param is added with the default that
+    keeps what the code did; a param whose default does not must say so here."""
     self._check_not_frozen(name)
     if not _IDENTIFIER.match(name):
       raise ParamsError(f"param name {name!r} is not a valid identifier")
     if name in self._params:
       raise ParamsError(f"param {name!r} is already defined")
-    self._params[name] = _Param(name, default, description, convert=convert)
+    param = _Param(name, default, description, convert=convert)
+    param.before = copy_lib.deepcopy(param.value if before is _DEFAULT else before)
+    self._params[name] = param
+
+  def value_before(self, key: str) -> Any:
+    """The value of (dotted) `key` in a run made before its param existed: the
+    `before` its define gave, or else its default (`define`)."""
+    node, leaf = self._resolve(key)
+    return copy_lib.deepcopy(node._params[leaf].before)
 
   def __getattr__(self, name: str) -> Any:
     params = object.__getattribute__(self, "_params")
