@@ -297,7 +297,7 @@ class Trainer:
     if start >= max_steps:
       self.log(f"Global step {start} >= max_steps {max_steps}; nothing to train")
       return {}
-    step_fn = self._build_train_step()
+    step_fn = self._build_train_step(self._longest_call(max_steps - start, eval_fn))
     writer = self._start_writing(found, start)  # the run is checked: from here on it writes
     progress = _Progress(start, max_steps)
     profiler = _StepProfiler(profile_steps, self.train_dir, self.log, start, max_steps)
@@ -492,8 +492,19 @@ class Trainer:
         f"nothing of this step was saved. Last good checkpoint: "
         f"{self.checkpoints.latest or 'none'}")
 
-  def _build_train_step(self) -> Callable:
-    """Traces the training step, saying what it builds and how long that took."""
+  def _longest_call(self, steps_left: int, eval_fn: Callable | None) -> int:
+    """The most steps one call of this run can take (`_call_size`'s bound): fewer than
+    steps_per_call where max_steps, the checkpoint interval or the eval interval comes
+    sooner, since a call ends at each."""
+    train_p = self.params.task.train
+    longest = [train_p.steps_per_call, steps_left, train_p.save_interval_steps]
+    if eval_fn is not None and train_p.eval_interval_steps:
+      longest.append(train_p.eval_interval_steps)
+    return max(1, min(longest))
+
+  def _build_train_step(self, longest_call: int) -> Callable:
+    """Traces the training step (for calls of up to `longest_call` steps: what
+    `_longest_call` allows), saying what it builds and how long that took."""
     pipeline = self.task.pipeline
     if pipeline is not None:
       p = pipeline.params
@@ -509,7 +520,13 @@ class Trainer:
       what += f", {len(specs)} length buckets"
     self.log(f"Building the training step ({what}) ...")
     start = time.perf_counter()
-    per_call = self.params.task.train.steps_per_call
+    per_call = min(self.params.task.train.steps_per_call, longest_call)
+    if per_call < self.params.task.train.steps_per_call:
+      # (One unrolled step per step of a call: a call this run never makes, traced,
+      # would cost time and memory in proportion, a billion steps never finishing.)
+      self.log(f"task.train.steps_per_call={self.params.task.train.steps_per_call} is more "
+               f"than a call of this run takes: at most {per_call}, up to the next "
+               "checkpoint, eval or max_steps")
     if per_call > 1:  # (one batch shape: check_calls_against_buckets)
       return self._steps_per_call_fn(specs[0], per_call, start)
     # One traced step per batch shape: every length bucket's up front unless

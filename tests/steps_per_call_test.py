@@ -70,6 +70,20 @@ def test_several_steps_per_call_train_as_one_per_call(tmp_path, replicas):
   assert int(run.global_step.numpy()) == 7
 
 
+def test_a_call_is_traced_no_longer_than_the_run_can_make_one(tmp_path):
+  """steps_per_call = 10⁹ with max_steps 3 and checkpoints every 2: the run's calls
+  take at most 2 steps, and that is what is traced (a billion unrolled steps never
+  finished tracing), noted; the losses are one step per call's."""
+  _, want, _ = train(make_params("demo.TinyConvNet", CONV), tmp_path / "one", 3)
+  logs: list = []
+  overrides = CONV + ";task.train.save_interval_steps=2;task.train.steps_per_call=1000000000"
+  _, got, _ = train(make_params("demo.TinyConvNet", overrides), tmp_path / "many", 3, logs)
+  assert any("steps_per_call=1000000000 is more than a call of this run takes: at most 2"
+             in line for line in logs), logs
+  assert any("(2 steps per call)" in line for line in logs), logs
+  assert_close(got, want, REORDERED, dtype=np.float32)
+
+
 @EXHAUSTIVE
 def test_a_non_finite_step_inside_a_call_stops_there_leaving_the_state_before_it(tmp_path):
   """Batch 6 is NaN; 4 steps per call run steps 5 to 8 in the second call. The run
