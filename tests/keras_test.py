@@ -828,6 +828,15 @@ def test_a_keras_language_models_ids_are_checked_by_its_embeddings_vocabulary(tm
     served("score", ids=ids, paddings=np.zeros(ids.shape, np.float32))
   with pytest.raises(tf.errors.InvalidArgumentError, match=rf"generate: prefix_ids.*{vocab}"):
     served("generate", prefix_ids=ids, max_new_tokens=2, temperature=0.0, seed=1)
+  # Paddings are 0 or 1 (7 scaled a score by -6, NaN made it NaN); T = 0 scores nothing.
+  for bad in (7.0, 0.5, float("nan")):
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"score: paddings must be 0 "
+                       r"\(a token\) or 1 \(padding\)"):
+      served("score", ids=np.array([[1, 5]], np.int32), paddings=np.array([[0, bad]],
+                                                                          np.float32))
+  empty = served("score", ids=np.zeros([2, 0], np.int32), paddings=np.zeros([2, 0], np.float32))
+  assert empty["token_log_probs"].shape == (2, 0)
+  assert empty["log_prob"].numpy().tolist() == [0.0, 0.0]
 
 
 def weights_file_model(kind: str) -> keras.Model:

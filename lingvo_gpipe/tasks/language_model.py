@@ -92,7 +92,8 @@ class LanguageModelTask(BaseTask):
     bound = self.id_bounds(self.params).get("ids")  # (None: a stack of no vocab_size)
 
     def score(ids, paddings):
-      return self.score_tokens(serving.checked_ids(ids, bound, "score: ids"), paddings)
+      return self.score_tokens(serving.checked_ids(ids, bound, "score: ids"),
+                               serving.checked_paddings(paddings, ids, "score: paddings"))
 
     compiled = options.compile_generate and self.pipeline is None
 
@@ -122,7 +123,8 @@ class LanguageModelTask(BaseTask):
       # The logits at t − 1 predict the token at t.
       picked = tf.gather(log_probs[:, :-1], ids[:, 1:], batch_dims=2)  # [B, T − 1]
       picked *= 1.0 - tf.cast(paddings[:, 1:], tf.float32)
-      token_log_probs = tf.pad(picked, [[0, 0], [1, 0]])
+      # (T = 0: no position, not the pad's one.)
+      token_log_probs = tf.pad(picked, [[0, 0], [1, 0]])[:, :tf.shape(ids)[1]]
       return {"token_log_probs": token_log_probs,
               "log_prob": tf.reduce_sum(token_log_probs, axis=1)}
 

@@ -133,6 +133,24 @@ def traced(input_signature: dict[str, tf.TensorSpec]) -> Callable[[Callable], An
   return decorate
 
 
+def checked_paddings(paddings: tf.Tensor, ids: tf.Tensor, what: str) -> tf.Tensor:
+  """`paddings` once it is checked to be ids' shape and every value 0 (a token) or 1
+  (padding) (an InvalidArgumentError naming `what` otherwise): a model multiplies by
+  1 − paddings, so 7 would scale a score by −6 and NaN would make it NaN."""
+  checks = [
+      tf.debugging.assert_equal(tf.shape(paddings), tf.shape(ids), message=(
+          f"{what} must have the ids' shape [B, T]")),
+      tf.debugging.Assert(tf.reduce_all(tf.logical_or(paddings == 0.0, paddings == 1.0)), [
+          f"{what} must be 0 (a token) or 1 (padding); got another value:",
+          tf.reduce_min(tf.where(tf.logical_or(paddings == 0.0, paddings == 1.0),
+                                 tf.zeros_like(paddings), paddings)),
+          tf.reduce_max(tf.where(tf.logical_or(paddings == 0.0, paddings == 1.0),
+                                 tf.zeros_like(paddings), paddings))]),
+  ]
+  with tf.control_dependencies(checks):
+    return tf.identity(paddings)
+
+
 def checked_ids(ids: tf.Tensor, bound: Any, what: str) -> tf.Tensor:
   """`ids` once every one is checked to lie in [0, bound.bound) (base_task.IdBound; an
   InvalidArgumentError naming `what` otherwise): an XLA gather clamps an id out of
