@@ -150,7 +150,11 @@ def describe(key: str) -> str:
   --data_dir)' when its training input reads prepared TFDS data."""
   model = get_class(key)
   doc = (inspect.getdoc(model) or "").split("\n")[0].strip() or "(no description)"
-  train_input = get_params(key).train_input
+  try:
+    train_input = get_params(key).train_input
+  except Exception as e:  # noqa: BLE001 (a param file's own code: anything; the rest list)
+    why = (str(e).strip().splitlines() or [""])[0][:120]
+    return f"{doc} (its params fail to build: {type(e).__name__}: {why})"
   needs_data = train_input is not None and "data_dir" in train_input
   return f"{doc} (needs --data_dir)" if needs_data else doc
 

@@ -102,3 +102,31 @@ def test_readme_keras_example_registers_and_runs(tmp_path):
   batch = next(iter(params.train_input.instantiate().dataset()))
   loss, weight = task(batch)["loss"]
   assert loss.shape == [] and float(weight) == 64
+
+
+def test_a_listing_marks_a_model_whose_params_fail_and_lists_the_others(tmp_path):
+  """--mode=list_models with one model whose params raise: that model's line says
+  so (it was a traceback, and nothing listed); the others are described as ever."""
+  from conftest import run_trainer
+
+  (tmp_path / "half_broken.py").write_text(textwrap.dedent("""
+      from lingvo_gpipe import model_registry
+      from lingvo_gpipe_params import demo
+
+      @model_registry.register
+      class Broken(demo.TinyConvNet):
+        '''A model whose params raise.'''
+        def train_input(self):
+          raise ValueError("no such corpus: /nowhere")
+
+      @model_registry.register
+      class Fine(demo.TinyConvNet):
+        '''A model that builds.'''
+      """))
+  listed = run_trainer("--mode=list_models", f"--params_path={tmp_path / 'half_broken.py'}")
+  assert listed.returncode == 0, listed.stderr[-2000:]
+  lines = dict(line.split(maxsplit=1) for line in listed.stdout.strip().split("\n"))
+  assert lines["half_broken.Broken"] == ("A model whose params raise. (its params fail to "
+                                          "build: ValueError: no such corpus: /nowhere)")
+  assert lines["half_broken.Fine"] == "A model that builds."
+  assert lines["demo.TinyConvNet"].startswith("Two conv-BN-ReLU blocks")
