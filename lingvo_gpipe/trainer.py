@@ -310,11 +310,18 @@ class Trainer:
           if progress.step >= max_steps:
             break
           self._stop_if_requested(progress.step)
-          ran.extend(self._run_call(step_fn, self._call_size(progress, eval_fn, profiler),
-                                    progress.step + 1, profiler))
+          call_start = time.perf_counter()
+          results = self._run_call(step_fn, self._call_size(progress, eval_fn, profiler),
+                                   progress.step + 1, profiler)
+          # Each step of a call is taken as done at its share of the call's time (the
+          # host sees them all at its end: counted then, a window ending inside a call
+          # would read millions of examples/sec).
+          call_end = time.perf_counter()
+          ran.extend((*result, call_start + (call_end - call_start) * (i + 1) / len(results))
+                     for i, result in enumerate(results))
           if not ran:  # the input has ended
             break
-        batch, outputs, timestamps = ran.popleft()
+        batch, outputs, timestamps, done_at = ran.popleft()
         step = progress.step + 1  # the global step this update makes (as progress lines count)
         checked = self._checked_step(outputs, step)
         if checked is None:  # skipped (a loss-scaled gradient overflowed): same step again
@@ -326,7 +333,7 @@ class Trainer:
           self.log(f"First step done in {progress.seconds_since_start():.1f} s")
         if on_step is not None:
           on_step(step, values)
-        examples_per_sec = progress.count_step(_examples_in(batch))
+        examples_per_sec = progress.count_step(_examples_in(batch), done_at)
         if progress.due(train_p.summary_interval_steps):
           self._write_summaries(writer, step, values, examples_per_sec, timestamps)
         if progress.due(train_p.log_interval_steps):
@@ -673,6 +680,7 @@ class _Progress:
     self.start, self.max_steps = start, max_steps
     self.step = start
     self.run_start = time.perf_counter()
+    self.window_end = self.run_start  # (when the last step counted was done)
     self.start_window()
 
   def due(self, interval: int) -> bool:
@@ -687,15 +695,17 @@ class _Progress:
   def seconds_since_start(self) -> float:
     return time.perf_counter() - self.run_start
 
-  def count_step(self, examples: int) -> float:
-    """Counts a step of `examples` done in the window; returns examples/sec over the
-    window."""
+  def count_step(self, examples: int, done_at: float) -> float:
+    """Counts a step of `examples` done (at perf_counter time `done_at`) in the window;
+    returns examples/sec over the window up to then, which the next window starts
+    from."""
     self.window_examples += examples
-    elapsed = time.perf_counter() - self.window_start
-    return self.window_examples / max(elapsed, 1e-9)
+    self.window_end = done_at
+    return self.window_examples / max(done_at - self.window_start, 1e-9)
 
   def start_window(self) -> None:
-    self.window_start, self.window_examples = time.perf_counter(), 0
+    """A new window from the last step counted (the run's start before any)."""
+    self.window_start, self.window_examples = self.window_end, 0
 
   def eta_seconds(self) -> float:
     """Seconds to max_steps at the rate since the run started."""

@@ -5,6 +5,8 @@ the losses, the weights, the checkpoints, the step a non-finite batch stops at a
 state it leaves, the loss scale's skips.
 """
 
+import re
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -46,7 +48,8 @@ def train(params, logdir, steps: int, logs: list | None = None):
 
 
 CONV = ("train_input.batch_size=8;task.pipeline.num_cells=2;task.pipeline.num_micro_batches=2;"
-        "task.train.save_interval_steps=5;task.train.summary_interval_steps=1")
+        "task.train.save_interval_steps=5;task.train.summary_interval_steps=1;"
+        "task.train.log_interval_steps=1")
 
 
 @pytest.mark.parametrize("replicas", quick_sample([1, 2], quick=[1]))
@@ -61,6 +64,12 @@ def test_several_steps_per_call_train_as_one_per_call(tmp_path, replicas):
                                         overrides + ";task.train.steps_per_call=3"),
                             tmp_path / "three", 7, logs)
   assert any("(3 steps per call)" in line for line in logs), logs
+  # Progress lines (every step) inside a call: each step takes its share of the call's
+  # time, so steps 2 and 3 of the first call show one rate (it read millions: the steps
+  # after the first were counted when the call had already ended).
+  rates = {int(m.group(1)): float(m.group(2)) for line in logs if (m := re.search(
+      r"step (\d+)/7 .*examples/sec ([\d.]+)", line))}
+  assert rates[2] == rates[3] < 1e5, rates
   assert len(got) == 7
   assert_close(got, want, REORDERED, dtype=np.float32)
   assert_close(np.concatenate([w.ravel() for w in weights]),
