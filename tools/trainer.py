@@ -123,7 +123,8 @@ class RunState:
   devices: tuple[str, ...] = ()
 
   def request_stop(self) -> None:
-    """Asks the training loop, if one is built, to stop after the step in flight."""
+    """Asks the training loop, if one is built, to stop after the call in flight (one
+    step, or steps_per_call of them)."""
     if self.trainer is not None:
       self.trainer.stop_requested.set()
 
@@ -697,7 +698,7 @@ def _raise_terminated(signum: int, frame) -> None:
 def _run_interruptibly() -> int:
   """Runs _run in a thread so that Ctrl-C is heard at once (a main thread blocked in a
   TensorFlow call does not run Python's signal handler until the call returns: never,
-  for a step waiting on a frozen worker). Ctrl-C asks the loop to stop after the step in
+  for a step waiting on a frozen worker). Ctrl-C asks the loop to stop after the call in
   flight (it flushes its summaries), waits up to 2 s for it, then exits with code 130
   (SIGTERM likewise, with code 143; an export or decode that has not finished by then
   exits so without writing its result);
