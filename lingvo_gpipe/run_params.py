@@ -77,6 +77,20 @@ def checkpoint_step(prefix: str) -> int | None:
     return None
 
 
+def _newest_readable_step(train_dir: str) -> int | None:
+  """The step of the newest checkpoint in `train_dir` whose global step can be read,
+  the one the export's restore will take (it passes over one it cannot read: being
+  written, truncated); else that of the newest, or None without any."""
+  found = checkpoints.find(train_dir)
+  for step, prefix in found:
+    try:
+      tf.train.load_checkpoint(prefix).get_tensor(_GLOBAL_STEP_KEY)
+    except Exception:  # noqa: BLE001 (truncated data: IndexError; others: OpError, ...)
+      continue
+    return step
+  return found[0][0] if found else None
+
+
 def trained_params(registered: Params, path: str,
                    log: Callable[[str], None] = lambda _: None) -> Params:
   """`registered` (unfrozen, changed in place and returned) with every leaf of the
@@ -169,8 +183,7 @@ def served_params(registered: Params, logdir: str, checkpoint: str | None,
   if checkpoint:
     step = checkpoint_step(checkpoint)
   else:
-    found = checkpoints.find(os.path.join(logdir, "train"))
-    step = found[0][0] if found else None
+    step = _newest_readable_step(os.path.join(logdir, "train"))
   path = params_file_for_step(logdir, step)
   if not os.path.exists(path):
     if not checkpoint and step is not None:

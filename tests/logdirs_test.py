@@ -316,3 +316,27 @@ def test_a_logdir_of_an_earlier_version_resumes_and_decodes_through_the_binary(t
   decoded = run_trainer(*EARLIER_MODEL, f"--logdir={logdir}", "--mode=decode")
   assert decoded.returncode == 0, decoded.stderr[-2000:]
   assert "decode at step 3" in decoded.stdout
+
+
+def test_an_export_takes_the_params_of_the_checkpoint_it_can_read(tmp_path):
+  """The newest checkpoint cannot be read (ckpt-5: its data truncated), so the export
+  restores ckpt-2, and serves the params ckpt-2 was written with (the text a resume at
+  step 3 set aside), not those of params.txt (the newest checkpoint's)."""
+  from lingvo_gpipe import run_params
+
+  logdir = tmp_path / "run"
+  shutil.copytree(EARLIER, logdir)
+  train = logdir / "train"
+  (train / "ckpt-5.index").write_bytes((train / "ckpt-2.index").read_bytes())
+  (train / "ckpt-5.data-00000-of-00001").write_bytes(b"")
+  shutil.copy(logdir / "params.txt", logdir / "params.before_step_3.txt")
+  (logdir / "params.txt").write_text((logdir / "params.txt").read_text().replace(
+      "eval_input.batch_size : 8", "eval_input.batch_size : 4"))
+  model_registry.load_param_files([str(EARLIER.parent / "earlier_version_lm.py")])
+  lines = []
+  params, _ = run_params.served_params(
+      model_registry.get_params("earlier_version_lm.SmallLm"), str(logdir), None, [],
+      "earlier_version_lm.SmallLm", log=lines.append)
+  assert f"Serving the params the checkpoint was trained with: {logdir}/params.before_step_3.txt" \
+      in lines, lines
+  assert params.eval_input.batch_size == 8
