@@ -14,8 +14,10 @@ model computes.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 from collections.abc import Callable
 
 import tensorflow as tf
@@ -41,16 +43,24 @@ def decode(params: Params, logdir: str, *, checkpoint: str | None = None,
   eval_input = params.eval_input.instantiate()
   model = serving.ServingModel(task, eval_input, options)
   log(f"Decoding the eval input with {path} through {', '.join(sorted(model.functions))} ...")
+  for name in os.listdir(logdir):  # left by a decode killed while writing
+    if re.fullmatch(r"decode_\d+\.jsonl\.partial", name):
+      os.remove(os.path.join(logdir, name))
   records = []
   for batch in eval_input.dataset():
     records += task.serving_examples(model, batch, eval_input)
   metrics = task.serving_metrics(records, eval_input)
   out_path = os.path.join(logdir, f"decode_{step}.jsonl")
   partial = out_path + ".partial"
-  with open(partial, "w") as f:
-    for record in records:
-      f.write(json.dumps(record) + "\n")
-  os.replace(partial, out_path)  # whole or absent
+  try:
+    with open(partial, "w") as f:
+      for record in records:
+        f.write(json.dumps(record) + "\n")
+    os.replace(partial, out_path)  # whole or absent
+  except BaseException:  # (a full disk, an interrupt): nothing half-written is left
+    with contextlib.suppress(OSError):
+      os.remove(partial)
+    raise
   writer = tf.summary.create_file_writer(os.path.join(logdir, DECODE_DIR))
   with writer.as_default(step=step):
     for name, value in metrics.items():

@@ -530,6 +530,13 @@ def test_bad_exports_exit_2_with_one_line_and_write_nothing(trained, tmp_path):
   assert full.returncode == 1 and "File too large" in full.stderr, full.stderr
   assert full.stderr.strip().count("\n") == 0, full.stderr
   assert files_of(copy / "export") == before
+  # A decode on a full disk (no file may pass 1 KiB): exit 1, one line, no
+  # decode_2.jsonl and no decode_2.jsonl.partial left.
+  full = run_trainer("--model=lm.TransformerTiny", f"--logdir={copy}", "--mode=decode",
+                     f"--params_override={overrides(params)}", file_size_limit=1024)
+  assert full.returncode == 1 and "File too large" in full.stderr, full.stderr
+  assert full.stderr.strip().count("\n") == 0, full.stderr
+  assert not list(copy.glob("decode_2.jsonl*"))
   decoded = run_trainer("--model=lm.TransformerTiny", f"--logdir={copy}", "--mode=decode",
                         f"--params_override={overrides(params)}")
   assert decoded.returncode == 0, decoded.stderr

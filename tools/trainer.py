@@ -743,10 +743,14 @@ def _run_interruptibly() -> int:
       done.wait(2.0)
     if FLAGS.mode in ("export", "decode"):
       if done.is_set() and "code" in outcome:  # it had finished: its lines say what
+        print(f"interrupted ({how}) as the {FLAGS.mode} finished: it was written whole",
+              file=sys.stderr, flush=True)
         return outcome["code"]
+      leftover = ("a hidden partial folder is removed by the next export"
+                  if FLAGS.mode == "export" else
+                  "a decode_<step>.jsonl.partial is removed by the next decode")
       _exit_now(f"interrupted ({how}) before the {FLAGS.mode} was written: nothing of it "
-                "was written (a hidden partial folder is removed by the next export); "
-                "rerun the same command", code)
+                f"was written ({leftover}); rerun the same command", code)
     latest = _latest_checkpoint()
     _exit_now(f"interrupted ({how}); the last checkpoint is {latest}: rerun the same "
               "command to resume from it" if latest else
