@@ -791,6 +791,10 @@ def test_half_precision_exports_of_keras_models_agree_with_float32(tmp_path, key
   if "ConvNet" in key:
     got, want = (m("classify", images=batch["image"])["probabilities"] for m in (half, full))
     np.testing.assert_allclose(got.numpy(), want.numpy(), atol=tolerance)
+    # Any B, 0 too (a convolution of an empty batch gave its input's shape back).
+    empty = full("classify", images=batch["image"][:0])
+    assert empty["probabilities"].shape == (0, want.shape[1])
+    assert empty["top_k_classes"].shape[0] == 0
   else:
     got, want = (m("score", ids=batch["ids"], paddings=batch["paddings"])["token_log_probs"]
                  for m in (half, full))

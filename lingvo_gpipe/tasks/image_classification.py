@@ -84,11 +84,17 @@ class ImageClassificationTask(BaseTask):
     k = min(5, self.params.softmax.num_classes)
 
     def classify(images):
+      # B = 0 runs on one example of zeros, its outputs then dropped: a convolution of
+      # an empty batch gives its input's shape back on CPU (oneDNN), which the layers
+      # after it refuse. (Data ops only: no branch around the pipeline.)
+      count = tf.shape(images)[0]
+      images = tf.pad(images, [[0, tf.maximum(1 - count, 0)]] + [[0, 0]] * (
+          images.shape.rank - 1))
       features = self.serve_stack(images)
       if isinstance(features, tuple):  # (features, aux_logits): the aux head is training's
         features = features[0]
       with tf.device(self.output_device):
-        probabilities = tf.nn.softmax(tf.cast(self.softmax(features), tf.float32))
+        probabilities = tf.nn.softmax(tf.cast(self.softmax(features), tf.float32))[:count]
         top_probabilities, top_classes = tf.math.top_k(probabilities, k)
       return {"probabilities": probabilities, "top_k_classes": top_classes,
               "top_k_probabilities": top_probabilities}
