@@ -702,3 +702,19 @@ def test_a_damaged_params_txt_is_refused_naming_its_line_and_can_be_set_aside(tm
   aside = list(logdir.glob("params.txt.set_aside_*"))
   assert len(aside) == 1 and aside[0].read_text() == damaged
   assert "Resuming from checkpoint" in reset.stdout
+
+
+def test_ctrl_c_while_tensorflow_imports_exits_130_in_one_line(tmp_path):
+  """Ctrl-C half a second in (TensorFlow is still importing: it takes seconds) exits
+  130 with one line, not a traceback of the import, and writes nothing."""
+  done = subprocess.Popen(
+      [sys.executable, str(REPO / "tools" / "trainer.py"), MODEL,
+       f"--logdir={tmp_path / 'run'}", "--max_steps=1"], stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE, text=True, cwd=REPO, preexec_fn=sigint_as_default,
+      env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+  time.sleep(0.5)
+  done.send_signal(signal.SIGINT)
+  _, stderr = done.communicate(timeout=120)
+  assert done.returncode == 130, stderr
+  assert "Traceback" not in stderr and stderr.strip().count("\n") == 0, stderr
+  assert "interrupted (Ctrl-C)" in stderr and not (tmp_path / "run").exists()

@@ -809,8 +809,11 @@ def main(argv: list[str]) -> None:
   if len(argv) > 1:
     print(f"error: unexpected arguments {argv[1:]}", file=sys.stderr)
     sys.exit(2)
-  _set_log_levels()
-  from lingvo_gpipe import trainer as trainer_lib
+  try:  # (importing TensorFlow takes seconds)
+    _set_log_levels()
+    from lingvo_gpipe import trainer as trainer_lib
+  except KeyboardInterrupt:  # (before _run_interruptibly hears Ctrl-C itself)
+    _exit_now("interrupted (Ctrl-C) while starting: nothing was written", 130)
   try:
     code = _run_interruptibly()
   except UsageFailure as e:
