@@ -78,9 +78,11 @@ def preflight(params: Params, mode: str, devices: Sequence[str] = (),
       check_batch_splits(params)
       for spec in train_specs:  # every length bucket's tokens
         _check_slices_against_tokens(task.pipeline, spec)
-    # Serving builds one replica (exporter.inference_params), whatever training ran.
-    pipeline = task.pipeline.copy().set(num_replicas=1) if mode in SERVING_MODES \
-        else task.pipeline
+    pipeline = task.pipeline
+    if mode in SERVING_MODES:
+      # Serving builds one replica on --export_devices, whatever devices and replicas
+      # training ran on (exporter.inference_params).
+      pipeline = pipeline.copy().set(num_replicas=1, devices=list(devices))
     _check_cells_against_devices(pipeline, devices)
   if "train" in task and mode in TRAIN_MODES:
     check_train_params(task.train)

@@ -59,3 +59,18 @@ def test_a_number_is_not_taken_for_a_dtype(cpu_devices):
     with pytest.raises(ParamsError,
                        match=r"task: fprop_dtype .* is not a compute dtype; valid: \['float32'"):
       preflight(params.freeze(), "train", cpu_devices[:2])
+
+
+def test_an_export_checks_its_own_devices_not_the_training_ones(cpu_devices):
+  """A run trained with its 2 cells on 2 named devices, exported on 1: pre-flight places
+  the cells on --export_devices, as the export builds them (it checked the training
+  devices and passed), and refuses naming the flag; on 2 it passes."""
+  model_registry.load_param_files()
+  params = model_registry.get_params("demo.TinyConvNet")
+  params.task.pipeline.set(num_cells=2, devices=list(cpu_devices[:2]),
+                           round_robin_devices=False)
+  params = params.freeze()
+  with pytest.raises(ParamsError, match=r"2 cells but only 1 device.*an export's "
+                     r"--export_devices"):
+    preflight(params, "export", cpu_devices[:1])
+  preflight(params, "export", cpu_devices[2:4])

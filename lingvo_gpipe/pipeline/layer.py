@@ -192,7 +192,8 @@ def assign_devices(p: hyperparams.Params, num_cells: int, devices: Sequence[str]
   if num_cells > len(devices) and not p.round_robin_devices:
     raise PipelineError(
         f"{path}: {num_cells} cells but only {len(devices)} device(s) {devices}; "
-        "give more devices (e.g. --devices=cpu:N) or set round_robin_devices=True")
+        "give more devices (e.g. --devices=cpu:N; an export's --export_devices) or set "
+        "round_robin_devices=True")
   return [devices[k % len(devices)] for k in range(num_cells)]
 
 
