@@ -1,5 +1,7 @@
 """The synthetic image set: shapes, determinism, splits, learnable signal."""
 
+import re
+
 import numpy as np
 import pytest
 
@@ -61,3 +63,23 @@ def test_autotuning_is_off_unless_asked_and_changes_no_batch():
   for a, b in zip(gen.dataset().take(3), tuned.dataset().take(3)):
     for key in a:
       np.testing.assert_array_equal(a[key].numpy(), b[key].numpy())
+
+
+def test_an_unknown_word_fails_the_in_graph_encode_by_name_even_if_not_utf8():
+  """A source word not in the vocabulary fails `translate` with an InvalidArgumentError
+  naming it; one that is not UTF-8 too (its raw bytes made the message undecodable: a
+  Python UnicodeDecodeError), shown with U+FFFD."""
+  import tensorflow as tf
+
+  from lingvo_gpipe.inputs.vocabulary import WordVocabulary
+
+  vocab = WordVocabulary(["hello", "world"])
+  table = vocab.lookup_table()
+  ids = vocab.encode_in_graph(table, tf.constant(["hello world"]))
+  assert ids.to_list() == [vocab.encode("hello world")]
+  for text, shown in ((b"hello there", "there"),
+                      (b"hello \xff\xfeworld", "\ufffd\ufffdworld")):
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=r"(?s)words not in the vocabulary:.*" + re.escape(shown)):
+      tf.function(lambda texts: vocab.encode_in_graph(table, texts).flat_values)(
+          tf.constant([text]))  # (traced, as the served translate is)

@@ -99,8 +99,12 @@ class WordVocabulary(Vocabulary):
     words = tf.strings.split(texts)
     ids = tf.ragged.map_flat_values(table.lookup, words)
     unknown = tf.boolean_mask(words.flat_values, ids.flat_values < 0)
+    # (Bytes that are not UTF-8 shown as U+FFFD: raw, they made the error's message
+    # undecodable, a Python UnicodeDecodeError instead of an InvalidArgumentError.)
+    shown = tf.strings.unicode_transcode(unknown, "UTF-8", "UTF-8", errors="replace")
     check = tf.debugging.Assert(tf.size(unknown) == 0, [
-        "words not in the vocabulary:", unknown], summarize=5)
+        "words not in the vocabulary:", shown],
+        summarize=5)
     with tf.control_dependencies([check]):
       return ids.with_flat_values(tf.identity(ids.flat_values))
 
