@@ -92,6 +92,14 @@ class LanguageModelTask(BaseTask):
     bound = self.id_bounds(self.params).get("ids")  # (None: a stack of no vocab_size)
 
     def score(ids, paddings):
+      # At most max_decode_length positions, generate's bound too: a model trained on
+      # short sequences scored 2000 positions without a word (a position table past its
+      # end is clamped by an XLA gather).
+      fits = tf.debugging.assert_less_equal(tf.shape(ids)[1], max_length, message=(
+          f"score: ids has more positions than this export serves, max_decode_length="
+          f"{max_length} (--max_decode_length at export)"))
+      with tf.control_dependencies([fits]):
+        ids = tf.identity(ids)
       return self.score_tokens(serving.checked_ids(ids, bound, "score: ids"),
                                serving.checked_paddings(paddings, ids, "score: paddings"))
 
