@@ -841,7 +841,7 @@ def test_a_keras_language_models_ids_are_checked_by_its_embeddings_vocabulary(tm
   # At most max_decode_length positions (128 here, the position table's length).
   long = np.ones([1, 129], np.int32)
   with pytest.raises(tf.errors.InvalidArgumentError, match=r"score: ids has more positions "
-                     r"than this export serves, max_decode_length=128"):
+                     r"than this export serves, 128 \(max_decode_length=128"):
     served("score", ids=long, paddings=np.zeros(long.shape, np.float32))
   empty = served("score", ids=np.zeros([2, 0], np.int32), paddings=np.zeros([2, 0], np.float32))
   assert empty["token_log_probs"].shape == (2, 0)

@@ -87,17 +87,21 @@ class LanguageModelTask(BaseTask):
     generate(prefix_ids [B, P] int32, max_new_tokens, temperature, seed) → ids [B, N]
     (the new tokens), lengths [B] (new tokens before the first EOS); see
     `generate_tokens`."""
-    del model, input_generator  # no tables
+    del model  # no tables
     max_length = options.max_decode_length
     bound = self.id_bounds(self.params).get("ids")  # (None: a stack of no vocab_size)
+    # Score takes generate's bound, or the eval input's length where that is longer (so
+    # decode scores every eval batch): a model trained on short sequences scored 2000
+    # positions without a word (a position table past its end is clamped by XLA).
+    eval_length = input_generator.batch_spec()["ids"].shape[1] if "ids" in \
+        input_generator.batch_spec() else None
+    score_length = max(max_length, eval_length or 0)
 
     def score(ids, paddings):
-      # At most max_decode_length positions, generate's bound too: a model trained on
-      # short sequences scored 2000 positions without a word (a position table past its
-      # end is clamped by an XLA gather).
-      fits = tf.debugging.assert_less_equal(tf.shape(ids)[1], max_length, message=(
-          f"score: ids has more positions than this export serves, max_decode_length="
-          f"{max_length} (--max_decode_length at export)"))
+      fits = tf.debugging.assert_less_equal(tf.shape(ids)[1], score_length, message=(
+          f"score: ids has more positions than this export serves, {score_length} "
+          f"(max_decode_length={max_length}: --max_decode_length at export, or the eval "
+          "input's length if longer)"))
       with tf.control_dependencies([fits]):
         ids = tf.identity(ids)
       return self.score_tokens(serving.checked_ids(ids, bound, "score: ids"),
