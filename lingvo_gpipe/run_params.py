@@ -66,25 +66,29 @@ def params_file_for_step(logdir: str, step: int | None) -> str:
 
 
 def checkpoint_step(prefix: str) -> int | None:
-  """N of a checkpoint prefix '.../ckpt-N', or, for a prefix named otherwise (a copy
-  renamed by hand), the global step it holds; None if neither can be read."""
-  match = re.search(r"-(\d+)$", prefix)
-  if match:
-    return int(match.group(1))
+  """The global step the checkpoint at `prefix` holds; where it cannot be read, N of a
+  prefix '.../ckpt-N'; else None. The step held first: a copy renamed by hand
+  ('best-1' of ckpt-4) would take another checkpoint's params text by its name."""
   try:
     return int(tf.train.load_checkpoint(prefix).get_tensor(_GLOBAL_STEP_KEY))
-  except (tf.errors.OpError, ValueError):  # (not a checkpoint: the exporter says so)
-    return None
+  except Exception:  # noqa: BLE001 (not a checkpoint, or cut short: the exporter says so)
+    match = re.search(r"-(\d+)$", prefix)
+    return int(match.group(1)) if match else None
 
 
 def _newest_readable_step(train_dir: str) -> int | None:
-  """The step of the newest checkpoint in `train_dir` whose global step can be read,
-  the one the export's restore will take (it passes over one it cannot read: being
-  written, truncated); else that of the newest, or None without any."""
+  """The step of the newest checkpoint in `train_dir` every tensor of which can be
+  read, the one the export's restore will take (it passes over one it cannot read:
+  being written, truncated); else that of the newest, or None without any. Every
+  tensor, as the restore reads them: a checkpoint cut short still gives the global
+  step at the start of its data. (The cost: the chosen checkpoint is read twice.)"""
   found = checkpoints.find(train_dir)
   for step, prefix in found:
     try:
-      tf.train.load_checkpoint(prefix).get_tensor(_GLOBAL_STEP_KEY)
+      reader = tf.train.load_checkpoint(prefix)
+      for key, dtype in reader.get_variable_to_dtype_map().items():
+        if dtype != tf.variant:  # (the input's iterator state: numpy cannot hold it)
+          reader.get_tensor(key)
     except Exception:  # noqa: BLE001 (truncated data: IndexError; others: OpError, ...)
       continue
     return step

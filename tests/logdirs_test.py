@@ -319,16 +319,20 @@ def test_a_logdir_of_an_earlier_version_resumes_and_decodes_through_the_binary(t
 
 
 def test_an_export_takes_the_params_of_the_checkpoint_it_can_read(tmp_path):
-  """The newest checkpoint cannot be read (ckpt-5: its data truncated), so the export
-  restores ckpt-2, and serves the params ckpt-2 was written with (the text a resume at
-  step 3 set aside), not those of params.txt (the newest checkpoint's)."""
+  """The newest checkpoint cannot be read (ckpt-5: its data cut in half, its global step
+  still readable), so the export restores ckpt-2, and serves the params ckpt-2 was
+  written with (the text a resume at step 3 set aside), not those of params.txt (the
+  newest checkpoint's). A copy renamed by hand ('best-7') is the step it holds."""
   from lingvo_gpipe import run_params
 
   logdir = tmp_path / "run"
   shutil.copytree(EARLIER, logdir)
   train = logdir / "train"
   (train / "ckpt-5.index").write_bytes((train / "ckpt-2.index").read_bytes())
-  (train / "ckpt-5.data-00000-of-00001").write_bytes(b"")
+  data = (train / "ckpt-2.data-00000-of-00001").read_bytes()
+  (train / "ckpt-5.data-00000-of-00001").write_bytes(data[:len(data) // 2])
+  assert tf.train.load_checkpoint(str(train / "ckpt-5")).get_tensor(
+      "global_step/.ATTRIBUTES/VARIABLE_VALUE") == 2  # (what a cheaper look would see)
   shutil.copy(logdir / "params.txt", logdir / "params.before_step_3.txt")
   (logdir / "params.txt").write_text((logdir / "params.txt").read_text().replace(
       "eval_input.batch_size : 8", "eval_input.batch_size : 4"))
@@ -340,3 +344,6 @@ def test_an_export_takes_the_params_of_the_checkpoint_it_can_read(tmp_path):
   assert f"Serving the params the checkpoint was trained with: {logdir}/params.before_step_3.txt" \
       in lines, lines
   assert params.eval_input.batch_size == 8
+  for suffix in (".index", ".data-00000-of-00001"):
+    shutil.copy(train / f"ckpt-2{suffix}", tmp_path / f"best-7{suffix}")
+  assert run_params.checkpoint_step(str(tmp_path / "best-7")) == 2
