@@ -125,6 +125,13 @@ def test_override_texts_take_their_defaults_kind_only():
   assert (p.name, p.flag) == ("7", True)
   p.set_from_text("name", "None")
   assert p.name is None
+  # A param whose default is None takes None again whatever it holds now (a float an
+  # override set: a resume's params.txt of None was refused as "not a value of it").
+  p.define("cap", None, "")
+  p.set_from_text("cap", "0.5")
+  assert p.cap == 0.5
+  p.set_from_text("cap", "None")
+  assert p.cap is None
 
 
 def test_parse_overrides_respects_quotes_and_brackets():

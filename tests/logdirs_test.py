@@ -62,6 +62,11 @@ def test_each_change_falls_in_its_row_of_the_resume_rules(tmp_path):
       "task.train.log_interval_steps": logdirs.ALLOWED,
       "task.train.optimizer.learning_rate": logdirs.ALLOWED,
       "train_input.autotune": logdirs.ALLOWED}
+  # A param None in params.txt, set now (it was refused: "None is not a value of it").
+  capped = logdirs.check_resumable(str(logdir), demo_params(**{
+      "task.pipeline.memory_cap_bytes": 10**9}))
+  assert [(key, rule.verdict) for key, _, _, rule in capped.changes] == [
+      ("task.pipeline.memory_cap_bytes", logdirs.ALLOWED)]
   float16 = logdirs.check_resumable(str(logdir), demo_params(**{"task.fprop_dtype": "float16"}))
   assert [rule.verdict for *_, rule in float16.changes] == [logdirs.CONSEQUENCE]
   assert "loss scale" in float16.describe()

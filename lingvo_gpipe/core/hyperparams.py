@@ -53,11 +53,16 @@ class _Param:
     # The value a run had before this param existed: what a params text written then,
     # which lacks it, means (`Params.value_before`).
     self.before = before
+    # Whether its default is None ("not set"): then a text "None" sets None whatever it
+    # holds now (a float set by an override, read back from a params.txt of None).
+    self.may_be_none = default is None
 
   def __deepcopy__(self, memo):
     # Classes, dtypes and functions are shared; everything else is copied.
-    return _Param(self.name, copy_lib.deepcopy(self.value, memo), self.description, self.kind,
-                  self.convert, copy_lib.deepcopy(self.before, memo))
+    copied = _Param(self.name, copy_lib.deepcopy(self.value, memo), self.description,
+                    self.kind, self.convert, copy_lib.deepcopy(self.before, memo))
+    copied.may_be_none = self.may_be_none
+    return copied
 
   def admits(self, value: Any) -> bool:
     """Whether `value` is of the declared kind (None always is: "not set")."""
@@ -432,6 +437,9 @@ class Params:
     existing = node._params[leaf].value
     if isinstance(existing, Params):
       raise ParamsError(f"{key!r} is nested Params; set its fields ({key}.FIELD) instead")
+    if value_text.strip() == "None" and node._params[leaf].may_be_none:
+      setattr(node, leaf, None)
+      return
     try:
       value = _value_from_text(value_text, existing)
     except ValueError as e:
