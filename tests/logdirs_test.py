@@ -352,3 +352,19 @@ def test_an_export_takes_the_params_of_the_checkpoint_it_can_read(tmp_path):
   for suffix in (".index", ".data-00000-of-00001"):
     shutil.copy(train / f"ckpt-2{suffix}", tmp_path / f"best-7{suffix}")
   assert run_params.checkpoint_step(str(tmp_path / "best-7")) == 2
+
+
+def test_a_refused_run_puts_back_the_params_txt_reset_params_set_aside(tmp_path):
+  """--reset_params on the earlier version's logdir: the registered model (tied) does
+  not restore its checkpoint, so the run is refused, and params.txt, set aside first,
+  is put back (the logdir was left without one: neither resume nor export then ran)."""
+  from conftest import run_trainer
+
+  logdir = tmp_path / "run"
+  shutil.copytree(EARLIER, logdir)
+  refused = run_trainer(*EARLIER_MODEL, f"--logdir={logdir}", "--devices=cpu:1",
+                        "--max_steps=3", "--reset_params")
+  assert refused.returncode == 2, refused.stderr[-2000:]
+  assert "Put " in refused.stdout and "the run was refused" in refused.stdout
+  assert (logdir / "params.txt").read_text() == (EARLIER / "params.txt").read_text()
+  assert not list(logdir.glob("params.txt.set_aside_*"))

@@ -578,12 +578,20 @@ def _run_in_logdir(params: Params, watchdog: WorkerWatchdog | None, state: RunSt
   profile_steps = _check_logdir_flags(params)
   # One trainer per logdir; eval only reads checkpoints and may run beside it.
   lock = logdirs.LogdirLock(FLAGS.logdir) if FLAGS.mode != "eval" else None
+  aside = None
   try:
     if lock is not None:
       lock.acquire()
-      _note_changed_params(params)
+      aside = _note_changed_params(params)
     return _train_or_eval(params, profile_steps, watchdog, state)
   except (logdirs.LogdirError, UsageFailure) as e:  # refused before the run wrote
+    if aside is not None:
+      # (--reset_params set params.txt aside, and the run was refused before writing
+      # its own: the logdir keeps the one its checkpoints were written with.)
+      path = os.path.join(FLAGS.logdir, logdirs.PARAMS_FILE)
+      if not os.path.lexists(path):
+        os.rename(aside, path)
+        print(f"Put {aside} back as {path}: the run was refused", flush=True)
     if lock is not None:
       lock.release(remove_if_unused=True)
     raise e if isinstance(e, UsageFailure) else UsageFailure(str(e)) from None
@@ -610,12 +618,14 @@ def _check_logdir_flags(params: Params) -> tuple[int, int] | None:
   return profile_steps
 
 
-def _note_changed_params(params: Params) -> None:
+def _note_changed_params(params: Params) -> str | None:
   """Refuses (logdirs.LogdirError) params the logdir's checkpoints cannot follow, and
   notes how the others differ from its params.txt, each with its row of the resume
-  rules (logdirs.RESUME_RULES). --reset_params first sets params.txt aside."""
+  rules (logdirs.RESUME_RULES). --reset_params first sets params.txt aside; returns
+  where (None: it did not)."""
   from lingvo_gpipe import logdirs
 
+  aside = None
   if FLAGS.reset_params:
     aside = logdirs.set_params_aside(FLAGS.logdir)
     if aside:
@@ -629,6 +639,7 @@ def _note_changed_params(params: Params) -> None:
             + change.describe())
     else:
       print(f"Resuming with params that differ from {path}:" + change.describe())
+  return aside
 
 
 def _tensorboard_command() -> str:
