@@ -40,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import fcntl
+import hashlib
 import os
 import re
 import socket
@@ -55,6 +56,8 @@ LOCK_FILE = "trainer.lock"
 # a reason to keep the previous params.txt.
 _EXPECTED_TO_CHANGE = frozenset({"task.train.max_steps"})
 _ABSENT = "(absent)"
+# The last line of a params.txt the trainer writes: the SHA-256 of the lines above it.
+_STAMP = "# sha256 of the lines above: "
 
 ALLOWED = "allowed"
 CONSEQUENCE = "allowed with a consequence"
@@ -277,7 +280,7 @@ def params_leaves(text: str, path: str = PARAMS_FILE) -> dict[str, str]:
   Raises LogdirError naming the first line that is not one (blank lines aside)."""
   leaves = {}
   for number, line in enumerate(text.splitlines(), 1):
-    if not line.strip():
+    if not line.strip() or line.startswith(_STAMP):
       continue
     key, sep, value = line.partition(" : ")
     if not sep or not re.fullmatch(r"[A-Za-z0-9_.\[\]]+", key.strip()):
@@ -307,6 +310,32 @@ class ParamsChange:
                                  for key, old, new, rule in self.changes)
 
 
+def stamped(text: str) -> str:
+  """`text` (Params.to_text) with its stamp: a last line holding the SHA-256 of the lines
+  above, so that a reader can tell a params.txt the trainer wrote whole from one
+  edited since (`check_written_whole`)."""
+  return f"{text}{_STAMP}{hashlib.sha256(text.encode()).hexdigest()}\n"
+
+
+def unstamped(text: str) -> str:
+  """`text` without its stamp line (if it has one)."""
+  return "".join(line for line in text.splitlines(True) if not line.startswith(_STAMP))
+
+
+def check_written_whole(text: str, path: str) -> None:
+  """Raises LogdirError if the params text `text` (read from `path`) has a stamp that
+  its lines no longer match: edited since it was written (a line deleted would read as
+  a param added since, taking what the code did before it existed). A text without a
+  stamp was written before stamps (or by hand): taken as it is."""
+  stamps = [line for line in text.splitlines() if line.startswith(_STAMP)]
+  if stamps and stamps[-1][len(_STAMP):].strip() != hashlib.sha256(
+      unstamped(text).encode()).hexdigest():
+    raise LogdirError(f"{path} was changed since the trainer wrote it (its last line's "
+                      "checksum no longer matches its lines); it records the params of this "
+                      "logdir's checkpoints: restore it, or set it aside with --reset_params "
+                      "(the restore still checks the model against the checkpoint)")
+
+
 def params_added_since(params: Params, text_leaves: dict[str, str]
                        ) -> list[tuple[str, object]]:
   """[(key, the value it had before it existed)] for each leaf of `params` that an
@@ -334,6 +363,7 @@ def take_params_added_since(params: Params, text: str, path: str,
   from `path`) was written to the value it had before it existed (params_added_since),
   but the keys in `keep` (set explicitly, e.g. by --params_override); returns
   'key = value' for each that changed a value of `params`, for the log."""
+  check_written_whole(text, path)
   changed = []
   for key, before in params_added_since(params, params_leaves(text, path)):
     if key in keep or repr(params.get(key)) == repr(before):
@@ -354,6 +384,7 @@ def compare_params(logdir: str, params: Params) -> ParamsChange | None:
   old = params_leaves(previous, path)
   new = params_leaves(params.to_text())
   _check_values(old, new, params, path)
+  check_written_whole(previous, path)  # (after what names a damaged line)
   has_checkpoints = bool(checkpoints.find(os.path.join(logdir, "train")))
   change = ParamsChange([], has_checkpoints)
   # (A param added since params.txt was written, at the value it had before it existed,
@@ -451,8 +482,8 @@ def write_params(logdir: str, params: Params, step: int) -> None:
       os.remove(os.path.join(logdir, name))
   text = params.to_text()
   previous = read_params_text(logdir)
-  if previous == text:
-    return
+  if previous is not None and unstamped(previous) == text and previous != text:
+    return  # (the same params, stamped)
   before = os.path.join(logdir, f"params.before_step_{step}.txt")
   if (previous is not None and _comparable(previous) != _comparable(text)
       and not os.path.exists(before)):
@@ -460,4 +491,4 @@ def write_params(logdir: str, params: Params, step: int) -> None:
     # that exists (a second resume at this step, none of whose checkpoints came) holds
     # the params the checkpoints up to `step` were written with: it stays.
     write_atomically(before, previous)
-  write_atomically(path, text)
+  write_atomically(path, stamped(text))

@@ -110,6 +110,7 @@ def trained_params(registered: Params, path: str,
   try:
     with open(path, encoding="utf-8") as f:
       text = f.read()
+    logdirs.check_written_whole(text, path)
     trained = logdirs.params_leaves(text, path)
   except (OSError, UnicodeDecodeError, logdirs.LogdirError) as e:
     why = e.strerror if isinstance(e, OSError) else str(e)

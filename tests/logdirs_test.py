@@ -74,7 +74,7 @@ def test_each_change_falls_in_its_row_of_the_resume_rules(tmp_path):
   # then (its default), that param is no change; set otherwise, a change of its row.
   params_txt = logdir / "params.txt"
   params_txt.write_text("".join(line for line in params_txt.read_text().splitlines(True)
-                                if "_input.autotune" not in line))
+                                if "_input.autotune" not in line and not line.startswith("#")))
   assert not logdirs.check_resumable(str(logdir), demo_params()).changes
   older = logdirs.check_resumable(str(logdir), demo_params(**{"train_input.autotune": True}))
   assert {key: rule.verdict for key, _, _, rule in older.changes} == {
@@ -129,7 +129,30 @@ def test_params_txt_keeps_the_params_it_replaces(tmp_path):
   changed = demo_params(**{"task.train.log_interval_steps": 7})
   logdirs.write_params(str(logdir), changed, step=20)
   assert (logdir / "params.before_step_20.txt").read_text() != original  # the max_steps=5 one
-  assert (logdir / "params.txt").read_text() == changed.to_text()
+  assert (logdir / "params.txt").read_text() == logdirs.stamped(changed.to_text())
+
+
+def test_a_params_txt_changed_since_it_was_written_is_refused_not_read_as_older(tmp_path):
+  """A line deleted from a params.txt the trainer wrote (its stamp then no longer
+  matches) is refused by resume and export: read as a param added since, it took its
+  default (learning_rate 0.1 where the run trained at 0.003, said to be "as it
+  trained"). One without a stamp (an older version's) is read as one."""
+  from lingvo_gpipe import run_params
+
+  logdir = make_logdir(tmp_path)
+  text = (logdir / "params.txt").read_text()
+  assert text.splitlines()[-1].startswith("# sha256 of the lines above: ")
+  edited = "".join(line for line in text.splitlines(True)
+                   if not line.startswith("task.train.optimizer.learning_rate"))
+  (logdir / "params.txt").write_text(edited)
+  with pytest.raises(logdirs.LogdirError, match="was changed since the trainer wrote it"):
+    logdirs.check_resumable(str(logdir), demo_params())
+  with pytest.raises(run_params.RunParamsError, match="was changed since the trainer wrote"):
+    run_params.trained_params(demo_params().copy(), str(logdir / "params.txt"))
+  (logdir / "params.txt").write_text(logdirs.unstamped(edited))  # (as an older version's)
+  older = logdirs.check_resumable(str(logdir), demo_params())
+  assert [(key, rule.verdict) for key, _, _, rule in older.changes] == [
+      ("task.train.optimizer.learning_rate", logdirs.ALLOWED)]
 
 
 def test_a_second_resume_at_one_step_keeps_the_params_its_checkpoints_had(tmp_path):
