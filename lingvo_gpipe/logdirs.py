@@ -32,7 +32,10 @@ params.txt falls in one row of RESUME_RULES (docs/trainer.md, "Resuming"):
 
 params.txt is read strictly: a line that is not `key : value`, or a value that does
 not parse as its key's type, is an error naming the line; `set_params_aside` (the
-trainer's --reset_params) moves a damaged one out of the way.
+trainer's --reset_params) moves a damaged one out of the way. Its last line is the
+SHA-256 of the lines above (`stamped`): one changed since it was written is refused
+(`check_written_whole`). A param an older version's params.txt lacks takes what the
+code did before it existed (`params_added_since`).
 """
 
 from __future__ import annotations
