@@ -381,13 +381,9 @@ class Trainer:
     """How many steps the next call runs: task.train.steps_per_call, fewer where a
     checkpoint, an eval, a profile's start or end, or max_steps comes sooner (a call
     ends at each: what they read is the state after a whole call)."""
-    train_p = self.params.task.train
     step = progress.step
-    size = min(train_p.steps_per_call, progress.max_steps - step)
-    intervals = [train_p.save_interval_steps]
-    if eval_fn is not None and train_p.eval_interval_steps:
-      intervals.append(train_p.eval_interval_steps)
-    for interval in intervals:
+    size = min(self.params.task.train.steps_per_call, progress.max_steps - step)
+    for interval in self._call_ending_intervals(eval_fn):
       size = min(size, interval - step % interval)
     for edge in profiler.edges():
       if edge > step:
@@ -499,15 +495,20 @@ class Trainer:
         f"nothing of this step was saved. Last good checkpoint: "
         f"{self.checkpoints.latest or 'none'}")
 
+  def _call_ending_intervals(self, eval_fn: Callable | None) -> list[int]:
+    """The intervals (in steps) at whose multiples every call ends: the checkpoint's,
+    and the eval's where this run evaluates."""
+    train_p = self.params.task.train
+    intervals = [train_p.save_interval_steps]
+    if eval_fn is not None and train_p.eval_interval_steps:
+      intervals.append(train_p.eval_interval_steps)
+    return intervals
+
   def _longest_call(self, steps_left: int, eval_fn: Callable | None) -> int:
     """The most steps one call of this run can take (`_call_size`'s bound): fewer than
-    steps_per_call where max_steps, the checkpoint interval or the eval interval comes
-    sooner, since a call ends at each."""
-    train_p = self.params.task.train
-    longest = [train_p.steps_per_call, steps_left, train_p.save_interval_steps]
-    if eval_fn is not None and train_p.eval_interval_steps:
-      longest.append(train_p.eval_interval_steps)
-    return max(1, min(longest))
+    steps_per_call where max_steps or an interval that ends calls comes sooner."""
+    return max(1, min(self.params.task.train.steps_per_call, steps_left,
+                      *self._call_ending_intervals(eval_fn)))
 
   def _build_train_step(self, longest_call: int) -> Callable:
     """Traces the training step (for calls of up to `longest_call` steps: what

@@ -403,14 +403,16 @@ def _computing_nodes(model: keras.Model) -> list:
            if not isinstance(node.operation, keras.layers.InputLayer)]
   masks = _mask_tensors(nodes)
   outputs = {id(tensor) for tensor in model.outputs}
+  readers: dict[int, list[int]] = {}  # tensor → the nodes reading it
+  for node in nodes:
+    for tensor in node.input_tensors:
+      readers.setdefault(id(tensor), []).append(id(node))
   mask_only: set[int] = set()  # nodes whose outputs are masks or feed mask ops only
   for node in reversed(nodes):
-    readers = [other for other in nodes
-               if any(id(t) in {id(o) for o in node.output_tensors}
-                      for t in other.input_tensors)]
-    if all(id(t) not in outputs for t in node.output_tensors) and all(
-        id(t) in masks for t in node.output_tensors) or (
-        readers and all(id(r) in mask_only for r in readers)):
+    produced = [id(t) for t in node.output_tensors]
+    read_by = [reader for t in produced for reader in readers.get(t, [])]
+    if (all(t not in outputs and t in masks for t in produced)
+        or (read_by and all(reader in mask_only for reader in read_by))):
       mask_only.add(id(node))
   return [node for node in nodes if id(node) not in mask_only]
 

@@ -352,14 +352,8 @@ class Keras(BaseLayer):
     """The Keras layer from `config` (its dtype policy `policy`), built, its weights
     library variables."""
     p = self.params
-    if p.input_shape is not None:  # (it wins over a build config, which Keras would use)
-      config = {key: value for key, value in config.items() if key != "build_config"}
     with tf.variable_creator_scope(self._create_variable):
-      try:
-        layer = keras.layers.deserialize(config)
-      except Exception as e:  # noqa: BLE001
-        raise ParamsError(f"{self.path}: Keras cannot build {config['class_name']!r} from "
-                          f"its config: {e}") from None
+      layer, config = self._deserialized(config)
       _check_supported(self.path, layer)
       if isinstance(layer, keras.Model) and not isinstance(layer, keras.Sequential):
         # A functional block's input spec is its source tensor's shape, sequence length
@@ -394,6 +388,18 @@ class Keras(BaseLayer):
     object.__setattr__(self, "_seed_states", tuple(seeds))
     return layer
 
+  def _deserialized(self, config: dict) -> tuple[keras.layers.Layer, dict]:
+    """(the Keras layer of `config`, unbuilt; the config it builds by, without the
+    build config where input_shape is given: it wins over that one, which Keras would
+    use)."""
+    if self.params.input_shape is not None:
+      config = {key: value for key, value in config.items() if key != "build_config"}
+    try:
+      return keras.layers.deserialize(config), config
+    except Exception as e:  # noqa: BLE001
+      raise ParamsError(f"{self.path}: Keras cannot build {config['class_name']!r} from "
+                        f"its config: {e}") from None
+
   def _build(self, layer: keras.layers.Layer, config: dict) -> None:
     """Builds `layer` (deserialized from `config`) for input_shape, or its build config."""
     p = self.params
@@ -414,10 +420,7 @@ class Keras(BaseLayer):
   def keras_copy(self) -> keras.layers.Layer:
     """A Keras layer of this unit's config, built, its weights Keras's own (not this
     unit's), float32: to load saved weights into, then `assign_from` it."""
-    config = _built_config(self, self.params.layer, "float32")
-    if self.params.input_shape is not None:
-      config = {key: value for key, value in config.items() if key != "build_config"}
-    layer = keras.layers.deserialize(config)
+    layer, config = self._deserialized(_built_config(self, self.params.layer, "float32"))
     self._build(layer, config)
     return layer
 
