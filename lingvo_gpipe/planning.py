@@ -27,7 +27,7 @@ import tensorflow as tf
 
 from lingvo_gpipe import calibration
 from lingvo_gpipe.core.hyperparams import Params, ParamsError
-from lingvo_gpipe.pipeline import layer_profiler, planner, step_model
+from lingvo_gpipe.pipeline import layer_profiler, memory, planner, step_model
 from lingvo_gpipe.pipeline.layer import PipeliningLayer, requested_cells
 from lingvo_gpipe.tasks import base_task
 
@@ -291,13 +291,15 @@ def _allocators(devices: Sequence[str]) -> list[str] | None:
 
 def compare(planned: Planned, step_seconds: Sequence[float],
             peaks: tuple[list[str], list[float]] | None,
-            timestamps: Sequence[Any] = ()) -> dict:
+            timestamps: Sequence[Any] = (), host_bytes: float | None = None) -> dict:
   """The prediction beside the measurement: {"predicted_step_s", "measured_step_s"
   (median of the steps after the first; None with fewer than 3), "step_error"
   (measured / predicted − 1), "predicted_peak_bytes" (per device),
   "measured_peak_bytes" (per local allocator, None where unreadable),
   "peak_error" (per allocator, against the sum of the devices' predictions it
-  holds), "shape"}; with the last step's `timestamps` (a pipeline's measured
+  holds and, for the host's allocator, `host_bytes`: what the input pipeline holds
+  there, measured as the trainer built it; "host_bytes"), "shape"}; with the last
+  step's `timestamps` (a pipeline's measured
   timeline) also the loops' span and each cell's mean action seconds, predicted
   and measured ("*_schedule_s", "*_action_s": [F, B, W] lists per cell), which say
   which term of the model is off."""
@@ -323,6 +325,9 @@ def compare(planned: Planned, step_seconds: Sequence[float],
     # every replica's devices, in the order the devices were given
     per_device = list(prediction.peak_bytes) * prediction.shape.num_replicas
     predicted = [sum(per_device)] if len(names) == 1 else per_device[:len(names)]
+    if host_bytes and memory.HOST_ALLOCATOR in names:
+      predicted[names.index(memory.HOST_ALLOCATOR)] += host_bytes
+      out["host_bytes"] = host_bytes
     out.update(allocators=names, measured_peak_bytes=values,
                peak_error=[m / p - 1 for m, p in zip(values, predicted)])
   return out
@@ -335,8 +340,10 @@ def format_comparison(found: dict) -> str:
   peak = f"peak per device predicted {format_peaks(found['predicted_peak_bytes'])}"
   if found["measured_peak_bytes"] is not None:
     errors = ", ".join(f"{e:+.1%}" for e in found["peak_error"])
+    host = (f" with the input pipeline's {found['host_bytes'] / 2**20:.1f} MiB on the host"
+            if found.get("host_bytes") else "")
     peak += (f", measured {format_peaks(found['measured_peak_bytes'])} on "
-             f"{', '.join(found['allocators'])} ({errors})")
+             f"{', '.join(found['allocators'])} ({errors}{host})")
   else:
     peak += ", measured n/a here (remote devices: tools/worker.py --memory_log; CPU: "
     peak += "TF_CPU_ALLOCATOR_USE_BFC=true)"

@@ -47,7 +47,7 @@ from lingvo_gpipe.core import base_layer, loss_scale, stacked_variables, tf_inte
 from lingvo_gpipe.core.from_keras import load_saved_keras_weights
 from lingvo_gpipe.core.gc_pause import cyclic_gc_paused
 from lingvo_gpipe.core.hyperparams import Params
-from lingvo_gpipe.pipeline import hybrid, schedule_chart, timeline
+from lingvo_gpipe.pipeline import hybrid, memory, schedule_chart, timeline
 from lingvo_gpipe.pipeline.layer import requested_cells
 from lingvo_gpipe.preflight import check_batch_splits, check_calls_against_buckets
 from lingvo_gpipe.tasks import base_task
@@ -159,8 +159,11 @@ class Trainer:
     # The input first, so that missing data is reported before a large model is built.
     # Its position is checkpointed too, so a resumed run sees the batches the
     # uninterrupted run would have seen (no repeats, no skips).
+    # The bytes it holds in the host's allocator are measured: where the devices are
+    # logical CPUs they share it, and a plan's check counts them (planning.compare).
     self.train_input = params.train_input.instantiate()
-    self.train_iterator = iter(self.train_input.dataset())
+    self.train_iterator, self.input_held_bytes = memory.held_by(
+        lambda: iter(self.train_input.dataset()), memory.HOST_ALLOCATOR)
     # One task per data-parallel replica (task.pipeline.num_replicas); replica 0 is the
     # one checkpointed, evaluated and decoded. Each replica has its own optimizer (slots
     # live with their variables).

@@ -476,6 +476,14 @@ def test_the_comparison_sets_prediction_beside_measurement():
   found = planning.compare(planning.Planned(None, replicated, Machine(2, np.inf)), [1.0],
                            (["CPU:0"], [260.0]))
   assert found["peak_error"] == [pytest.approx(0.3)]
+  # What the input pipeline holds in the host's allocator counts where the devices
+  # share it (logical CPUs), not on a GPU's.
+  hosted = planning.compare(planned, [1.0], (["CPU:0"], [480.0]), host_bytes=80.0)
+  assert hosted["peak_error"] == [pytest.approx(0.0)] and hosted["host_bytes"] == 80.0
+  assert "with the input pipeline's" in planning.format_comparison(hosted)
+  two = planning.compare(planned, [1.0], (["GPU:0", "GPU:1"], [110.0, 270.0]),
+                         host_bytes=80.0)
+  assert two["peak_error"] == [pytest.approx(0.1), pytest.approx(-0.1)]
 
 
 def test_each_layer_input_is_traced_and_its_work_runs_on_the_device():

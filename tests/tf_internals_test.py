@@ -395,3 +395,36 @@ def test_a_loop_body_runs_on_the_loops_device_and_a_call_keeps_its_own(cpu_devic
   loop, named = (tf.DeviceSpec.from_string(d).device_index for d in cpu_devices[1:3])
   assert ran_on(call=False, op_type="Sin") == {loop}
   assert ran_on(call=True, op_type="Cos") == {named}
+
+
+def _bytes_held_after_two_calls(zeros) -> int:
+  """Allocator bytes a loop whose state starts at `zeros([512, 512])` (1 MiB) holds
+  after two calls: a constant the function keeps, beyond its results (freed)."""
+  def allocated() -> int:
+    return tf.config.experimental.get_memory_info("CPU:0")["current"]
+
+  @tf.function
+  def loop(x):
+    state = tf.experimental.Optional.from_value((zeros([512, 512], tf.float32),))
+
+    def body(i, state):
+      (value,) = state.get_value()
+      return i + 1, tf.experimental.Optional.from_value((value + x,))
+
+    _, state = tf.while_loop(lambda i, _: i < 3, body, (tf.constant(0), state))
+    return state.get_value()[0][0, 0]
+
+  x = tf.ones([512, 512])
+  before = allocated()
+  for _ in range(2):
+    assert float(loop(x)) == 3.0
+  return allocated() - before
+
+
+def test_zeros_in_a_loop_state_are_not_folded_into_a_constant(cpu_allocator_stats):
+  """Item 17: Grappler folds `tf.zeros` into a Const the function holds (1 MiB kept
+  after the calls); `tf_internals.zeros` is made at run time and freed."""
+  assert _bytes_held_after_two_calls(tf.zeros) >= 2**20
+  assert _bytes_held_after_two_calls(tf_internals.zeros) < 2**16
+  assert tf_internals.zeros([2, 3], tf.bfloat16).shape == [2, 3]
+  assert not tf_internals.zeros([2, 3], tf.bool).numpy().any()

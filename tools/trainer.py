@@ -347,7 +347,8 @@ def _compare_with_plan(state: RunState, trainer) -> None:
   from lingvo_gpipe import planning
 
   found = planning.compare(state.planned, trainer.step_seconds,
-                           planning.allocator_peaks(state.devices), trainer.last_timestamps)
+                           planning.allocator_peaks(state.devices), trainer.last_timestamps,
+                           host_bytes=trainer.input_held_bytes)
   print(planning.format_comparison(found), flush=True)
   path = planning.write_comparison(trainer.train_dir, found,
                                    int(trainer.global_step.numpy()))

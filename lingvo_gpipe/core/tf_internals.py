@@ -137,6 +137,16 @@ test named beside it, then `TENSORFLOW_CHECKED` is updated.
     kernel for it). Pinned by
     `tests/tf_internals_test.py::test_a_loop_body_runs_on_the_loops_device_and_a_call_keeps_its_own`
     (from what executed, on logical CPUs).
+17. `zeros(shape, dtype)`: zeros Grappler does not fold. Its constant folding turns a
+    `tf.zeros` of a static shape (up to 10 MB) into a Const node that the function's
+    instantiation holds for as long as the function lives: a weight-sized buffer per
+    cell for the gradient sums' initial zeros, and an activation-sized one per zero
+    gradient seed, held between steps on every device. `tf.raw_ops.Empty(init=True)`
+    (registered for CPU and GPU) is not folded: its zeros are made when it runs and
+    freed after. Pinned by
+    `tests/tf_internals_test.py::test_zeros_in_a_loop_state_are_not_folded_into_a_constant`
+    (the allocator's bytes held after calls: a weight-sized tensor with `tf.zeros`,
+    none with `zeros`).
 """
 
 from __future__ import annotations
@@ -344,3 +354,21 @@ def called_functions(graph: Any) -> dict[str, Any]:
         if found[name] is not None:
           pending.append(found[name])
   return found
+
+
+# Dtypes `tf.raw_ops.Empty` has kernels for on both CPU and GPU (inplace_ops.cc).
+_EMPTY_DTYPES = frozenset({tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.complex64,
+                           tf.complex128, tf.int8, tf.uint8, tf.int32, tf.int64, tf.uint64})
+
+
+def zeros(shape: Any, dtype: tf.DType) -> tf.Tensor:
+  """Zeros of a static `shape` that Grappler does not fold into a constant held by the
+  function (item 17): made when the op runs, freed when no longer used. Other dtypes
+  (bool, strings) and shapes not fully known: `tf.zeros`."""
+  shape = tf.TensorShape(shape)
+  dtype = tf.as_dtype(dtype)
+  if dtype not in _EMPTY_DTYPES or not shape.is_fully_defined():
+    return tf.zeros(shape, dtype)
+  out = tf.raw_ops.Empty(shape=tf.constant(shape.as_list(), tf.int32), dtype=dtype, init=True)
+  out.set_shape(shape)
+  return out

@@ -122,7 +122,8 @@ def _accumulate(layout: gradient_sums.StackedLayout, sums: Sequence[tf.Tensor],
 def _zeros_where_none(grads: Sequence[Any], like: Sequence[Any]) -> list[Any]:
   """Each gradient, or zeros shaped as its tensor or TensorSpec in `like` where None."""
   return [g if g is not None else
-          tf.zeros(t.shape, t.dtype) if isinstance(t, tf.TensorSpec) else tf.zeros_like(t)
+          tf_internals.zeros(t.shape, t.dtype) if t.shape.is_fully_defined() else
+          tf.zeros_like(t)
           for g, t in zip(grads, like)]
 
 
@@ -727,7 +728,8 @@ class CellFunctions:
               list(results.cache))
     # Zeros: one tensor per distinct shape, passed as every probe of that shape.
     zeros: dict[tuple, tf.Tensor] = {}
-    probes = [zeros.setdefault((tuple(spec.shape), spec.dtype), tf.zeros(spec.shape, spec.dtype))
+    probes = [zeros.setdefault((tuple(spec.shape), spec.dtype),
+                               tf_internals.zeros(spec.shape, spec.dtype))
               for spec in sig.products.probes]
     # (in PairArguments' order)
     results, kept = sig.pair.forward(list(flat_inputs) + list(flat_head) + [step, call_info]
@@ -772,7 +774,7 @@ class CellFunctions:
     # Seeds for every floating output of the forward function (outputs, statistics,
     # then the cache it extended): the given gradients for the differentiable ones,
     # zeros elsewhere.
-    seeds = [tf.zeros(spec.shape, spec.dtype) for spec in sig.outputs + sig.stats]
+    seeds = [tf_internals.zeros(spec.shape, spec.dtype) for spec in sig.outputs + sig.stats]
     if self.head is not None:
       seeds[sig.loss_positions()[0]] = output_grads[0]
     else:

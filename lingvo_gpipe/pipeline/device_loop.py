@@ -97,7 +97,7 @@ class StepGradients:
     for i, (v, g) in enumerate(zip(variables, grads)):
       if g is None:
         with tf.device(v.device):
-          grads[i] = tf.zeros(v.shape, v.dtype)
+          grads[i] = tf_internals.zeros(v.shape, v.dtype)
     return grads
 
 
@@ -618,7 +618,7 @@ class CellLoop:
     slot = tf.cast(row.cache_slot, tf.int64)
     return [tf.cond(filled,
                     lambda ta=ta, spec=spec: read(ta, spec, tf.cast(slot, tf.int32)),
-                    lambda spec=spec: tf.zeros(spec.shape, spec.dtype))
+                    lambda spec=spec: tf_internals.zeros(spec.shape, spec.dtype))
             for ta, spec in zip(slots, specs)]
 
   def _write_cache(self, slots: Sequence[tf.TensorArray], row: TableRow,
@@ -782,7 +782,7 @@ class DeviceLoop:
 
     num_actions = len(rows)
     with tf.device(self.device):
-      inbox = [[tf.zeros(spec.shape, spec.dtype)
+      inbox = [[tf_internals.zeros(spec.shape, spec.dtype)
                 for spec in self.cells[kind.cell].receive_specs(kind.phase, kind.shape_class)]
                for kind in self.table.receives]
       first_receive = rows[0, COLUMNS.receive] if num_actions else NO_RECEIVE

@@ -15,7 +15,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from lingvo_gpipe.core import stacked_variables
+from lingvo_gpipe.core import stacked_variables, tf_internals
 
 
 @tf.function(autograph=False)  # inlined where called: a cell's backward runs it per action
@@ -77,7 +77,7 @@ class StackedLayout:
             for positions, shape, dtype, _ in self._groups]
 
   def zeros(self) -> list[tf.Tensor]:
-    return [tf.zeros(spec.shape, spec.dtype) for spec in self.specs()]
+    return [tf_internals.zeros(spec.shape, spec.dtype) for spec in self.specs()]
 
   def add(self, stacked: Sequence[tf.Tensor], tensors: Sequence[Any],
           stack_tensors: dict[int, tf.Tensor] | None = None, zeros: Collection[int] = ()

@@ -307,7 +307,7 @@ def _differentiable_loop(concrete: Any, slices: list[tf.Tensor], seeds: tf.Tenso
           for handle, d in zip(kept_lists, dtypes)]
 
     def gradient(*output_grads):
-      dy = [g if g is not None else tf.zeros(t.shape, t.dtype)
+      dy = [g if g is not None else tf_internals.zeros(t.shape, t.dtype)
             for g, t in zip(output_grads[:num_x], out)]
       row_grads = [tf.TensorArray(t.dtype, size=n, element_shape=t.shape[1:])
                    for t in args[:num_rows]]
@@ -329,13 +329,13 @@ def _differentiable_loop(concrete: Any, slices: list[tf.Tensor], seeds: tf.Tenso
             t = tf.reshape(t, [-1 if dim is None else dim for dim in spec.shape.as_list()])
           t.set_shape(spec.shape)
           kept[k] = t
-        seeds_out = [tf.zeros(spec.shape, spec.dtype) for spec in outputs_specs]
+        seeds_out = [tf_internals.zeros(spec.shape, spec.dtype) for spec in outputs_specs]
         seeds_out[:num_x] = dy
         grads = pair.backward([seeds_out[t] for t in pair.trainable_outputs], kept)
-        dx = [g if g is not None else tf.zeros(t.shape, t.dtype)
+        dx = [g if g is not None else tf_internals.zeros(t.shape, t.dtype)
               for g, t in zip(grads[num_rows:num_rows + num_x], dy)]
         return (j + 1, dx, kept_lists,
-                [ta.write(i, g if g is not None else tf.zeros(ta.element_shape, ta.dtype))
+                [ta.write(i, g if g is not None else tf_internals.zeros(ta.element_shape, ta.dtype))
                  for ta, g in zip(row_grads, grads[:num_rows])])
 
       _, dx, _, row_grads = tf.while_loop(lambda j, *_: j < n, back,

@@ -20,6 +20,9 @@ from typing import Any, NamedTuple
 
 import tensorflow as tf
 
+# The allocator of the host's CPU: the input pipeline's (logical CPU devices share it).
+HOST_ALLOCATOR = "CPU:0"
+
 
 def step_activation_bytes(run_step: Callable[[], Any], device: str = "CPU:0") -> dict:
   """Runs `run_step()` once (it must block until the step is done, e.g. by calling
@@ -48,3 +51,16 @@ def usage_during(run: Callable[[], Any], allocator: str) -> tuple[Usage, Any]:
   result = run()
   after = tf.config.experimental.get_memory_info(allocator)
   return Usage(before, after["peak"], after["current"]), result
+
+
+def held_by(build: Callable[[], Any], allocator: str) -> tuple[Any, int | None]:
+  """(what `build()` returned, the bytes it left in use on `allocator`: what it made
+  and keeps), the bytes None where the allocator keeps no counts. The trainer's input
+  pipeline is measured so: its source tensors stay in the host's allocator through
+  the run, beside the cells' where the devices are logical CPUs."""
+  try:
+    before = tf.config.experimental.get_memory_info(allocator)["current"]
+  except (ValueError, tf.errors.OpError):
+    return build(), None
+  result = build()
+  return result, tf.config.experimental.get_memory_info(allocator)["current"] - before
