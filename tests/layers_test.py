@@ -210,6 +210,27 @@ def test_softmax_logit_clipping():
   np.testing.assert_allclose(softmax(np.array([[1.0, 0.0]], np.float32)).numpy(), [[1.5, -1.5]])
 
 
+
+def test_clip_to_has_clip_by_values_gradient():
+  """The same values and the same gradient as tf.clip_by_value, at the limits, inside,
+  outside and at NaN, inside a tf.function as a cell traces it."""
+  import tensorflow as tf
+
+  x = tf.constant([-3.0, -1.5, -0.2, 0.0, 1.5, 2.0, np.nan, np.inf])
+  dy = tf.constant([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0])
+
+  @tf.function
+  def both(x):
+    with tf.GradientTape(persistent=True) as tape:
+      tape.watch(x)
+      ours, theirs = layers.clip_to(x, 1.5), tf.clip_by_value(x, -1.5, 1.5)
+    return ours, theirs, tape.gradient(ours, x, dy), tape.gradient(theirs, x, dy)
+
+  ours, theirs, our_grad, their_grad = both(x)
+  np.testing.assert_array_equal(ours.numpy(), theirs.numpy())
+  np.testing.assert_array_equal(our_grad.numpy(), their_grad.numpy())
+
+
 def test_sequential_chains_layers():
   p = layers.Sequential.Params().set(layers=[
       layers.Linear.Params().set(name="a", input_dim=3, output_dim=4, activation="TANH"),

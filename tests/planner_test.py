@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from tiers import EXHAUSTIVE
 
-from lingvo_gpipe.pipeline import layer_profiler, planner
+from lingvo_gpipe.pipeline import layer_profiler, planner, step_model
 from lingvo_gpipe.pipeline.layer_profiler import LayerCost
 from lingvo_gpipe.pipeline.planner import Machine
 
@@ -647,3 +647,30 @@ def test_a_whole_cells_step_stays_within_the_bound_the_planner_states(
   predicted = (step_model.predict(costs, machine, shape, batch).peak_bytes[0] -
                3 * weights - inputs.shape.num_elements() * 4)
   assert measured <= predicted * (1 + planner.MEMORY_MODEL_ERROR), (measured, predicted)
+
+
+def test_tied_copies_hold_no_slots_and_variables_not_trained_are_held_once():
+  """A softmax tied to an embedding measured alone: its stand-in for the embedding is
+  tied bytes (a copy where it runs away from the owner: no optimizer slots); a batch
+  norm's moving statistics, and a frozen one's gamma and beta, are held once, no
+  slots, no gradients. The bound counts each as such (against a hand count)."""
+  import tensorflow as tf
+
+  from lingvo_gpipe.core import layers
+
+  dim, classes = 16, 24
+  params = [layers.BatchNorm.Params().set(name="bn", dim=dim),
+            layers.BatchNorm.Params().set(name="bn_frozen", dim=dim, frozen=True),
+            layers.Softmax.Params().set(name="softmax", input_dim=dim, num_classes=classes,
+                                        tie_to="embedding/emb/emb")]
+  costs = layer_profiler.measure_layer_costs(params, tf.TensorSpec([8, 4, dim], tf.float32),
+                                             steps=1)
+  assert [(c.weight_bytes, c.tied_bytes, c.frozen_bytes) for c in costs] == [
+      (4 * 2 * dim, 0, 4 * 2 * dim), (0, 0, 4 * 4 * dim),
+      (4 * (classes * dim + classes), 4 * classes * dim, 0)]
+  # weights 1000 of which 100 a tied copy, 50 not trained; Adam's 2 slots, 2 copies:
+  # 1000·5 − 2·100 + 50, and a save (factor 3.1) 3100 − 200 + 1.1·50
+  assert step_model.peak_bytes(1000.0, 0.0, 0.0, 0.0, 5.0, 1.0, 3.1, tied_bytes=100.0,
+                               frozen_bytes=50.0, slot_factor=2.0) == pytest.approx(4850.0)
+  assert step_model.peak_bytes(1000.0, 0.0, 0.0, 0.0, 1.0, 1.0, 3.1, tied_bytes=100.0,
+                               frozen_bytes=50.0, slot_factor=2.0) == pytest.approx(2955.0)

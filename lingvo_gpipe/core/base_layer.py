@@ -414,6 +414,7 @@ class BaseLayer(hyperparams.Instantiable, tf.Module):
     self._var_names: tuple[str, ...] = ()
     self._var_shapes: tuple[tuple[tuple[int, ...], bool], ...] = ()
     self._tied_names: tuple[str, ...] = ()
+    self._stand_in_names: tuple[str, ...] = ()  # (under stand_in_ties)
 
   @property
   def params(self) -> InstantiableParams:
@@ -503,6 +504,12 @@ class BaseLayer(hyperparams.Instantiable, tf.Module):
       result.extend(value if isinstance(value, (list, tuple)) else [value])
     return result
 
+  def stand_in_variables(self) -> list[tf.Variable]:
+    """The variables this layer and those below it made under `stand_in_ties` for the
+    weights they tie to another layer's (where it runs: a copy of that weight, which
+    no optimizer slot goes with)."""
+    return [getattr(layer, n) for layer in self.walk() for n in layer._stand_in_names]
+
   def walk(self) -> Iterator[BaseLayer]:
     """This layer and all layers below it, depth first, in creation order."""
     yield self
@@ -569,7 +576,9 @@ class BaseLayer(hyperparams.Instantiable, tf.Module):
     parts = self.path.split("/")
     enclosing = ["/".join(parts[:n]) for n in range(len(parts) - 1, 0, -1)]
     if getattr(_STATE, "stand_in_ties", False):
-      return self.create_variable(name, shape)
+      stand_in = self.create_variable(name, shape)
+      self._stand_in_names = self._stand_in_names + (name,)
+      return stand_in
     found = next((f"{a}/{to}" for a in enclosing if f"{a}/{to}" in built), None)
     if found is None:
       tried = ", ".join(f"{a}/{to}" for a in enclosing)

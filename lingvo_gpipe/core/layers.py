@@ -448,6 +448,20 @@ def half_layer_norm(x: tf.Tensor, scale: tf.Tensor, bias: tf.Tensor,
   return norm(x, scale, bias)
 
 
+def clip_to(x: tf.Tensor, limit: float) -> tf.Tensor:
+  """`tf.clip_by_value(x, -limit, limit)` with the same gradient (dy where x lies in
+  [-limit, limit], else 0, NaN included), computed without the zeros tensor of x's shape that
+  TensorFlow's own gradient makes: Grappler folds that (up to 10 MB) into a constant
+  the backward's function holds between steps (core/tf_internals.py, item 17)."""
+  @tf.custom_gradient
+  def clip(x):
+    def grad(dy):
+      inside = tf.logical_and(x >= -limit, x <= limit)
+      return tf.where(inside, dy, tf.constant(0, dy.dtype))
+    return tf.clip_by_value(x, -limit, limit), grad
+  return clip(x)
+
+
 def at_least_float32(x: tf.Tensor) -> tf.Tensor:
   """x in float32 if it is in a half dtype (bfloat16, float16), else as it is: the
   dtype of the parts of a mixed-precision model that stay float32 (statistics, softmax)."""
@@ -717,8 +731,7 @@ class Softmax(BaseLayer):
       logits = at_least_float32(project(inputs, self.w))
     logits = logits + tf.cast(self.b, logits.dtype)
     if self.params.logits_abs_max is not None:
-      limit = self.params.logits_abs_max
-      logits = tf.clip_by_value(logits, -limit, limit)
+      logits = clip_to(logits, self.params.logits_abs_max)
     return logits
 
   def xent_loss(self, logits: tf.Tensor, class_ids: tf.Tensor) -> tf.Tensor:

@@ -80,6 +80,12 @@ class LayerCost:
   forward_work_fixed_bytes: int = 0
   backward_work_fixed_bytes: int = 0
   kept_input_bytes: int = 0
+  # Of weight_bytes, those standing in for weights tied to another layer's (a cell
+  # away from the owner reads a copy: no optimizer slots); and the variables not
+  # trained (frozen weights, a batch norm's moving statistics: held, no slots, no
+  # gradients), beside weight_bytes.
+  tied_bytes: int = 0
+  frozen_bytes: int = 0
 
   # The figures measured at two sizes: each, at `batch`, and its intercept a.
   LINES = {"forward_s": "forward_fixed_s", "backward_s": "backward_fixed_s",
@@ -196,7 +202,7 @@ def _measure_layer_costs(layer_params, input_specs, steps, full, small_batch):
     both_s = timed(forward_backward, flat)
     if not full:
       costs.append(LayerCost(0.0, both_s, _nbytes(layer.trainable_variables),
-                             _nbytes(flat), 0, batch))
+                             _nbytes(flat), 0, batch, **_weight_kinds(layer)))
       inputs = tf.nest.pack_sequence_as(structure["out"], list(outputs))
       continue
     forward_s = timed(forward, flat)
@@ -219,7 +225,7 @@ def _measure_layer_costs(layer_params, input_specs, steps, full, small_batch):
                            backward_fixed_s=fixed[1], weight_share=share,
                            product_bytes=_product_bytes(layer, inputs),
                            backward_split_s=split_s, backward_split_fixed_s=fixed[2],
-                           cache_bytes=_cache_bytes(layer, inputs)))
+                           cache_bytes=_cache_bytes(layer, inputs), **_weight_kinds(layer)))
     inputs = tf.nest.pack_sequence_as(structure["out"], list(outputs))
   return costs
 
@@ -556,6 +562,13 @@ def _aliased_source(t: tf.Tensor) -> tf.Tensor:
   while t.op.type in ("Identity", "IdentityN"):
     t = t.op.inputs[t.value_index]
   return t
+
+
+def _weight_kinds(layer: Any) -> dict[str, int]:
+  """LayerCost's tied_bytes and frozen_bytes of a layer built alone."""
+  trained = {id(v) for v in layer.trainable_variables}
+  return {"tied_bytes": _nbytes([v for v in layer.stand_in_variables() if id(v) in trained]),
+          "frozen_bytes": _nbytes([v for v in layer.variables if id(v) not in trained])}
 
 
 def _nbytes(tensors: Sequence[Any]) -> int:

@@ -53,13 +53,16 @@ class _MemoryModel:
 
   def __init__(self, costs: Sequence[LayerCost], micro_batch: float, weight_factor: float,
                batch_input_bytes: float, num_token_slices: int = 1, save_factor: float = 0.0,
-               activation_factor: float = 1.0):
+               activation_factor: float = 1.0, slot_factor: float = 0.0):
     scale = micro_batch / costs[0].batch
 
     def prefix(values: list[float]) -> np.ndarray:
       return np.concatenate([[0.0], np.cumsum(values)])
 
     self.weights = prefix([c.weight_bytes for c in costs])
+    self.tied = prefix([c.tied_bytes for c in costs])
+    self.frozen = prefix([c.frozen_bytes for c in costs])
+    self.slot_factor = slot_factor
     self.kept = prefix([step_model.unit_kept_bytes(c, num_token_slices) * scale
                         for c in costs])
     self.products = prefix([c.product_bytes * scale for c in costs])
@@ -85,7 +88,8 @@ class _MemoryModel:
     return step_model.peak_bytes(self.weights[ends] - self.weights[starts], held, working,
                                  self.batch_input_bytes if first else 0.0,
                                  self.weight_factor, self.activation_factor,
-                                 self.save_factor)
+                                 self.save_factor, self.tied[ends] - self.tied[starts],
+                                 self.frozen[ends] - self.frozen[starts], self.slot_factor)
 
 
 class _RangeMax:
@@ -138,18 +142,20 @@ def best_split(costs: Sequence[LayerCost], num_cells: int, micro_batch: float,
                memory_bytes: float, awaiting: Sequence[int] | None = None,
                batch_input_bytes: float = 0.0, num_token_slices: int = 1,
                cached: Sequence[int] | None = None, save_factor: float = 0.0,
-               activation_factor: float = 1.0) -> tuple[int, ...] | None:
+               activation_factor: float = 1.0, slot_factor: float = 0.0
+               ) -> tuple[int, ...] | None:
   """The split (cells' end indices) with the least largest cell time (forward +
   backward) whose every cell k fits `memory_bytes` with held[k] micro-batches (units
   of `micro_batch`) in flight, awaiting[k] awaiting their W and, with token slices,
   cached[k] micro-batches' caches, under the policy `recompute`, its weights held
-  `weight_factor` times (Machine.weight_factor) and `save_factor` times in a
-  checkpoint save; None when none fits (partition.min_bottleneck_split, exact)."""
+  `weight_factor` times (Machine.weight_factor; tied copies without their
+  `slot_factor`) and `save_factor` times in a checkpoint save; None when none fits
+  (partition.min_bottleneck_split, exact)."""
   remat = [recomputes(recompute, k, num_cells) for k in range(num_cells)]
   layer = [step_model.layer_times(c, micro_batch) for c in costs]
   times = [[f * (2.0 if remat[k] else 1.0) + b for f, b in layer] for k in range(num_cells)]
   memory = _MemoryModel(costs, micro_batch, weight_factor, batch_input_bytes,
-                        num_token_slices, save_factor, activation_factor)
+                        num_token_slices, save_factor, activation_factor, slot_factor)
   awaiting = awaiting or [0] * num_cells
   cached = cached or [0] * num_cells
 
@@ -277,7 +283,7 @@ def plan(costs: Sequence[LayerCost], machine: Machine, batch_size: int,
                 need = max(step_model.device_peaks(
                     layout, cells, machine.weight_factor(replicas, m),
                     _batch_input_bytes(costs, per_replica), machine.save_factor,
-                    machine.activation_factor))
+                    machine.activation_factor, machine.slot_factor))
                 if need <= machine.memory_bytes:
                   candidates.append((step_model.lower_bound_s(
                       layout, cells, machine, replicas, g), shape))
@@ -329,7 +335,7 @@ def _best_shape(costs: Sequence[LayerCost], machine: Machine, shape: PlanShape,
   factor = machine.weight_factor(shape.num_replicas, shape.num_micro_batches)
   splits = best_split(costs, num_cells, unit, held, shape.recompute, factor, budget, awaiting,
                       inputs, shape.num_token_slices, cached, machine.save_factor,
-                      machine.activation_factor)
+                      machine.activation_factor, machine.slot_factor)
   if splits is None:
     splits = best_split(costs, num_cells, unit, held, shape.recompute, factor, float("inf"),
                         awaiting, inputs, shape.num_token_slices, cached)

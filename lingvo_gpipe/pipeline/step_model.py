@@ -210,6 +210,10 @@ class CellCost:
   # The most one of its layers allocates while it runs, beyond what it is given and
   # leaves (LayerCost.forward_work_bytes, backward_work_bytes), per unit.
   work_bytes: float = 0.0
+  # Of weight_bytes, the tied copies (no optimizer slots); the variables not trained
+  # (LayerCost.tied_bytes, frozen_bytes).
+  tied_bytes: float = 0.0
+  frozen_bytes: float = 0.0
 
 
 def layer_times(cost: LayerCost, batch: float) -> tuple[float, float]:
@@ -278,7 +282,8 @@ def cell_costs(costs: Sequence[LayerCost], shape: PlanShape, batch_size: int,
         recompute=remat,
         cache_bytes=(sum(c.cache_bytes for c in costs[s:e]) * whole / costs[0].batch
                      if shape.num_token_slices > 1 else 0.0),
-        work_bytes=work))
+        work_bytes=work, tied_bytes=sum(c.tied_bytes for c in costs[s:e]),
+        frozen_bytes=sum(c.frozen_bytes for c in costs[s:e])))
   return cells
 
 
@@ -320,7 +325,8 @@ def predict(costs: Sequence[LayerCost], machine: Machine, shape: PlanShape,
   inputs = costs[0].input_bytes * batch_size / shape.num_replicas / costs[0].batch
   peaks = device_peaks(plan, cells, machine.weight_factor(shape.num_replicas,
                                                           shape.num_micro_batches),
-                       inputs, machine.save_factor, machine.activation_factor)
+                       inputs, machine.save_factor, machine.activation_factor,
+                       machine.slot_factor)
   defers = [plan.defers(k) for k in range(plan.num_cells)]
   action_s = (tuple(forward),
               tuple(b if d else b + w for b, w, d in zip(input_grad, weight, defers)),
@@ -398,15 +404,24 @@ def held_bytes(stash_bytes: Any, product_bytes: Any, input_bytes: Any, output_by
 
 
 def peak_bytes(weight_bytes: Any, held: Any, working: Any, batch_input_bytes: Any,
-               weight_factor: float, activation_factor: float, save_factor: float) -> Any:
-  """A device's peak: its weights times `weight_factor` (Machine.weight_factor),
-  `activation_factor` times what its cells hold besides (`held_bytes`) and its largest
-  working set (`working_bytes`), and the batch of inputs where cell 0 is; or, where
-  more, its weights times `save_factor` (Machine.save_factor: a checkpoint save).
-  Elementwise over arrays too (`device_peaks` and the planner's split search)."""
-  step = (weight_bytes * weight_factor + activation_factor * (held + working) +
-          batch_input_bytes)
-  return np.maximum(step, save_factor * weight_bytes)
+               weight_factor: float, activation_factor: float, save_factor: float,
+               tied_bytes: Any = 0.0, frozen_bytes: Any = 0.0, slot_factor: float = 0.0
+               ) -> Any:
+  """A device's peak: its weights times `weight_factor` (Machine.weight_factor) less
+  the optimizer slots its tied copies do not have (`slot_factor` per byte of
+  `tied_bytes`, of `weight_bytes`), its variables not trained (`frozen_bytes`: held
+  once), `activation_factor` times what its cells hold besides (`held_bytes`) and
+  its largest working set (`working_bytes`), and the batch of inputs where cell 0
+  is; or, where more, a checkpoint save's: its weights times `save_factor`
+  (Machine.save_factor) less the copies' slots, and the variables not trained with
+  the save's own copies. Elementwise over arrays too (`device_peaks` and the
+  planner's split search)."""
+  no_slots = slot_factor * tied_bytes
+  step = (weight_bytes * weight_factor - no_slots + frozen_bytes +
+          activation_factor * (held + working) + batch_input_bytes)
+  save = (save_factor * weight_bytes - no_slots +
+          max(save_factor - slot_factor, 1.0) * frozen_bytes)
+  return np.maximum(step, save)
 
 
 def layer_work_bytes(cost: LayerCost, batch: float) -> float:
@@ -432,8 +447,8 @@ def working_bytes(kept_bytes: Any, recompute: bool, cache_bytes: Any = 0.0,
 
 def device_peaks(plan: schedule.PipelineSchedule, cells: Sequence[CellCost],
                  weight_factor: float, batch_input_bytes: float,
-                 save_factor: float = 0.0, activation_factor: float = 1.0
-                 ) -> tuple[float, ...]:
+                 save_factor: float = 0.0, activation_factor: float = 1.0,
+                 slot_factor: float = 0.0) -> tuple[float, ...]:
   """Per device, `peak_bytes` of its cells: what they hold through the step, the
   largest working set among them (one action at a time), and the batch of inputs on
   cell 0's device."""
@@ -449,5 +464,7 @@ def device_peaks(plan: schedule.PipelineSchedule, cells: Sequence[CellCost],
                                 cells[k].cache_bytes, cells[k].work_bytes) for k in mine)
     peaks.append(float(peak_bytes(sum(cells[k].weight_bytes for k in mine), held, working,
                                   batch_input_bytes if 0 in mine else 0.0, weight_factor,
-                                  activation_factor, save_factor)))
+                                  activation_factor, save_factor,
+                                  sum(cells[k].tied_bytes for k in mine),
+                                  sum(cells[k].frozen_bytes for k in mine), slot_factor)))
   return tuple(peaks)
