@@ -450,9 +450,10 @@ def half_layer_norm(x: tf.Tensor, scale: tf.Tensor, bias: tf.Tensor,
 
 def clip_to(x: tf.Tensor, limit: float) -> tf.Tensor:
   """`tf.clip_by_value(x, -limit, limit)` with the same gradient (dy where x lies in
-  [-limit, limit], else 0, NaN included), computed without the zeros tensor of x's shape that
-  TensorFlow's own gradient makes: Grappler folds that (up to 10 MB) into a constant
-  the backward's function holds between steps (core/tf_internals.py, item 17)."""
+  [-limit, limit], else 0, NaN included), computed without the zeros tensor of x's
+  shape that TensorFlow's own gradient makes: Grappler folds that (up to 10 MB) into
+  a constant the backward's function holds between steps (core/tf_internals.py,
+  item 17)."""
   @tf.custom_gradient
   def clip(x):
     def grad(dy):
