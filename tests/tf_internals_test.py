@@ -398,14 +398,15 @@ def test_a_loop_body_runs_on_the_loops_device_and_a_call_keeps_its_own(cpu_devic
 
 
 def _bytes_held_after_two_calls(zeros) -> int:
-  """Allocator bytes a loop whose state starts at `zeros([512, 512])` (1 MiB) holds
-  after two calls: a constant the function keeps, beyond its results (freed)."""
+  """Allocator bytes a loop whose state starts at `zeros([512, 512], tf.float32, step)`
+  (1 MiB) holds after two calls: a constant the function keeps, beyond its results
+  (freed)."""
   def allocated() -> int:
     return tf.config.experimental.get_memory_info("CPU:0")["current"]
 
   @tf.function
-  def loop(x):
-    state = tf.experimental.Optional.from_value((zeros([512, 512], tf.float32),))
+  def loop(x, step):
+    state = tf.experimental.Optional.from_value((zeros([512, 512], tf.float32, step),))
 
     def body(i, state):
       (value,) = state.get_value()
@@ -416,15 +417,24 @@ def _bytes_held_after_two_calls(zeros) -> int:
 
   x = tf.ones([512, 512])
   before = allocated()
-  for _ in range(2):
-    assert float(loop(x)) == 3.0
+  for step in range(2):
+    assert float(loop(x, tf.constant(step, tf.int64))) == 3.0
   return allocated() - before
 
 
 def test_zeros_in_a_loop_state_are_not_folded_into_a_constant(cpu_allocator_stats):
   """Item 17: Grappler folds `tf.zeros` into a Const the function holds (1 MiB kept
-  after the calls); `tf_internals.zeros` is made at run time and freed."""
-  assert _bytes_held_after_two_calls(tf.zeros) >= 2**20
-  assert _bytes_held_after_two_calls(tf_internals.zeros) < 2**16
+  after the calls); `tf_internals.zeros` is made at run time and freed, as an Empty
+  and as a Fill of the step's runtime zero (not stateful: not ordered after the ops
+  traced before it)."""
+  assert _bytes_held_after_two_calls(lambda shape, dtype, _: tf.zeros(shape, dtype)) >= 2**20
+  assert _bytes_held_after_two_calls(lambda shape, dtype, _: tf_internals.zeros(
+      shape, dtype)) < 2**16
+  assert _bytes_held_after_two_calls(lambda shape, dtype, step: tf_internals.zeros(
+      shape, dtype, tf_internals.runtime_zero(step))) < 2**16
+  filled = tf.function(lambda step: tf_internals.zeros(
+      [2], tf.float32, tf_internals.runtime_zero(step))).get_concrete_function(
+          tf.TensorSpec([], tf.int64))
+  assert not any(op.op_def.is_stateful for op in filled.graph.get_operations())
   assert tf_internals.zeros([2, 3], tf.bfloat16).shape == [2, 3]
   assert not tf_internals.zeros([2, 3], tf.bool).numpy().any()

@@ -137,16 +137,23 @@ test named beside it, then `TENSORFLOW_CHECKED` is updated.
     kernel for it). Pinned by
     `tests/tf_internals_test.py::test_a_loop_body_runs_on_the_loops_device_and_a_call_keeps_its_own`
     (from what executed, on logical CPUs).
-17. `zeros(shape, dtype)`: zeros Grappler does not fold. Its constant folding turns a
-    `tf.zeros` of a static shape (up to 10 MB) into a Const node that the function's
-    instantiation holds for as long as the function lives: a weight-sized buffer per
-    cell for the gradient sums' initial zeros, and an activation-sized one per zero
-    gradient seed, held between steps on every device. `tf.raw_ops.Empty(init=True)`
-    (registered for CPU and GPU) is not folded: its zeros are made when it runs and
-    freed after. Pinned by
+17. `zeros(shape, dtype, zero=None)`: zeros Grappler does not fold. Its constant
+    folding turns a `tf.zeros` of a static shape (up to 10 MB) into a Const node that
+    the function's instantiation holds for as long as the function lives: a
+    weight-sized buffer per cell for the gradient sums' initial zeros, and an
+    activation-sized one per zero gradient seed, held between steps on every device.
+    `tf.raw_ops.Empty(init=True)` (registered for CPU and GPU) is not folded: its
+    zeros are made when it runs and freed after. But Empty is registered stateful
+    (that is why it is not folded), and tf.function's automatic control dependencies
+    chain stateful ops without resources in program order: in the step's own graph,
+    an Empty for cell k's state waits for the ops traced before it, device k−1's
+    loop included, which waits for cell k: the step hangs (seen: zb_h1 at K=4). So
+    zeros made outside a device's loop take `zero`, a scalar the graph cannot know is
+    0 (`runtime_zero`), and are a Fill of it: stateless, and not foldable. Pinned by
     `tests/tf_internals_test.py::test_zeros_in_a_loop_state_are_not_folded_into_a_constant`
     (the allocator's bytes held after calls: a weight-sized tensor with `tf.zeros`,
-    none with `zeros`).
+    none with `zeros`, either way) and the zb_h1 K=4 rows of
+    `tests/keras_masks_test.py`.
 """
 
 from __future__ import annotations
@@ -361,14 +368,27 @@ _EMPTY_DTYPES = frozenset({tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.c
                            tf.complex128, tf.int8, tf.uint8, tf.int32, tf.int64, tf.uint64})
 
 
-def zeros(shape: Any, dtype: tf.DType) -> tf.Tensor:
+def zeros(shape: Any, dtype: tf.DType, zero: tf.Tensor | None = None) -> tf.Tensor:
   """Zeros of a static `shape` that Grappler does not fold into a constant held by the
-  function (item 17): made when the op runs, freed when no longer used. Other dtypes
-  (bool, strings) and shapes not fully known: `tf.zeros`."""
+  function (item 17): made when the op runs, freed when no longer used. Inside a
+  device's loop or a cell's function: `Empty`. In the step's own graph, outside the
+  loops: pass `zero` (`runtime_zero`), filled, since an Empty there is ordered after
+  the ops before it. Other dtypes (bool, strings) and shapes not fully known:
+  `tf.zeros`."""
   shape = tf.TensorShape(shape)
   dtype = tf.as_dtype(dtype)
-  if dtype not in _EMPTY_DTYPES or not shape.is_fully_defined():
+  if not shape.is_fully_defined():
+    return tf.zeros(shape, dtype)
+  if zero is not None:
+    return tf.fill(shape.as_list(), tf.cast(zero, dtype))
+  if dtype not in _EMPTY_DTYPES:
     return tf.zeros(shape, dtype)
   out = tf.raw_ops.Empty(shape=tf.constant(shape.as_list(), tf.int32), dtype=dtype, init=True)
   out.set_shape(shape)
   return out
+
+
+def runtime_zero(step: tf.Tensor) -> tf.Tensor:
+  """0, from the global step (≥ 0), as a scalar the graph cannot fold: what `zeros`
+  fills with outside the device loops."""
+  return tf.minimum(step, tf.zeros([], step.dtype))

@@ -97,7 +97,7 @@ class StepGradients:
     for i, (v, g) in enumerate(zip(variables, grads)):
       if g is None:
         with tf.device(v.device):
-          grads[i] = tf_internals.zeros(v.shape, v.dtype)
+          grads[i] = tf.zeros(v.shape, v.dtype)
     return grads
 
 
@@ -567,7 +567,7 @@ class CellLoop:
   def initial_state(self) -> CellState:
     sig0 = self.signatures[0]
     return CellState(
-        sums=sig0.layout.zeros(),
+        sums=sig0.layout.zeros(tf_internals.runtime_zero(self.step_inputs.step)),
         stash=[_stash_slots(sig.saved.flat(), self.slots.stash) for sig in self.signatures],
         outputs=(_list(sig0.outputs, self.num_units) if self.cell.head is not None
                  else []),
@@ -782,7 +782,9 @@ class DeviceLoop:
 
     num_actions = len(rows)
     with tf.device(self.device):
-      inbox = [[tf_internals.zeros(spec.shape, spec.dtype)
+      # (outside the loop: filled with a runtime zero, tf_internals.zeros)
+      zero = tf_internals.runtime_zero(self.cells[order[0]].step_inputs.step)
+      inbox = [[tf_internals.zeros(spec.shape, spec.dtype, zero)
                 for spec in self.cells[kind.cell].receive_specs(kind.phase, kind.shape_class)]
                for kind in self.table.receives]
       first_receive = rows[0, COLUMNS.receive] if num_actions else NO_RECEIVE

@@ -76,8 +76,10 @@ class StackedLayout:
     return [tf.TensorSpec([len(positions), *shape], dtype)
             for positions, shape, dtype, _ in self._groups]
 
-  def zeros(self) -> list[tf.Tensor]:
-    return [tf_internals.zeros(spec.shape, spec.dtype) for spec in self.specs()]
+  def zeros(self, zero: tf.Tensor) -> list[tf.Tensor]:
+    """The sums before a step's first gradient, filled with `zero`
+    (tf_internals.runtime_zero: not a constant the step's function would hold)."""
+    return [tf_internals.zeros(spec.shape, spec.dtype, zero) for spec in self.specs()]
 
   def add(self, stacked: Sequence[tf.Tensor], tensors: Sequence[Any],
           stack_tensors: dict[int, tf.Tensor] | None = None, zeros: Collection[int] = ()
