@@ -88,8 +88,10 @@ def layer_costs(stack: MainStack, setting: Setting) -> list[layer_profiler.Layer
   if not setting.cost_cache:
     return measure()
   # The layers and their inputs, not the pipeline's settings: one entry serves every plan.
+  # (and the allocator that counted their bytes: the default CPU one misses small ones)
   key = [COSTS_VERSION, [lp.to_text() for lp in stack.layer_params], stack.specs,
-         platform.node(), tf.__version__, device]
+         platform.node(), tf.__version__, device,
+         os.environ.get("TF_CPU_ALLOCATOR_USE_BFC", "")]
   return layer_profiler.cached_layer_costs(setting.cost_cache, key, measure,
                                            warn=setting.log,
                                            num_layers=len(stack.layer_params))
@@ -138,7 +140,8 @@ def machine(params: Params, stack: MainStack, costs: Sequence[layer_profiler.Lay
     key = ["machine v6", params.task.train.optimizer.to_text(),
            params.task.pipeline.stack_variables,
            [lp.to_text() for lp in stack.layer_params], stack.specs, heaviest,
-           platform.node(), tf.__version__, list(setting.devices)]
+           platform.node(), tf.__version__, list(setting.devices),
+           os.environ.get("TF_CPU_ALLOCATOR_USE_BFC", "")]
     figures = layer_profiler.cached_record(setting.cost_cache, key, measure, setting.log,
                                            decode=decode, encode=lambda r: r)
   else:

@@ -674,3 +674,30 @@ def test_tied_copies_hold_no_slots_and_variables_not_trained_are_held_once():
                                frozen_bytes=50.0, slot_factor=2.0) == pytest.approx(4850.0)
   assert step_model.peak_bytes(1000.0, 0.0, 0.0, 0.0, 1.0, 1.0, 3.1, tied_bytes=100.0,
                                frozen_bytes=50.0, slot_factor=2.0) == pytest.approx(2955.0)
+
+
+@pytest.mark.parametrize("flags,given,expected", [
+    (["--mode=plan"], None, "true"), (["--plan=check"], None, "true"),
+    (["--plan=auto"], "false", "false"), ([], None, None), (["--mode=eval", "--plan=check"],
+                                                            None, None)])
+def test_plans_count_small_allocations_unless_told_otherwise(flags, given, expected):
+  """--mode=plan and --plan (in train modes) turn on the BFC allocator, whose counts
+  include allocations under 256 KiB; a value the user set is kept; other runs are left
+  as they are. (tools/trainer.py in a child: importing it defines absl flags.)"""
+  import os
+  import subprocess
+  import sys
+
+  from conftest import REPO
+
+  code = ("import os, sys; sys.path.insert(0, '.'); from tools import trainer; "
+          f"trainer._parse_flags(['trainer.py'] + {flags!r}); "
+          "trainer._count_every_allocation_for_plans(); "
+          "print(os.environ.get('TF_CPU_ALLOCATOR_USE_BFC'))")
+  env = {k: v for k, v in os.environ.items() if k != "TF_CPU_ALLOCATOR_USE_BFC"}
+  if given is not None:
+    env["TF_CPU_ALLOCATOR_USE_BFC"] = given
+  done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                        cwd=REPO, env=env, timeout=60)
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert done.stdout.strip() == str(expected)

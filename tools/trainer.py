@@ -800,6 +800,16 @@ def _import_tensorflow_quietly() -> None:
           sys.stderr.write(line)
 
 
+def _count_every_allocation_for_plans() -> None:
+  """--mode=plan and --plan measure memory with TensorFlow's BFC allocator on CPUs
+  (TF_CPU_ALLOCATOR_USE_BFC=true, unless set otherwise): the default CPU allocator's
+  counts leave out allocations under 256 KiB on some CPUs, which at small sizes are
+  half a layer's working set (docs/benchmarks.md, "The bound at small sizes"). Runs
+  before TensorFlow is first imported, which reads the variable."""
+  if FLAGS.mode == "plan" or (FLAGS.plan and FLAGS.mode != "eval"):
+    os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
+
+
 def _set_log_levels() -> None:
   """Quiet by default: TensorFlow's C++ log at errors only (TF_CPP_MIN_LOG_LEVEL=2) and
   Python logging at warnings. absl's --verbosity, when given, is obeyed: at 0 (INFO)
@@ -821,6 +831,7 @@ def main(argv: list[str]) -> None:
   if len(argv) > 1:
     print(f"error: unexpected arguments {argv[1:]}", file=sys.stderr)
     sys.exit(2)
+  _count_every_allocation_for_plans()
   try:  # (importing TensorFlow takes seconds)
     _set_log_levels()
     from lingvo_gpipe import trainer as trainer_lib
