@@ -26,11 +26,14 @@ mt.Multilingual128L6B's shape (64 wide) on 16 devices, its layer costs cached.
   python bench/planner.py --only lm_k2_m4_always_gpipe --settings workers \
       --versus_default= --no_plan_time
   python bench/planner.py --only lm_k2_m4_always_gpipe --settings workers --versus_default=Lm
+  python bench/planner.py --only none --versus_default= --no_plan_time --shipped 3
 
 The last line printed is one JSON object: per plan and setting the predicted and
 measured step and peaks and their errors (measured / predicted − 1), the median and
-worst absolute errors per setting, versus_default, and
-plan_seconds_multilingual128_16.
+worst absolute errors per setting, versus_default,
+plan_seconds_multilingual128_16, and with --shipped N the library's small models as
+shipped, each run N times (`shipped`: the tiny size class, where the bound must hold
+too).
 """
 
 from __future__ import annotations
@@ -319,6 +322,37 @@ def plan_seconds(param_dir: str, cache: str) -> float:
   return float(line.split()[2])
 
 
+# The library's small models as shipped: the size class where fixed buffers and small
+# allocations weigh most (docs/benchmarks.md, "The bound at small sizes").
+SHIPPED = ("lm.TransformerTiny", "keras_examples.KerasTransformerLm", "image.AmoebaNetTiny",
+           "keras_examples.KerasConvNet")
+
+
+def shipped(repeats: int, logs: str | None) -> dict:
+  """Each SHIPPED model `repeats` times with `--plan=check` on two logical CPUs (one
+  allocator, the input pipeline's bytes counted), its own cost cache cold for the first
+  run: per model each run's peak and step error, and the worst (the bound holds where
+  the worst peak error is ≤ 0) and the median."""
+  out = {}
+  with tempfile.TemporaryDirectory() as scratch:
+    for model in SHIPPED:
+      cache = str(Path(scratch) / f"{model}.json")
+      peaks, steps = [], []
+      for r in range(repeats):
+        logdir = str(Path(logs or scratch) / f"shipped_{model}_{r}")
+        run([sys.executable, str(REPO / "tools" / "trainer.py"), f"--model={model}",
+             "--devices=cpu:2", "--plan=check", "--device_memory=1GB", "--max_steps=6",
+             f"--cost_cache={cache}", f"--logdir={logdir}"])
+        found = json.loads((Path(logdir) / "train" / "plan_check.json").read_text())
+        peaks.append(found["peak_error"][0])
+        steps.append(found["step_error"])
+      out[model] = {"peak_errors": peaks, "worst_peak_error": max(peaks),
+                    "median_peak_error": statistics.median(peaks), "step_errors": steps,
+                    "median_step_error": statistics.median(steps)}
+      print(json.dumps({model: out[model]}), flush=True)
+  return out
+
+
 def summary(errors: list[float]) -> dict:
   absolute = [abs(e) for e in errors]
   return {"median": statistics.median(absolute), "worst": max(absolute)} if absolute else {}
@@ -339,6 +373,8 @@ def main() -> None:
   parser.add_argument("--versus_default", default="Lm",
                       help="the family to run today's default against --plan=auto with "
                       "('' for none)")
+  parser.add_argument("--shipped", type=int, default=0,
+                      help="also run the library's small models N times each (SHIPPED)")
   args = parser.parse_args()
   LOGICAL_DEVICES = args.logical_devices
   names = ([] if args.only == "none" else
@@ -368,6 +404,8 @@ def main() -> None:
       print(json.dumps({"versus_default": results["versus_default"]}), flush=True)
     if not args.no_plan_time:
       results["plan_seconds_multilingual128_16"] = plan_seconds(param_dir, cache)
+  if args.shipped:
+    results["shipped"] = shipped(args.shipped, args.logs)
   print(json.dumps(results))
 
 
