@@ -41,11 +41,17 @@ MACHINE_FIELDS = ("action_overhead_s", "update_s_per_byte", "link_latency_s",
 @dataclasses.dataclass(frozen=True)
 class Setting:
   """Where the plan runs: the devices (cells go to them in order), each one's budget
-  in bytes (after the margin), and the cost cache ('' for none)."""
+  in bytes (after the margin), and the cost cache ('' for none). With may_measure
+  False, what the cache lacks raises NotMeasured instead of being measured."""
   devices: tuple[str, ...]
   memory_bytes: float
   cost_cache: str
   log: Callable[[str], None] = print
+  may_measure: bool = True
+
+
+class NotMeasured(Exception):
+  """A cost the cache lacks, asked for with Setting.may_measure False."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +87,8 @@ def layer_costs(stack: MainStack, setting: Setting) -> list[layer_profiler.Layer
   device = setting.devices[0]
 
   def measure() -> list[layer_profiler.LayerCost]:
+    if not setting.may_measure:
+      raise NotMeasured("the layers' costs")
     setting.log(f"Measuring the costs of the {len(stack.layer_params)} layers at batch "
                 f"{stack.batch_size} on {device} ...")
     return layer_profiler.measure_layer_costs(stack.layer_params, stack.specs, device=device)
@@ -106,6 +114,8 @@ def machine(params: Params, stack: MainStack, costs: Sequence[layer_profiler.Lay
   heaviest = max(range(len(costs)), key=lambda i: costs[i].step_s)
 
   def measure() -> dict:
+    if not setting.may_measure:
+      raise NotMeasured("the machine's figures")
     setting.log(f"Measuring the engine's cost per action, the update, the links and how "
                 f"many of the {len(setting.devices)} devices compute at once ...")
     spec = layer_profiler.layer_input_specs(stack.layer_params, stack.specs)[heaviest]
@@ -203,6 +213,16 @@ def measured(params: Params, setting: Setting
   stack = MainStack.of(params)
   costs = layer_costs(stack, setting)
   return stack, costs, machine(params, stack, costs, setting)
+
+
+def in_cache(params: Params, setting: Setting) -> bool:
+  """Whether the setting's cost cache holds everything `measured` needs (nothing is
+  measured, logged or written to find out)."""
+  try:
+    measured(params, dataclasses.replace(setting, may_measure=False, log=lambda _: None))
+  except NotMeasured:
+    return False
+  return True
 
 
 def plan_run(params: Params, setting: Setting, auto: bool) -> Planned:

@@ -701,3 +701,41 @@ def test_plans_count_small_allocations_unless_told_otherwise(flags, given, expec
                         cwd=REPO, env=env, timeout=60)
   assert done.returncode == 0, done.stderr[-2000:]
   assert done.stdout.strip() == str(expected)
+
+
+@EXHAUSTIVE
+def test_a_cold_plan_measures_in_a_child_process_and_a_warm_one_measures_nothing(
+    tmp_path, monkeypatch):
+  """--plan with costs the cache lacks measures them in a child process (--mode=plan)
+  and trains in its own, which the measuring left nothing in; the costs it wrote are
+  what the next run reads, measuring nothing; without a cache (--cost_cache='') the
+  child's temporary one is gone when the run ends."""
+  from conftest import run_trainer
+
+  from lingvo_gpipe import model_registry, planning
+
+  cache = tmp_path / "costs.json"
+  common = ("--model=demo.TinyConvNet", "--devices=cpu:2", "--plan=check", "--max_steps=2")
+  cold = run_trainer(*common, f"--cost_cache={cache}", f"--logdir={tmp_path / 'cold'}")
+  assert cold.returncode == 0, cold.stderr[-3000:]
+  lines = cold.stdout.splitlines()
+  assert "Measuring in a child process (--mode=plan)" in cold.stdout
+  assert any(line.startswith("  Measuring the costs of the") for line in lines)
+  assert not any(line.startswith("Measuring the costs of the") for line in lines)
+  monkeypatch.setenv("TF_CPU_ALLOCATOR_USE_BFC", "true")  # (a key part: --plan set it)
+  setting = planning.Setting(("/device:CPU:0", "/device:CPU:1"), 1e9, str(cache))
+  model_registry.load_param_files()
+  params = model_registry.get_params("demo.TinyConvNet")
+  assert planning.in_cache(params, setting)  # (what the child measured for this run)
+  assert not planning.in_cache(params, dataclasses.replace(setting, devices=setting.devices[:1]))
+  warm = run_trainer(*common, f"--cost_cache={cache}", f"--logdir={tmp_path / 'warm'}")
+  assert warm.returncode == 0, warm.stderr[-3000:]
+  assert "Measuring" not in warm.stdout
+  scratch = tmp_path / "scratch"
+  scratch.mkdir()
+  none = run_trainer(*common, "--cost_cache=", f"--logdir={tmp_path / 'none'}",
+                     env={"TMPDIR": str(scratch)})
+  assert none.returncode == 0, none.stderr[-3000:]
+  assert "  Measuring the costs of the" in none.stdout
+  assert (tmp_path / "none" / "train" / "plan_check.json").exists()
+  assert list(scratch.iterdir()) == []

@@ -32,7 +32,9 @@ import contextlib
 import dataclasses
 import json
 import os
+import shutil
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -121,12 +123,15 @@ class RunState:
   trainer: Trainer | None = None
   planned: Planned | None = None  # --plan: the prediction to compare the run with
   devices: tuple[str, ...] = ()
+  measuring: subprocess.Popen | None = None  # --plan: the child measuring the costs
 
   def request_stop(self) -> None:
     """Asks the training loop, if one is built, to stop after the call in flight (one
-    step, or steps_per_call of them)."""
+    step, or steps_per_call of them), and stops the child measuring costs, if any."""
     if self.trainer is not None:
       self.trainer.stop_requested.set()
+    if self.measuring is not None and self.measuring.poll() is None:
+      self.measuring.terminate()  # (its cache is written whole or not at all)
 
 
 @contextlib.contextmanager
@@ -334,12 +339,57 @@ def _planned_params(params, devices: list[str], state: RunState):
   setting = _plan_setting(devices)
   with _bad_params_are_usage_errors():
     try:
-      state.planned = planning.plan_run(params, setting, auto=FLAGS.plan == "auto")
+      measured = _measured_apart(params, setting, state)
+      try:
+        state.planned = planning.plan_run(params, measured, auto=FLAGS.plan == "auto")
+      finally:
+        if measured.cost_cache != setting.cost_cache:  # (the child's temporary cache)
+          shutil.rmtree(os.path.dirname(measured.cost_cache), ignore_errors=True)
     except (planner.PlanError, layer_profiler.CostCacheError) as e:  # (ParamsErrors too)
       raise UsageFailure(f"--plan={FLAGS.plan}: {e}") from None
   state.devices = tuple(devices)
   planning.reset_allocator_peaks(devices)  # the run's peak, not the measuring's
   return state.planned.params
+
+
+def _measured_apart(params, setting, state: RunState):
+  """The setting, its cost cache holding what the plan needs: what it lacks is
+  measured by this command run as --mode=plan in a child process, so that the run's
+  allocator holds nothing the measuring left (run in the trainer's own process, it
+  left the run's peak 2-15% higher: docs/benchmarks.md, "The bound at small sizes").
+  Without a cache (--cost_cache=''), the child writes to a temporary one this run
+  reads. In-process as before where a child cannot help: remote devices (their
+  workers keep the measuring's allocations either way), or a cache file that is not
+  one (a child could not save to it)."""
+  import tempfile
+
+  from lingvo_gpipe import planning
+  from lingvo_gpipe.pipeline import layer_profiler
+
+  if (FLAGS.cluster_spec or planning.in_cache(params, setting)
+      or (setting.cost_cache and layer_profiler.cache_problem(setting.cost_cache))):
+    return setting
+  cache = setting.cost_cache or os.path.join(tempfile.mkdtemp(prefix="lingvo_gpipe_costs_"),
+                                             "layer_costs.json")
+  given = {id(FLAGS[name]): FLAGS[name] for name in FLAGS
+           if FLAGS[name].present and name not in ("mode", "plan", "cost_cache", "flagfile")}
+  command = [sys.executable, os.path.abspath(__file__), "--mode=plan", "--plan=",
+             f"--cost_cache={cache}"] + [flag.serialize() for flag in given.values()]
+  print("Measuring in a child process (--mode=plan), so that this run holds nothing of "
+        "it ...", flush=True)
+  child = state.measuring = subprocess.Popen(command, stdout=subprocess.PIPE,
+                                             stderr=subprocess.STDOUT, text=True)
+  lines = []
+  for line in child.stdout:
+    lines.append(line)
+    if line.startswith(("Measuring", "Measured", "warning")):
+      print("  " + line, end="", flush=True)
+  child.wait()
+  setting = dataclasses.replace(setting, cost_cache=cache)
+  if not planning.in_cache(params, setting):  # (then the run measures, as it did before)
+    print(f"warning: the child process (exit {child.returncode}) did not measure the costs; "
+          f"measuring here. Its last lines:\n{''.join(lines[-5:])}", flush=True)
+  return setting
 
 
 def _compare_with_plan(state: RunState, trainer) -> None:

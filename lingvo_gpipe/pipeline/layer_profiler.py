@@ -729,6 +729,12 @@ def _not_finite_at(value: Any, where: str = "") -> str | None:
   return None
 
 
+def cache_problem(path: str) -> str | None:
+  """Why the file at `path` is not a cost cache (damaged, not JSON, not an object), or
+  None: it is one, or it does not exist yet."""
+  return _read_cache(path)[1]
+
+
 def _read_cache(path: str) -> tuple[dict, str | None]:
   """(the cache's entries, None), or ({}, why it is not a cache)."""
   if not os.path.exists(path):
