@@ -311,6 +311,19 @@ def test_the_planner_searches_every_schedule_and_no_duplicate_plans():
   assert "except_last" not in {s.recompute for s in shapes if s.num_cells == 1}
 
 
+def test_a_plan_table_lists_each_step_once_whatever_its_schedule_is_called():
+  """At K=1, M=1 gpipe and 1f1b are both one forward and one backward: one row, not
+  two that run alike (a top three of the same step is no choice)."""
+  plans = planner.plan(table(2), Machine(2, np.inf), 8, top=10000)
+  ran = [(dataclasses.replace(p.shape, schedule=""), p.shape.make_schedule().device_orders,
+          p.shape.make_schedule().device_of) for p in plans]
+  assert len(ran) == len(set(ran))
+  one_step = {p.shape.schedule for p in plans
+              if p.shape.num_cells == 1 and p.shape.num_micro_batches == 1
+              and p.shape.recompute == "never" and p.shape.num_replicas == 2}
+  assert len(one_step & {"gpipe", "1f1b"}) == 1 and "zb_h1" in one_step  # (zb_h1: F, B, W)
+
+
 def test_device_memory_of_zero_bubble_and_interleaved_by_hand():
   """zb_h1 keeps each backward's products until its W (cell 0 of 2 cells at M=4:
   two in flight, one awaiting), interleaved_1f1b sums a device's cells (4 cells on

@@ -257,6 +257,7 @@ def plan(costs: Sequence[LayerCost], machine: Machine, batch_size: int,
   Raises PlanError naming the smallest peak any plan needs when none fits."""
   candidates: list[tuple[float, PlanShape]] = []
   smallest_need = float("inf")
+  seen: set = set()  # (what runs: the same split, M, ... and schedule table)
   for replicas in _divisors(machine.num_devices):
     if batch_size % replicas:
       continue
@@ -279,6 +280,10 @@ def plan(costs: Sequence[LayerCost], machine: Machine, batch_size: int,
                     replicas, tuple(range(1, num_cells + 1)), m, recompute, name, v, g, s),
                     batch_size)
                 layout = shape.make_schedule()
+                runs = _what_runs(shape, layout)
+                if runs in seen:  # (another schedule's name for the same step)
+                  continue
+                seen.add(runs)
                 cells = step_model.cell_costs(costs, shape, batch_size, machine)
                 need = max(step_model.device_peaks(
                     layout, cells, machine.weight_factor(replicas, m),
@@ -301,6 +306,14 @@ def plan(costs: Sequence[LayerCost], machine: Machine, batch_size: int,
     kept.append(step_model.predict(costs, machine, shape, batch_size))
     kept.sort(key=lambda p: (p.step_s, max(p.peak_bytes)))
   return kept[:top]
+
+
+def _what_runs(shape: PlanShape, layout: schedule.PipelineSchedule) -> tuple:
+  """What a plan executes, its schedule's name aside: two shapes with equal keys run the
+  same actions in the same order on the same devices (at K=1 and M=1 gpipe and 1f1b
+  are both one forward, then one backward), so a plan table lists it once."""
+  return (dataclasses.replace(shape, schedule=""), layout.device_of, layout.device_orders,
+          layout.slices)
 
 
 WEIGHT_GRADIENT_GROUPS = (1, 2, 4)
