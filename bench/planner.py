@@ -27,13 +27,16 @@ mt.Multilingual128L6B's shape (64 wide) on 16 devices, its layer costs cached.
       --versus_default= --no_plan_time
   python bench/planner.py --only lm_k2_m4_always_gpipe --settings workers --versus_default=Lm
   python bench/planner.py --only none --versus_default= --no_plan_time --shipped 3
+  python bench/planner.py --only none --versus_default= --no_plan_time \
+      --auto_choice lm.TransformerTiny,keras_examples.KerasTransformerLm
 
 The last line printed is one JSON object: per plan and setting the predicted and
 measured step and peaks and their errors (measured / predicted − 1), the median and
 worst absolute errors per setting, versus_default,
 plan_seconds_multilingual128_16, and with --shipped N the library's small models as
 shipped, each run N times (`shipped`: the tiny size class, where the bound must hold
-too).
+too), and with --auto_choice whether `--plan=auto` chose the fastest of its top three
+distinct candidates, each trained for real (`auto_choice`).
 """
 
 from __future__ import annotations
@@ -353,6 +356,61 @@ def shipped(repeats: int, logs: str | None) -> dict:
   return out
 
 
+def auto_choice(model: str, repeats: int, steps: int, logs: str | None) -> dict:
+  """Does `--plan=auto` choose the fastest of its top three distinct candidates? On two
+  logical CPUs, at two budgets: room (1 GB) and a tight one (80% of the room's best
+  plan's predicted peak, so that it does not fit): `--mode=plan` lists the candidates
+  (planner.plan lists each step once); each is trained `repeats` times, the rounds
+  interleaved (these machines drift between minutes), the first through `--plan=auto`
+  itself (its "Plan:" line must be the list's first). Per budget: each candidate's
+  predicted and median measured step, and the chosen one's median ÷ the fastest's
+  (target ≤ 1.05)."""
+  out = {}
+  with tempfile.TemporaryDirectory() as scratch:
+    cache = str(Path(scratch) / "costs.json")
+    trainer = [sys.executable, str(REPO / "tools" / "trainer.py"), f"--model={model}",
+               "--devices=cpu:2", f"--cost_cache={cache}"]
+
+    def candidates(memory: str) -> list[dict]:
+      listed = run(trainer + ["--mode=plan", f"--device_memory={memory}"])
+      return json.loads(listed.strip().splitlines()[-1])["plans"][:3]
+
+    room = candidates("1GB")
+    tight_bytes = 0.8 * max(room[0]["peak_bytes"]) / 0.9
+    for budget, memory in (("room", "1GB"), ("tight", f"{tight_bytes:.0f}")):
+      plans = room if budget == "room" else candidates(memory)
+      measured: list[list[float]] = [[] for _ in plans]
+      for r in range(repeats):
+        for i, plan in enumerate(plans):
+          logdir = str(Path(logs or scratch) / f"auto_{model}_{budget}_{i}_{r}")
+          how = (["--plan=auto"] if i == 0 else
+                 ["--plan=check", f"--params_override={plan['params_override']}"])
+          printed = run(trainer + how + [f"--device_memory={memory}", f"--logdir={logdir}",
+                                         f"--max_steps={steps}"])
+          if i == 0 and f"Plan: {plan['params_override']}" not in printed:
+            raise RuntimeError(f"--plan=auto trained another plan than --mode=plan's first:"
+                               f"\n{printed[-2000:]}")
+          found = json.loads((Path(logdir) / "train" / "plan_check.json").read_text())
+          measured[i].append(found["measured_step_s"])
+      medians = [statistics.median(m) for m in measured]
+      out[budget] = {
+          "device_memory_bytes": planner_bytes(memory),
+          "candidates": [{"params_override": p["params_override"],
+                          "predicted_step_s": p["step_s"], "measured_step_s": m,
+                          "median_step_s": med}
+                         for p, m, med in zip(plans, measured, medians)],
+          "chosen_over_fastest": medians[0] / min(medians),
+          "fastest_measured": medians.index(min(medians))}
+      print(json.dumps({f"{model}/{budget}": out[budget]}), flush=True)
+  return out
+
+
+def planner_bytes(memory: str) -> float:
+  from lingvo_gpipe.pipeline import planner
+
+  return planner.parse_bytes(memory)
+
+
 def summary(errors: list[float]) -> dict:
   absolute = [abs(e) for e in errors]
   return {"median": statistics.median(absolute), "worst": max(absolute)} if absolute else {}
@@ -375,6 +433,11 @@ def main() -> None:
                       "('' for none)")
   parser.add_argument("--shipped", type=int, default=0,
                       help="also run the library's small models N times each (SHIPPED)")
+  parser.add_argument("--auto_choice", default="",
+                      help="comma-separated models: train --plan=auto's top three "
+                      "candidates for real at two budgets (auto_choice)")
+  parser.add_argument("--auto_repeats", type=int, default=3,
+                      help="--auto_choice: runs of each candidate (their median)")
   args = parser.parse_args()
   LOGICAL_DEVICES = args.logical_devices
   names = ([] if args.only == "none" else
@@ -406,6 +469,10 @@ def main() -> None:
       results["plan_seconds_multilingual128_16"] = plan_seconds(param_dir, cache)
   if args.shipped:
     results["shipped"] = shipped(args.shipped, args.logs)
+  if args.auto_choice:
+    results["auto_choice"] = {
+        model: auto_choice(model, args.auto_repeats, max(args.steps, 20), args.logs)
+        for model in args.auto_choice.split(",")}
   print(json.dumps(results))
 
 

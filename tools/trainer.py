@@ -322,6 +322,9 @@ def _plan(params, devices: list[str]) -> int:
                     "peak_bytes": list(best.peak_bytes),
                     "params_override": best.shape.params_override(),
                     "fit": planner.fit_word(max(best.peak_bytes), setting.memory_bytes),
+                    "plans": [{"step_s": p.step_s, "peak_bytes": list(p.peak_bytes),
+                               "params_override": p.shape.params_override()}
+                              for p in plans],
                     "own": None if own is None else {
                         "step_s": own.step_s, "peak_bytes": list(own.peak_bytes),
                         "fits": max(own.peak_bytes) <= setting.memory_bytes,
