@@ -31,8 +31,8 @@ from lingvo_gpipe.pipeline import layer_profiler, memory, planner, step_model
 from lingvo_gpipe.pipeline.layer import PipeliningLayer, requested_cells
 from lingvo_gpipe.tasks import base_task
 
-COSTS_VERSION = ("layer costs v7 (two sizes, weight share, products, split backward, work "
-                 "bytes, kept inputs, tied and frozen bytes)")
+COSTS_VERSION = ("layer costs v8 (two sizes, weight share, products, split backward, work "
+                 "bytes, kept inputs and outputs, tied and frozen bytes)")
 MACHINE_FIELDS = ("action_overhead_s", "update_s_per_byte", "link_latency_s",
                   "link_bytes_per_s", "cores", "weight_copies_one", "weight_copies",
                   "activation_factor", "save_copies")

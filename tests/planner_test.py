@@ -209,6 +209,9 @@ def test_measured_costs_count_bytes_from_shapes_and_are_cached(tmp_path):
   # tanh(x·W + b) keeps its output for tanh's gradient and its input x for W's (the
   # input apart: in a cell it is the previous layer's output, counted there).
   assert costs[0].kept_bytes == 8 * 32 * 4 and costs[0].kept_input_bytes == 8 * 16 * 4
+  # Its output is the tanh's: the next layer keeps it as its input, one buffer.
+  assert costs[0].kept_output_bytes == 8 * 32 * 4 and costs[1].kept_input_bytes == 8 * 32 * 4
+  assert step_model.inputs_kept_beyond_outputs(costs) == [0.0, 0.0]
   # Its deferred backward keeps x·W's x [8, 16] and the gradient of x·W [8, 32].
   assert [c.product_bytes for c in costs] == [(8 * 16 + 8 * 32) * 4, (8 * 32 + 8 * 16) * 4]
   # Seconds beyond an empty call's, fitted at 8 and 2 examples (a line that does not
@@ -309,6 +312,34 @@ def test_the_planner_searches_every_schedule_and_no_duplicate_plans():
   keys = [(s.num_cells, dataclasses.replace(s, splits=())) for s in shapes]
   assert len(keys) == len(set(keys))
   assert "except_last" not in {s.recompute for s in shapes if s.num_cells == 1}
+
+
+def test_a_tensor_between_two_layers_is_kept_once_if_either_keeps_it():
+  """conv → batch norm → ReLU → conv, by hand: the norm keeps its input (the conv's
+  output, which the conv does not keep), the ReLU its output, the last conv its input
+  (the ReLU's output: held once). Every split's cells, as the planner's search counts
+  them and as step_model does."""
+  def layer(kept, kept_in, kept_out):
+    return LayerCost(1.0, 2.0, weight_bytes=10, input_bytes=100, kept_bytes=kept,
+                     batch=4, kept_input_bytes=kept_in, kept_output_bytes=kept_out)
+
+  costs = [layer(0, 100, 0), layer(8, 100, 0), layer(100, 0, 100), layer(0, 100, 0)]
+  assert step_model.inputs_kept_beyond_outputs(costs) == [0.0, 100.0, 0.0, 0.0]
+  assert step_model.cell_kept_bytes(costs, 1) == 100 + (0 + 8 + 100 + 0) + 100
+  assert step_model.cell_kept_bytes(costs[1:], 1) == 100 + 108  # its first keeps its input
+  assert step_model.cell_kept_bytes(costs[2:], 1) == 100  # the ReLU's output, once
+  machine = Machine(2, np.inf)
+  for splits in [(4,), (1, 4), (2, 4), (3, 4)]:
+    for recompute in ("never", "always"):
+      shape = step_model.PlanShape(1, splits, 1, recompute, "gpipe")
+      cells = step_model.cell_costs(costs, shape, 4, machine)
+      for k, (s, e) in enumerate(shape.bounds):
+        searched = planner.cell_memory(costs, s, e, 4, 1, recompute == "always", 1.0)
+        alone = step_model.device_peaks(
+            step_model.PlanShape(1, (e - s,), 1, recompute, "gpipe").make_schedule(),
+            [cells[k]], 1.0, 0.0)[0]
+        assert searched == pytest.approx(alone), (splits, k)
+        assert cells[k].kept_bytes == step_model.cell_kept_bytes(costs[s:e], 1)
 
 
 def test_a_plan_table_lists_each_step_once_whatever_its_schedule_is_called():

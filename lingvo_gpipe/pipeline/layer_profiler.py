@@ -51,8 +51,9 @@ class LayerCost:
   part of the backward that computes weight gradients (what a W action runs).
   kept_bytes is what the backward keeps of the forward beyond the layer's inputs and
   its weights' reads (those alias buffers counted elsewhere: the previous layer's
-  kept outputs, the variables); kept_input_bytes the inputs it keeps (a cell keeps
-  its first layer's). The working sets are lines too (`step_model.layer_work_bytes`):
+  kept outputs, the variables); kept_input_bytes the inputs it keeps, and
+  kept_output_bytes the outputs among kept_bytes: a tensor between two layers is
+  held once if either keeps it (`step_model.cell_kept_bytes`). The working sets are lines too (`step_model.layer_work_bytes`):
   the weight gradients a backward returns do not shrink with the batch.
   """
   forward_s: float
@@ -80,6 +81,7 @@ class LayerCost:
   forward_work_fixed_bytes: int = 0
   backward_work_fixed_bytes: int = 0
   kept_input_bytes: int = 0
+  kept_output_bytes: int = 0  # the part of kept_bytes that is the layer's outputs
   # Of weight_bytes, those standing in for weights tied to another layer's (a cell
   # away from the owner reads a copy: no optimizer slots); and the variables not
   # trained (frozen weights, a batch norm's moving statistics: held, no slots, no
@@ -221,6 +223,7 @@ def _measure_layer_costs(layer_params, input_specs, steps, full, small_batch):
     costs.append(LayerCost(forward_s, max(both_s - forward_s, 0.0),
                            _nbytes(layer.trainable_variables), _nbytes(flat),
                            kept.intermediates, batch, kept_input_bytes=kept.inputs,
+                           kept_output_bytes=kept.outputs,
                            forward_fixed_s=fixed[0],
                            backward_fixed_s=fixed[1], weight_share=share,
                            product_bytes=_product_bytes(layer, inputs),
@@ -388,10 +391,13 @@ class KeptBytes:
   its identities share one): `intermediates`, what the forward allocates for it;
   `inputs`, the layer's inputs it keeps (allocated before: the previous layer's
   output); `held`, the intermediates and the outputs together (what the forward
-  leaves allocated). Reads of variables alias their buffers: in none."""
+  leaves allocated); `outputs`, the layer's outputs among the intermediates (the
+  next layer's inputs: what it keeps of them is held once). Reads of variables alias
+  their buffers: in none."""
   intermediates: int
   inputs: int
   held: int
+  outputs: int = 0
 
 
 def _forward_backward_pair(call: Callable, flat: Sequence[tf.Tensor]
@@ -419,7 +425,8 @@ def _forward_backward_pair(call: Callable, flat: Sequence[tf.Tensor]
              if t.op.type != "Placeholder"}
   return pair, KeptBytes(_nbytes(list(intermediates.values())),
                          _nbytes(list(inputs.values())),
-                         _nbytes(list({**intermediates, **outputs}.values())))
+                         _nbytes(list({**intermediates, **outputs}.values())),
+                         _nbytes([t for key, t in intermediates.items() if key in outputs]))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -69,6 +69,9 @@ class _MemoryModel:
     # a cell's input is its first layer's; its output the next cell's input (none last)
     self.inputs = np.array([c.input_bytes * scale for c in costs] + [0.0])
     self.kept_inputs = np.array([c.kept_input_bytes * scale for c in costs] + [0.0])
+    # (layer l's, where l − 1 is in its cell: step_model.cell_kept_bytes)
+    self.inputs_beyond = prefix([b * scale for b in
+                                 step_model.inputs_kept_beyond_outputs(costs)])
     self.cache = prefix([c.cache_bytes * scale * num_token_slices if num_token_slices > 1
                          else 0.0 for c in costs])
     self.work = _RangeMax([step_model.layer_work_bytes(c, micro_batch) for c in costs])
@@ -79,7 +82,8 @@ class _MemoryModel:
 
   def peak(self, starts: Any, ends: Any, in_flight: int, awaiting: int, recompute: bool,
            first: bool, cached: int = 0) -> Any:
-    kept = self.kept[ends] - self.kept[starts] + self.kept_inputs[starts]
+    kept = (self.kept[ends] - self.kept[starts] + self.kept_inputs[starts] +
+            self.inputs_beyond[ends] - self.inputs_beyond[np.asarray(starts) + 1])
     cache = self.cache[ends] - self.cache[starts]
     held = step_model.held_bytes(
         self.inputs[starts] if recompute else kept, self.products[ends] - self.products[starts],

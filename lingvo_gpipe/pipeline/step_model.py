@@ -242,13 +242,23 @@ def unit_kept_bytes(cost: LayerCost, num_token_slices: int) -> float:
   return cost.kept_bytes + cost.cache_bytes * (num_token_slices - 1)
 
 
+def inputs_kept_beyond_outputs(costs: Sequence[LayerCost]) -> list[float]:
+  """Per layer l, the bytes of its kept inputs that layer l − 1 does not keep as its
+  kept outputs (0 for the first): a tensor between two layers is one buffer, kept
+  if either layer's backward needs it. A batch norm keeps its input, the conv before
+  it does not keep its output: counted here; a ReLU keeps its output, the conv after
+  it its input: counted once, in the ReLU's kept_bytes."""
+  return [0.0] + [max(0.0, c.kept_input_bytes - before.kept_output_bytes)
+                  for before, c in zip(costs[:-1], costs[1:])]
+
+
 def cell_kept_bytes(costs: Sequence[LayerCost], num_token_slices: int) -> float:
   """What a backward keeps of the forward of a cell of these layers, at the profiled
-  batch: each layer's kept intermediates (`unit_kept_bytes`) and the inputs its
-  first layer keeps (each later layer's kept inputs are the earlier one's outputs,
-  counted there)."""
+  batch: each layer's kept intermediates (`unit_kept_bytes`), the inputs its first
+  layer keeps, and the inputs each later layer keeps that the one before it does not
+  keep as outputs (`inputs_kept_beyond_outputs`)."""
   return (sum(unit_kept_bytes(c, num_token_slices) for c in costs) +
-          costs[0].kept_input_bytes)
+          costs[0].kept_input_bytes + sum(inputs_kept_beyond_outputs(costs)))
 
 
 def cell_costs(costs: Sequence[LayerCost], shape: PlanShape, batch_size: int,
