@@ -342,6 +342,27 @@ def test_a_tensor_between_two_layers_is_kept_once_if_either_keeps_it():
         assert cells[k].kept_bytes == step_model.cell_kept_bytes(costs[s:e], 1)
 
 
+def test_a_task_not_pipelined_is_predicted_without_the_engines_activation_factor():
+  """It trains with TensorFlow's own step: its activations are the layers' as
+  profiled. The same model as one pipelined cell runs the engine: with the factor."""
+  from lingvo_gpipe import model_registry, planning
+
+  model_registry.load_param_files()
+  plain = model_registry.get_params("demo.TinyConvNet")
+  costs = table(3, num_layers=8)
+  machine = Machine(1, np.inf, activation_factor=2.0)
+  devices = ["/device:CPU:0"]
+  shape, own = planning.predict_own(plain, costs, machine, devices, 8)
+  assert shape == step_model.PlanShape(1, (8,), 1, "never", "gpipe")
+  alike = dataclasses.replace(machine, activation_factor=1.0)
+  assert own.peak_bytes == step_model.predict(costs, alike, shape, 8).peak_bytes
+  one_cell = plain.copy()
+  one_cell.task.pipeline.set(num_cells=1, num_micro_batches=1, recompute="never")
+  shape, own = planning.predict_own(one_cell, costs, machine, devices, 8)
+  assert own.peak_bytes == step_model.predict(costs, machine, shape, 8).peak_bytes
+  assert own.peak_bytes[0] > step_model.predict(costs, alike, shape, 8).peak_bytes[0]
+
+
 def test_a_plan_table_lists_each_step_once_whatever_its_schedule_is_called():
   """At K=1, M=1 gpipe and 1f1b are both one forward and one backward: one row, not
   two that run alike (a top three of the same step is no choice)."""

@@ -284,7 +284,7 @@ def _plan(params, devices: list[str]) -> int:
   --params_override."""
   from lingvo_gpipe import planning
   from lingvo_gpipe.core.hyperparams import ParamsError
-  from lingvo_gpipe.pipeline import layer_profiler, planner, step_model
+  from lingvo_gpipe.pipeline import layer_profiler, planner
 
   setting = _plan_setting(devices)
   try:
@@ -304,8 +304,8 @@ def _plan(params, devices: list[str]) -> int:
     print(planner.format_plans(plans))
   own = None
   try:
-    shape = planning.own_shape(planning.with_measured_costs(params, costs), devices)
-    own = step_model.predict(costs, machine, shape, batch_size)
+    shape, own = planning.predict_own(planning.with_measured_costs(params, costs), costs,
+                                      machine, devices, batch_size)
   except (ParamsError, ValueError) as e:  # a configuration these devices cannot build
     print(f"The params as given cannot be predicted here: {e}")
   if own is not None:
