@@ -53,8 +53,9 @@ class LayerCost:
   its weights' reads (those alias buffers counted elsewhere: the previous layer's
   kept outputs, the variables); kept_input_bytes the inputs it keeps, and
   kept_output_bytes the outputs among kept_bytes: a tensor between two layers is
-  held once if either keeps it (`step_model.cell_kept_bytes`). The working sets are lines too (`step_model.layer_work_bytes`):
-  the weight gradients a backward returns do not shrink with the batch.
+  held once if either keeps it (`step_model.cell_kept_bytes`). The working sets are
+  lines too (`step_model.layer_work_bytes`): the weight gradients a backward returns
+  do not shrink with the batch.
   """
   forward_s: float
   backward_s: float
