@@ -363,6 +363,25 @@ def test_a_task_not_pipelined_is_predicted_without_the_engines_activation_factor
   assert own.peak_bytes[0] > step_model.predict(costs, alike, shape, 8).peak_bytes[0]
 
 
+def test_replicas_share_the_cores_their_devices_share():
+  """Two replicas of one device each on two logical CPUs that compute 1.0 at once run
+  at half speed each: R=2's step at batch 16 is one replica's (batch 8) on a device
+  alone twice over. With a core each, they run at full speed."""
+  costs = table(4)
+  shape = step_model.PlanShape(2, (6,), 1, "never", "gpipe")
+  alone = step_model.predict(costs, Machine(1, np.inf, cores=None, allreduce_bytes_per_s=np.inf),
+                             dataclasses.replace(shape, num_replicas=1), 8).step_s
+  shared = Machine(2, np.inf, cores=1.0, allreduce_bytes_per_s=np.inf)
+  assert step_model.predict(costs, shared, shape, 16).step_s == pytest.approx(2 * alone)
+  own_cores = dataclasses.replace(shared, cores=2.0)
+  assert step_model.predict(costs, own_cores, shape, 16).step_s == pytest.approx(alone)
+  for machine in (shared, own_cores):  # (the search's bound too)
+    plan = shape.make_schedule()
+    cells = step_model.cell_costs(costs, shape, 16, machine)
+    assert step_model.lower_bound_s(plan, cells, machine, 2) <= \
+        step_model.predict(costs, machine, shape, 16).step_s + 1e-12
+
+
 def test_a_plan_table_lists_each_step_once_whatever_its_schedule_is_called():
   """At K=1, M=1 gpipe and 1f1b are both one forward and one backward: one row, not
   two that run alike (a top three of the same step is no choice)."""

@@ -23,7 +23,8 @@ share of each layer's backward. Every hand-off adds latency + bytes / link rate.
 With weight_gradient_group G > 1 a W of G micro-batches runs one product of G·b rows
 (`grouped_weight_s`). The schedule the pipeline runs (`schedule.build`) is simulated
 with these times (`PipelineSchedule.simulate`; where fewer cores than devices compute
-at once, the busy devices share the cores equally), then each device applies its
+at once, the busy devices share the cores equally, and R replicas, computing at the
+same time, each 1/R of them: `Machine.replica_cores`), then each device applies its
 update (update seconds per weight byte, measured); with R replicas an all-reduce of
 the gradients follows.
 
@@ -118,6 +119,13 @@ class Machine:
     (what it sends and what it gets back)."""
     copies = self.weight_copies_one if num_micro_batches == 1 else self.weight_copies
     return 1.0 + self.slot_factor + copies + (2.0 if num_replicas > 1 else 0.0)
+
+  def replica_cores(self, num_replicas: int) -> float | None:
+    """How many of one replica's devices compute at once at full speed: `cores` is
+    measured over all the machine's devices, and R replicas compute at the same time
+    (two replicas of one device each on two logical CPUs that run 1.37 at once: 0.68
+    each)."""
+    return None if self.cores is None else self.cores / num_replicas
 
   @property
   def save_factor(self) -> float:
@@ -326,7 +334,8 @@ def predict(costs: Sequence[LayerCost], machine: Machine, shape: PlanShape,
   if shape.weight_gradient_group > 1:
     grouped = grouped_weight_s(costs, shape, batch_size)
     weight = [g if plan.defers(k) else w for k, (w, g) in enumerate(zip(weight, grouped))]
-  times = plan.simulate(forward, input_grad, weight, max(transfer), cores=machine.cores)
+  times = plan.simulate(forward, input_grad, weight, max(transfer),
+                        cores=machine.replica_cores(shape.num_replicas))
   finish = [0.0] * plan.num_devices
   for (k, _), (_, end) in times.items():
     finish[plan.device_of[k]] = max(finish[plan.device_of[k]], end)
@@ -375,8 +384,9 @@ def _with_update_and_allreduce(device_s: Sequence[float], all_done_s: float,
   them each way at the link's rate). `predict` and `lower_bound_s` both end here."""
   updates = [w * machine.update_s_per_byte for w in device_weights]
   step = max(d + u for d, u in zip(device_s, updates))
-  if machine.cores is not None and machine.cores < len(device_s):
-    step = max(step, all_done_s + sum(updates) / machine.cores)
+  cores = machine.replica_cores(num_replicas)
+  if cores is not None and cores < len(device_s):
+    step = max(step, all_done_s + sum(updates) / cores)
   if num_replicas > 1:
     step += (2.0 * (num_replicas - 1) / num_replicas * max(device_weights) /
              machine.allreduce_bytes_per_s)
@@ -396,7 +406,8 @@ def lower_bound_s(plan: schedule.PipelineSchedule, cells: Sequence[CellCost],
   for k, c in enumerate(cells):
     weight = c.weight_s if weight_gradient_group > 1 else 0.0
     busy[plan.device_of[k]] += plan.num_units * (c.forward_s + c.backward_s - weight)
-  cores = machine.cores if machine.cores is not None else math.inf
+  cores = machine.replica_cores(num_replicas)
+  cores = math.inf if cores is None else cores
   all_busy = sum(busy) / cores if cores < plan.num_devices else 0.0
   return _with_update_and_allreduce(busy, all_busy, _device_weights(plan, cells), machine,
                                     num_replicas)
