@@ -26,7 +26,7 @@ import numpy as np
 import tensorflow as tf
 
 from lingvo_gpipe import calibration
-from lingvo_gpipe.core.hyperparams import Params, ParamsError
+from lingvo_gpipe.core.hyperparams import Params
 from lingvo_gpipe.pipeline import layer_profiler, memory, planner, step_model
 from lingvo_gpipe.pipeline.layer import PipeliningLayer, requested_cells
 from lingvo_gpipe.tasks import base_task
@@ -98,8 +98,7 @@ def layer_costs(stack: MainStack, setting: Setting) -> list[layer_profiler.Layer
   # The layers and their inputs, not the pipeline's settings: one entry serves every plan.
   # (and the allocator that counted their bytes: the default CPU one misses small ones)
   key = [COSTS_VERSION, [lp.to_text() for lp in stack.layer_params], stack.specs,
-         platform.node(), tf.__version__, device,
-         os.environ.get("TF_CPU_ALLOCATOR_USE_BFC", "")]
+         platform.node(), tf.__version__, device, _host_counts()]
   return layer_profiler.cached_layer_costs(setting.cost_cache, key, measure,
                                            warn=setting.log,
                                            num_layers=len(stack.layer_params))
@@ -150,8 +149,7 @@ def machine(params: Params, stack: MainStack, costs: Sequence[layer_profiler.Lay
     key = ["machine v6", params.task.train.optimizer.to_text(),
            params.task.pipeline.stack_variables,
            [lp.to_text() for lp in stack.layer_params], stack.specs, heaviest,
-           platform.node(), tf.__version__, list(setting.devices),
-           os.environ.get("TF_CPU_ALLOCATOR_USE_BFC", "")]
+           platform.node(), tf.__version__, list(setting.devices), _host_counts()]
     figures = layer_profiler.cached_record(setting.cost_cache, key, measure, setting.log,
                                            decode=decode, encode=lambda r: r)
   else:
@@ -206,10 +204,26 @@ class Planned:
   machine: step_model.Machine
 
 
+def _host_counts() -> str:
+  """A cost cache key part: what the host's allocator counts (bytes measured on CPUs,
+  or on a CPU standing in for a worker's, are read off it)."""
+  return ("every allocation" if memory.counts_small_allocations()
+          else "allocations of 256 KiB and more, or none")
+
+
 def measured(params: Params, setting: Setting
              ) -> tuple[MainStack, list[layer_profiler.LayerCost], step_model.Machine]:
   """What every prediction for `params` on the setting's devices starts from: the main
-  stack, its layers' costs and the machine's figures (measured, or from the cache)."""
+  stack, its layers' costs and the machine's figures (measured, or from the cache).
+  Warns where the devices are CPUs and the host's allocator leaves allocations out of
+  its counts: the bound then leaves them out too."""
+  if setting.may_measure and any(
+      (tf.DeviceSpec.from_string(d).device_type or "CPU").upper() == "CPU"
+      for d in setting.devices) and not memory.counts_small_allocations():
+    setting.log("warning: this process's CPU allocator does not count allocations under "
+                "256 KiB (TensorFlow's default one: TF_CPU_ALLOCATOR_USE_BFC was not true "
+                "when TensorFlow started), so the predicted peaks leave them out; set "
+                "TF_CPU_ALLOCATOR_USE_BFC=true before TensorFlow starts")
   stack = MainStack.of(params)
   costs = layer_costs(stack, setting)
   return stack, costs, machine(params, stack, costs, setting)
@@ -235,6 +249,8 @@ def plan_run(params: Params, setting: Setting, auto: bool) -> Planned:
     planner.PlanError: auto, and no plan fits the budget.
     ParamsError: the params' own configuration cannot be built on the devices.
   """
+  if not auto:
+    check_one_device_per_cell(params.task.pipeline, setting.devices)
   stack, costs, found = measured(params, setting)
   batch_size = stack.batch_size
   params = with_measured_costs(params, costs)
@@ -244,14 +260,25 @@ def plan_run(params: Params, setting: Setting, auto: bool) -> Planned:
     prediction = step_model.predict(costs, found, shape, batch_size)
   else:
     shape, prediction = predict_own(params, costs, found, setting.devices, batch_size)
-  devices_needed = shape.num_replicas * shape.num_devices
-  if devices_needed > len(setting.devices):
-    raise ParamsError(f"the plan needs {devices_needed} devices; only {len(setting.devices)}")
   setting.log(f"Predicted: step {prediction.step_s * 1e3:.1f} ms, peak per device "
               f"{format_peaks(prediction.peak_bytes)}; {verdict(prediction, setting)}")
   # (an unpipelined task run as it is stays unpipelined: its shape is one cell)
   pipelined = auto or requested_cells(params.task.pipeline) > 0
   return Planned(with_plan(params, shape) if pipelined else params, prediction, found)
+
+
+def check_one_device_per_cell(pipeline: Params, devices: Sequence[str]) -> None:
+  """Raises planner.PlanError, before anything is measured, where the params' cells
+  would share devices other than as virtual stages (K / V devices per replica): the
+  step model places one cell per device (the engine runs such params, unpredicted)."""
+  cells = requested_cells(pipeline)
+  needed = pipeline.num_replicas * max(cells // max(pipeline.virtual_stages, 1), 1)
+  if cells and needed > len(devices):
+    raise planner.PlanError(
+        f"the params' {cells} cells (virtual_stages={pipeline.virtual_stages}, "
+        f"num_replicas={pipeline.num_replicas}) are predicted on {needed} devices, one per "
+        f"cell; {len(devices)} given: give {needed} or more devices, or train them without "
+        "--plan")
 
 
 def predict_own(params: Params, costs: Sequence[layer_profiler.LayerCost],
@@ -300,6 +327,16 @@ def allocator_peaks(devices: Sequence[str]) -> tuple[list[str], list[float]] | N
     return names, [float(tf.config.experimental.get_memory_info(n)["peak"]) for n in names]
   except (ValueError, tf.errors.OpError):
     return None
+
+
+def most_of(*peaks: tuple[list[str], list[float]] | None
+            ) -> tuple[list[str], list[float]] | None:
+  """`allocator_peaks` read at several times, each allocator's most (None: unread)."""
+  read = [p for p in peaks if p is not None]
+  if not read:
+    return None
+  names = read[0][0]
+  return names, [max(values[i] for _, values in read) for i in range(len(names))]
 
 
 def reset_allocator_peaks(devices: Sequence[str]) -> None:

@@ -788,15 +788,12 @@ def test_plans_count_small_allocations_unless_told_otherwise(flags, given, expec
 
 
 @EXHAUSTIVE
-def test_a_cold_plan_measures_in_a_child_process_and_a_warm_one_measures_nothing(
-    tmp_path, monkeypatch):
+def test_a_cold_plan_measures_in_a_child_process_and_a_warm_one_measures_nothing(tmp_path):
   """--plan with costs the cache lacks measures them in a child process (--mode=plan)
   and trains in its own, which the measuring left nothing in; the costs it wrote are
   what the next run reads, measuring nothing; without a cache (--cost_cache='') the
   child's temporary one is gone when the run ends."""
   from conftest import run_trainer
-
-  from lingvo_gpipe import model_registry, planning
 
   cache = tmp_path / "costs.json"
   common = ("--model=demo.TinyConvNet", "--devices=cpu:2", "--plan=check", "--max_steps=2")
@@ -806,12 +803,6 @@ def test_a_cold_plan_measures_in_a_child_process_and_a_warm_one_measures_nothing
   assert "Measuring in a child process (--mode=plan)" in cold.stdout
   assert any(line.startswith("  Measuring the costs of the") for line in lines)
   assert not any(line.startswith("Measuring the costs of the") for line in lines)
-  monkeypatch.setenv("TF_CPU_ALLOCATOR_USE_BFC", "true")  # (a key part: --plan set it)
-  setting = planning.Setting(("/device:CPU:0", "/device:CPU:1"), 1e9, str(cache))
-  model_registry.load_param_files()
-  params = model_registry.get_params("demo.TinyConvNet")
-  assert planning.in_cache(params, setting)  # (what the child measured for this run)
-  assert not planning.in_cache(params, dataclasses.replace(setting, devices=setting.devices[:1]))
   warm = run_trainer(*common, f"--cost_cache={cache}", f"--logdir={tmp_path / 'warm'}")
   assert warm.returncode == 0, warm.stderr[-3000:]
   assert "Measuring" not in warm.stdout
@@ -823,3 +814,88 @@ def test_a_cold_plan_measures_in_a_child_process_and_a_warm_one_measures_nothing
   assert "  Measuring the costs of the" in none.stdout
   assert (tmp_path / "none" / "train" / "plan_check.json").exists()
   assert list(scratch.iterdir()) == []
+
+
+@pytest.mark.parametrize("given", ["true", None])
+def test_what_the_allocator_counts_is_asked_of_it_and_keys_the_cache(given):
+  """The cost cache's key and the warning follow what the host's allocator counts, not
+  the environment (which may be set after TensorFlow started). In a child: the
+  allocator is chosen when TensorFlow starts."""
+  import os
+  import subprocess
+  import sys
+
+  from conftest import REPO
+
+  code = ("import sys; sys.path.insert(0, '.'); "
+          "from lingvo_gpipe.pipeline import memory; from lingvo_gpipe import planning; "
+          "import os, tensorflow as tf; tf.constant(1.0) + 1; "  # (the allocator is made)
+          "os.environ['TF_CPU_ALLOCATOR_USE_BFC'] = 'true'; "  # (too late)
+          "print(memory.counts_small_allocations(), planning._host_counts())")
+  env = {k: v for k, v in os.environ.items() if k != "TF_CPU_ALLOCATOR_USE_BFC"}
+  if given is not None:
+    env["TF_CPU_ALLOCATOR_USE_BFC"] = given
+  done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                        cwd=REPO, env=env, timeout=60)
+  assert done.returncode == 0, done.stderr[-2000:]
+  counts = given == "true"
+  assert done.stdout.strip() == (f"{counts} every allocation" if counts else
+                                 f"{counts} allocations of 256 KiB and more, or none")
+
+
+def test_planning_on_cpus_warns_where_the_allocator_leaves_small_allocations_out(
+    monkeypatch):
+  from lingvo_gpipe import planning
+  from lingvo_gpipe.pipeline import memory
+
+  class Stop(Exception):
+    pass
+
+  def stop(cls, params):
+    raise Stop
+
+  monkeypatch.setattr(planning.MainStack, "of", classmethod(stop))
+  for counts, devices, warned in [(False, ("/device:CPU:0",), True),
+                                  (True, ("/device:CPU:0",), False),
+                                  (False, ("/device:GPU:0",), False)]:
+    monkeypatch.setattr(memory, "counts_small_allocations", lambda *_, c=counts: c)
+    logged = []
+    with pytest.raises(Stop):
+      planning.measured(None, planning.Setting(devices, 1e9, "", log=logged.append))
+    assert any("does not count allocations under 256 KiB" in line for line in logged) == warned
+
+
+@EXHAUSTIVE
+def test_evals_between_steps_are_kept_out_of_the_plans_peak(tiny_lm_cost_cache, tmp_path):
+  """train_and_eval with --plan=check: evals of a batch 8× the training's run between
+  steps; the peak set beside the plan is the training's, as in the same run without
+  evals (an eval's peak was charged to the plan: +78%)."""
+  from conftest import run_trainer
+
+  cache = tmp_path / "costs.json"
+  shutil.copy(tiny_lm_cost_cache, cache)
+  common = ("--model=lm.TransformerTiny", "--devices=cpu:2", f"--cost_cache={cache}",
+            "--plan=check", "--max_steps=6")
+  peaks = {}
+  for mode, extra in (("train", ()), ("train_and_eval", (
+      "--params_override=task.train.eval_interval_steps=2;eval_input.batch_size=256",))):
+    done = run_trainer(*common, f"--mode={mode}", f"--logdir={tmp_path / mode}", *extra)
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads((tmp_path / mode / "train" / "plan_check.json").read_text())
+    peaks[mode] = found["measured_peak_bytes"][0] - found["host_bytes"]
+  assert peaks["train_and_eval"] < 1.15 * peaks["train"], peaks
+
+
+def test_a_check_of_cells_sharing_devices_is_refused_before_measuring(tmp_path):
+  """The step model places one cell per device (K / V per replica): two cells on one
+  device are refused in one line naming both counts, before anything is measured or
+  written."""
+  from conftest import run_trainer
+
+  done = run_trainer("--model=lm.TransformerTiny", "--devices=cpu", "--plan=check",
+                     f"--cost_cache={tmp_path / 'costs.json'}", f"--logdir={tmp_path / 'run'}")
+  assert done.returncode == 2
+  assert ("--plan=check: the params' 2 cells (virtual_stages=1, num_replicas=1) are "
+          "predicted on 2 devices, one per cell; 1 given") in done.stderr
+  assert "Measuring" not in done.stdout
+  assert not (tmp_path / "costs.json").exists() and not (tmp_path / "run").exists()

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import shutil
@@ -124,6 +125,9 @@ class RunState:
   planned: Planned | None = None  # --plan: the prediction to compare the run with
   devices: tuple[str, ...] = ()
   measuring: subprocess.Popen | None = None  # --plan: the child measuring the costs
+  # --plan with evals between steps: the allocators' peaks of the training before each
+  # eval (an eval's own peak is not the plan's), their most per allocator
+  peaks_between_evals: tuple[list[str], list[float]] | None = None
 
   def request_stop(self) -> None:
     """Asks the training loop, if one is built, to stop after the call in flight (one
@@ -342,6 +346,8 @@ def _planned_params(params, devices: list[str], state: RunState):
   setting = _plan_setting(devices)
   with _bad_params_are_usage_errors():
     try:
+      if FLAGS.plan == "check":  # (before a child measures what this cannot use)
+        planning.check_one_device_per_cell(params.task.pipeline, devices)
       measured = _measured_apart(params, setting, state)
       try:
         state.planned = planning.plan_run(params, measured, auto=FLAGS.plan == "auto")
@@ -395,13 +401,24 @@ def _measured_apart(params, setting, state: RunState):
   return setting
 
 
+def _evaluate_apart_from_the_plan(state: RunState, trainer) -> None:
+  """--plan with evals between steps: an eval, its peak kept out of the training's
+  (what the plan predicts): the peaks so far are kept, and reset after it."""
+  from lingvo_gpipe import planning
+
+  state.peaks_between_evals = planning.most_of(state.peaks_between_evals,
+                                               planning.allocator_peaks(state.devices))
+  trainer.evaluate()
+  planning.reset_allocator_peaks(state.devices)
+
+
 def _compare_with_plan(state: RunState, trainer) -> None:
   """--plan: the prediction beside what the run measured (log, TensorBoard, JSON)."""
   from lingvo_gpipe import planning
 
-  found = planning.compare(state.planned, trainer.step_seconds,
-                           planning.allocator_peaks(state.devices), trainer.last_timestamps,
-                           host_bytes=trainer.input_held_bytes)
+  peaks = planning.most_of(state.peaks_between_evals, planning.allocator_peaks(state.devices))
+  found = planning.compare(state.planned, trainer.step_seconds, peaks,
+                           trainer.last_timestamps, host_bytes=trainer.input_held_bytes)
   print(planning.format_comparison(found), flush=True)
   path = planning.write_comparison(trainer.train_dir, found,
                                    int(trainer.global_step.numpy()))
@@ -722,6 +739,8 @@ def _train_or_eval(params: Params, profile_steps: tuple[int, int] | None,
       trainer.evaluate()
       return 0
     eval_fn = trainer.evaluate if FLAGS.mode == "train_and_eval" else None
+    if eval_fn is not None and state.planned is not None:
+      eval_fn = functools.partial(_evaluate_apart_from_the_plan, state, trainer)
     trainer.train(params.task.train.max_steps, eval_fn=eval_fn, profile_steps=profile_steps)
     if state.planned is not None and trainer.step_seconds:
       _compare_with_plan(state, trainer)

@@ -64,3 +64,20 @@ def held_by(build: Callable[[], Any], allocator: str) -> tuple[Any, int | None]:
     return build(), None
   result = build()
   return result, tf.config.experimental.get_memory_info(allocator)["current"] - before
+
+
+def counts_small_allocations(allocator: str = HOST_ALLOCATOR) -> bool:
+  """Whether `allocator`'s counts (get_memory_info) include an allocation of 4 KiB:
+  TensorFlow's BFC allocator's do; the default CPU allocator's leave out those under
+  256 KiB on some CPUs, or cannot be read at all. Which one a process has is fixed
+  when TensorFlow starts (TF_CPU_ALLOCATOR_USE_BFC): this asks the allocator, not the
+  environment, which may have been set too late."""
+  try:
+    before = tf.config.experimental.get_memory_info(allocator)["current"]
+    with tf.device(allocator):
+      held = tf.fill([1024], 1.0)  # 4 KiB, allocated now and held until read
+    after = tf.config.experimental.get_memory_info(allocator)["current"]
+  except (ValueError, tf.errors.OpError):
+    return False
+  del held
+  return after - before >= 4096
