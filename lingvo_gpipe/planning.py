@@ -288,8 +288,8 @@ def predict_own(params: Params, costs: Sequence[layer_profiler.LayerCost],
   not pipelined trains with TensorFlow's own step, not the engine's: its activations
   are the layers' as profiled (a step of them under one tape), without the factor the
   calibration measured for the engine's steps (Machine.activation_factor: 1.15 for
-  demo.TinyConvNet, whose plain step held 15.0 MiB against the engine's 18.5 at one
-  cell and one micro-batch)."""
+  demo.TinyConvNet's layers, whose plain step peaked at 12.6-15.0 MiB in all, under
+  the 16.0 MiB its layers count without the factor)."""
   shape = own_shape(params, devices)
   if requested_cells(params.task.pipeline) == 0:
     machine = dataclasses.replace(machine, activation_factor=1.0)
