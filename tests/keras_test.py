@@ -614,6 +614,31 @@ def test_params_keep_the_config_and_read_it_back_from_text():
   assert_close(a(x).numpy(), tf.nn.gelu(x @ a.kernel + a.bias, approximate=False).numpy())
 
 
+@keras.saving.register_keras_serializable(package="lingvo_gpipe_tests")
+class DrawsInBuild(keras.layers.Layer):
+  """Makes its initializer in build(), without a seed (as params/keras_examples.py's
+  PositionEmbedding does): no config shows it."""
+
+  def build(self, input_shape):
+    self.table = self.add_weight(shape=(input_shape[-1], 3), name="table",
+                                 initializer=keras.initializers.RandomNormal(stddev=0.02))
+
+  def call(self, x):
+    return x @ self.table
+
+
+def test_an_initializer_made_in_build_without_a_seed_draws_the_same_weights_each_build():
+  import random
+
+  p = layers.Keras.Params().set(name="drawn", layer=DrawsInBuild(), input_shape=[4])
+  state = random.getstate()
+  a, b = p.instantiate(), p.instantiate()
+  assert random.getstate() == state  # (the caller's Python random is left as it was)
+  np.testing.assert_array_equal(a.table.numpy(), b.table.numpy())
+  other = p.copy().set(name="drawn2").instantiate()  # another path: other draws
+  assert not np.array_equal(a.table.numpy(), other.table.numpy())
+
+
 def test_each_keras_weight_is_one_library_variable_and_one_checkpoint_key(tmp_path):
   layer = layers.Keras.Params().set(
       name="attention", layer=keras.layers.MultiHeadAttention(2, 4),

@@ -38,7 +38,9 @@ cast and exported like a native one. How each concern is met:
 from __future__ import annotations
 
 import ast
+import contextlib
 import copy
+import random
 import re
 from collections.abc import Iterator
 from typing import Any
@@ -177,6 +179,21 @@ def _nested_dicts(value: Any) -> Iterator[dict]:
   elif isinstance(value, (list, tuple)):
     for item in value:
       yield from _nested_dicts(item)
+
+
+@contextlib.contextmanager
+def _python_random_seeded(seed: int) -> Iterator[None]:
+  """Python's `random` seeded with `seed` inside, its state as it was after. Keras 3
+  draws the seed of an initializer made without one from it: a layer whose own build
+  makes one (`RandomNormal(stddev=0.02)` in a custom layer's `build`), which no config
+  shows, then draws the same weights from the same params (`_built_config` seeds
+  those the config holds)."""
+  state = random.getstate()
+  random.seed(seed)
+  try:
+    yield
+  finally:
+    random.setstate(state)
 
 
 def _built_config(layer: Keras, config: dict, policy: str) -> dict:
@@ -352,7 +369,8 @@ class Keras(BaseLayer):
     """The Keras layer from `config` (its dtype policy `policy`), built, its weights
     library variables."""
     p = self.params
-    with tf.variable_creator_scope(self._create_variable):
+    with tf.variable_creator_scope(self._create_variable), \
+        _python_random_seeded(self.seed_for("keras_python_random")):
       layer, config = self._deserialized(config)
       _check_supported(self.path, layer)
       if isinstance(layer, keras.Model) and not isinstance(layer, keras.Sequential):
