@@ -365,6 +365,8 @@ def auto_choice(model: str, repeats: int, steps: int, logs: str | None) -> dict:
   itself (its "Plan:" line must be the list's first). Per budget: each candidate's
   predicted and median measured step, and the chosen one's median ÷ the fastest's
   (target ≤ 1.05)."""
+  from lingvo_gpipe.pipeline import planner
+
   out = {}
   with tempfile.TemporaryDirectory() as scratch:
     cache = str(Path(scratch) / "costs.json")
@@ -394,7 +396,7 @@ def auto_choice(model: str, repeats: int, steps: int, logs: str | None) -> dict:
           measured[i].append(found["measured_step_s"])
       medians = [statistics.median(m) for m in measured]
       out[budget] = {
-          "device_memory_bytes": planner_bytes(memory),
+          "device_memory_bytes": planner.parse_bytes(memory),
           "candidates": [{"params_override": p["params_override"],
                           "predicted_step_s": p["step_s"], "measured_step_s": m,
                           "median_step_s": med}
@@ -403,12 +405,6 @@ def auto_choice(model: str, repeats: int, steps: int, logs: str | None) -> dict:
           "fastest_measured": medians.index(min(medians))}
       print(json.dumps({f"{model}/{budget}": out[budget]}), flush=True)
   return out
-
-
-def planner_bytes(memory: str) -> float:
-  from lingvo_gpipe.pipeline import planner
-
-  return planner.parse_bytes(memory)
 
 
 def summary(errors: list[float]) -> dict:

@@ -15,6 +15,7 @@ predicted peaks; workers of a cluster log their own, tools/worker.py --memory_lo
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import json
 import os
@@ -204,6 +205,7 @@ class Planned:
   machine: step_model.Machine
 
 
+@functools.cache  # (a process's allocator is chosen once, when TensorFlow starts)
 def _host_counts() -> str:
   """A cost cache key part: what the host's allocator counts (bytes measured on CPUs,
   or on a CPU standing in for a worker's, are read off it)."""
@@ -211,39 +213,46 @@ def _host_counts() -> str:
           else "allocations of 256 KiB and more, or none")
 
 
-def measured(params: Params, setting: Setting
-             ) -> tuple[MainStack, list[layer_profiler.LayerCost], step_model.Machine]:
-  """What every prediction for `params` on the setting's devices starts from: the main
-  stack, its layers' costs and the machine's figures (measured, or from the cache).
-  Warns where the devices are CPUs and the host's allocator leaves allocations out of
-  its counts: the bound then leaves them out too."""
-  if setting.may_measure and any(
-      (tf.DeviceSpec.from_string(d).device_type or "CPU").upper() == "CPU"
-      for d in setting.devices) and not memory.counts_small_allocations():
+Measured = tuple[MainStack, list[layer_profiler.LayerCost], step_model.Machine]
+
+
+def warn_where_allocations_go_uncounted(setting: Setting) -> None:
+  """Warns (setting.log) where the devices are CPUs and the host's allocator leaves
+  allocations out of its counts: the predicted peaks then leave them out too."""
+  if any(layer_profiler.allocator_name(d) == memory.HOST_ALLOCATOR
+         for d in setting.devices) and not memory.counts_small_allocations():
     setting.log("warning: this process's CPU allocator does not count allocations under "
                 "256 KiB (TensorFlow's default one: TF_CPU_ALLOCATOR_USE_BFC was not true "
                 "when TensorFlow started), so the predicted peaks leave them out; set "
                 "TF_CPU_ALLOCATOR_USE_BFC=true before TensorFlow starts")
+
+
+def measured(params: Params, setting: Setting) -> Measured:
+  """What every prediction for `params` on the setting's devices starts from: the main
+  stack, its layers' costs and the machine's figures (measured, or from the cache)."""
   stack = MainStack.of(params)
   costs = layer_costs(stack, setting)
   return stack, costs, machine(params, stack, costs, setting)
 
 
-def in_cache(params: Params, setting: Setting) -> bool:
-  """Whether the setting's cost cache holds everything `measured` needs (nothing is
-  measured, logged or written to find out)."""
+def from_cache(params: Params, setting: Setting) -> Measured | None:
+  """`measured` where the setting's cost cache holds all it needs, else None (nothing
+  is measured, logged or written to find out)."""
   try:
-    measured(params, dataclasses.replace(setting, may_measure=False, log=lambda _: None))
+    return measured(params, dataclasses.replace(setting, may_measure=False,
+                                                log=lambda _: None))
   except NotMeasured:
-    return False
-  return True
+    return None
 
 
-def plan_run(params: Params, setting: Setting, auto: bool) -> Planned:
+def plan_run(params: Params, setting: Setting, auto: bool,
+             found_in_cache: Measured | None = None) -> Planned:
   """auto: the best plan for the devices (planner.plan) applied to `params`;
   otherwise `params` as they are. Either way with its prediction, and with its split
   (and, for partition_cost='measured', the planner's layer costs) written into the
-  params returned: what trains is what was predicted.
+  params returned: what trains is what was predicted. `found_in_cache`: `from_cache`'s
+  answer, where the caller asked (the main stack is not probed twice: 9 s for a
+  128-layer model).
 
   Raises:
     planner.PlanError: auto, and no plan fits the budget.
@@ -251,7 +260,8 @@ def plan_run(params: Params, setting: Setting, auto: bool) -> Planned:
   """
   if not auto:
     check_one_device_per_cell(params.task.pipeline, setting.devices)
-  stack, costs, found = measured(params, setting)
+  warn_where_allocations_go_uncounted(setting)
+  stack, costs, found = found_in_cache or measured(params, setting)
   batch_size = stack.batch_size
   params = with_measured_costs(params, costs)
   if auto:

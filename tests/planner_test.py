@@ -768,23 +768,30 @@ def test_plans_count_small_allocations_unless_told_otherwise(flags, given, expec
   """--mode=plan and --plan (in train modes) turn on the BFC allocator, whose counts
   include allocations under 256 KiB; a value the user set is kept; other runs are left
   as they are. (tools/trainer.py in a child: importing it defines absl flags.)"""
+  printed = _printed_in_a_child(
+      "import os, sys; sys.path.insert(0, '.'); from tools import trainer; "
+      f"trainer._parse_flags(['trainer.py'] + {flags!r}); "
+      "trainer._count_every_allocation_for_plans(); "
+      "print(os.environ.get('TF_CPU_ALLOCATOR_USE_BFC'))", given)
+  assert printed == str(expected)
+
+
+def _printed_in_a_child(code: str, bfc: str | None) -> str:
+  """What Python `code` prints, run in a child process from the repository, with
+  TF_CPU_ALLOCATOR_USE_BFC=`bfc` (None: unset) as TensorFlow starts."""
   import os
   import subprocess
   import sys
 
   from conftest import REPO
 
-  code = ("import os, sys; sys.path.insert(0, '.'); from tools import trainer; "
-          f"trainer._parse_flags(['trainer.py'] + {flags!r}); "
-          "trainer._count_every_allocation_for_plans(); "
-          "print(os.environ.get('TF_CPU_ALLOCATOR_USE_BFC'))")
   env = {k: v for k, v in os.environ.items() if k != "TF_CPU_ALLOCATOR_USE_BFC"}
-  if given is not None:
-    env["TF_CPU_ALLOCATOR_USE_BFC"] = given
+  if bfc is not None:
+    env["TF_CPU_ALLOCATOR_USE_BFC"] = bfc
   done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                         cwd=REPO, env=env, timeout=60)
   assert done.returncode == 0, done.stderr[-2000:]
-  assert done.stdout.strip() == str(expected)
+  return done.stdout.strip()
 
 
 @EXHAUSTIVE
@@ -821,26 +828,15 @@ def test_what_the_allocator_counts_is_asked_of_it_and_keys_the_cache(given):
   """The cost cache's key and the warning follow what the host's allocator counts, not
   the environment (which may be set after TensorFlow started). In a child: the
   allocator is chosen when TensorFlow starts."""
-  import os
-  import subprocess
-  import sys
-
-  from conftest import REPO
-
-  code = ("import sys; sys.path.insert(0, '.'); "
-          "from lingvo_gpipe.pipeline import memory; from lingvo_gpipe import planning; "
-          "import os, tensorflow as tf; tf.constant(1.0) + 1; "  # (the allocator is made)
-          "os.environ['TF_CPU_ALLOCATOR_USE_BFC'] = 'true'; "  # (too late)
-          "print(memory.counts_small_allocations(), planning._host_counts())")
-  env = {k: v for k, v in os.environ.items() if k != "TF_CPU_ALLOCATOR_USE_BFC"}
-  if given is not None:
-    env["TF_CPU_ALLOCATOR_USE_BFC"] = given
-  done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                        cwd=REPO, env=env, timeout=60)
-  assert done.returncode == 0, done.stderr[-2000:]
+  printed = _printed_in_a_child(
+      "import sys; sys.path.insert(0, '.'); "
+      "from lingvo_gpipe.pipeline import memory; from lingvo_gpipe import planning; "
+      "import os, tensorflow as tf; tf.constant(1.0) + 1; "  # (the allocator is made)
+      "os.environ['TF_CPU_ALLOCATOR_USE_BFC'] = 'true'; "  # (too late)
+      "print(memory.counts_small_allocations(), planning._host_counts())", given)
   counts = given == "true"
-  assert done.stdout.strip() == (f"{counts} every allocation" if counts else
-                                 f"{counts} allocations of 256 KiB and more, or none")
+  assert printed == (f"{counts} every allocation" if counts else
+                     f"{counts} allocations of 256 KiB and more, or none")
 
 
 def test_planning_on_cpus_warns_where_the_allocator_leaves_small_allocations_out(
@@ -848,20 +844,13 @@ def test_planning_on_cpus_warns_where_the_allocator_leaves_small_allocations_out
   from lingvo_gpipe import planning
   from lingvo_gpipe.pipeline import memory
 
-  class Stop(Exception):
-    pass
-
-  def stop(cls, params):
-    raise Stop
-
-  monkeypatch.setattr(planning.MainStack, "of", classmethod(stop))
   for counts, devices, warned in [(False, ("/device:CPU:0",), True),
                                   (True, ("/device:CPU:0",), False),
                                   (False, ("/device:GPU:0",), False)]:
     monkeypatch.setattr(memory, "counts_small_allocations", lambda *_, c=counts: c)
     logged = []
-    with pytest.raises(Stop):
-      planning.measured(None, planning.Setting(devices, 1e9, "", log=logged.append))
+    planning.warn_where_allocations_go_uncounted(
+        planning.Setting(devices, 1e9, "", log=logged.append))
     assert any("does not count allocations under 256 KiB" in line for line in logged) == warned
 
 

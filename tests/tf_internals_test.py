@@ -438,3 +438,6 @@ def test_zeros_in_a_loop_state_are_not_folded_into_a_constant(cpu_allocator_stat
   assert not any(op.op_def.is_stateful for op in filled.graph.get_operations())
   assert tf_internals.zeros([2, 3], tf.bfloat16).shape == [2, 3]
   assert not tf_internals.zeros([2, 3], tf.bool).numpy().any()
+  zero = tf_internals.runtime_zero(tf.constant(3, tf.int64))
+  assert not tf_internals.zeros([2, 3], tf.bool, zero).numpy().any()
+  assert list(tf_internals.zeros([2], tf.string, zero).numpy()) == [b"", b""]  # (no cast)

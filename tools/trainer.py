@@ -291,6 +291,7 @@ def _plan(params, devices: list[str]) -> int:
   from lingvo_gpipe.pipeline import layer_profiler, planner
 
   setting = _plan_setting(devices)
+  planning.warn_where_allocations_go_uncounted(setting)
   try:
     stack, costs, machine = planning.measured(params, setting)
     batch_size = stack.batch_size
@@ -348,9 +349,10 @@ def _planned_params(params, devices: list[str], state: RunState):
     try:
       if FLAGS.plan == "check":  # (before a child measures what this cannot use)
         planning.check_one_device_per_cell(params.task.pipeline, devices)
-      measured = _measured_apart(params, setting, state)
+      measured, found = _measured_apart(params, setting, state)
       try:
-        state.planned = planning.plan_run(params, measured, auto=FLAGS.plan == "auto")
+        state.planned = planning.plan_run(params, measured, auto=FLAGS.plan == "auto",
+                                          found_in_cache=found)
       finally:
         if measured.cost_cache != setting.cost_cache:  # (the child's temporary cache)
           shutil.rmtree(os.path.dirname(measured.cost_cache), ignore_errors=True)
@@ -362,7 +364,8 @@ def _planned_params(params, devices: list[str], state: RunState):
 
 
 def _measured_apart(params, setting, state: RunState):
-  """The setting, its cost cache holding what the plan needs: what it lacks is
+  """(the setting, what its cost cache holds for the plan: planning.from_cache, or
+  None where the run must measure). What the cache lacks is
   measured by this command run as --mode=plan in a child process, so that the run's
   allocator holds nothing the measuring left (run in the trainer's own process, it
   left the run's peak 2-15% higher: docs/benchmarks.md, "The bound at small sizes").
@@ -375,9 +378,12 @@ def _measured_apart(params, setting, state: RunState):
   from lingvo_gpipe import planning
   from lingvo_gpipe.pipeline import layer_profiler
 
-  if (FLAGS.cluster_spec or planning.in_cache(params, setting)
-      or (setting.cost_cache and layer_profiler.cache_problem(setting.cost_cache))):
-    return setting
+  if FLAGS.cluster_spec or (setting.cost_cache and
+                            layer_profiler.cache_problem(setting.cost_cache)):
+    return setting, None
+  found = planning.from_cache(params, setting)
+  if found is not None:
+    return setting, found
   cache = setting.cost_cache or os.path.join(tempfile.mkdtemp(prefix="lingvo_gpipe_costs_"),
                                              "layer_costs.json")
   given = {id(FLAGS[name]): FLAGS[name] for name in FLAGS
@@ -395,10 +401,11 @@ def _measured_apart(params, setting, state: RunState):
       print("  " + line, end="", flush=True)
   child.wait()
   setting = dataclasses.replace(setting, cost_cache=cache)
-  if not planning.in_cache(params, setting):  # (then the run measures, as it did before)
+  found = planning.from_cache(params, setting)
+  if found is None:  # (then the run measures, as it did before)
     print(f"warning: the child process (exit {child.returncode}) did not measure the costs; "
           f"measuring here. Its last lines:\n{''.join(lines[-5:])}", flush=True)
-  return setting
+  return setting, found
 
 
 def _evaluate_apart_from_the_plan(state: RunState, trainer) -> None:

@@ -373,11 +373,11 @@ def zeros(shape: Any, dtype: tf.DType, zero: tf.Tensor | None = None) -> tf.Tens
   function (item 17): made when the op runs, freed when no longer used. Inside a
   device's loop or a cell's function: `Empty`. In the step's own graph, outside the
   loops: pass `zero` (`runtime_zero`), filled, since an Empty there is ordered after
-  the ops before it. Other dtypes (bool, strings) and shapes not fully known:
-  `tf.zeros`."""
+  the ops before it. Strings, shapes not fully known, and without `zero` the dtypes
+  Empty has no kernel for (bool): `tf.zeros`."""
   shape = tf.TensorShape(shape)
   dtype = tf.as_dtype(dtype)
-  if not shape.is_fully_defined():
+  if not shape.is_fully_defined() or dtype == tf.string:
     return tf.zeros(shape, dtype)
   if zero is not None:
     return tf.fill(shape.as_list(), tf.cast(zero, dtype))
