@@ -888,3 +888,33 @@ def test_a_check_of_cells_sharing_devices_is_refused_before_measuring(tmp_path):
           "predicted on 2 devices, one per cell; 1 given") in done.stderr
   assert "Measuring" not in done.stdout
   assert not (tmp_path / "costs.json").exists() and not (tmp_path / "run").exists()
+
+
+@EXHAUSTIVE
+def test_a_run_stopped_while_its_child_measures_leaves_no_temporary_cache(tmp_path):
+  """SIGTERM to the trainer while its child measures the costs (--cost_cache=''): the
+  child is stopped with it (exit 143) and the child's temporary cache folder is gone
+  (the process ends without the trainer thread's cleanup)."""
+  import os
+  import signal
+  import subprocess
+  import sys
+
+  from conftest import REPO
+
+  scratch = tmp_path / "scratch"
+  scratch.mkdir()
+  trainer = subprocess.Popen(
+      [sys.executable, str(REPO / "tools" / "trainer.py"), "--model=demo.TinyConvNet",
+       "--devices=cpu:2", "--plan=check", "--cost_cache=", "--max_steps=2",
+       f"--logdir={tmp_path / 'run'}"],
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+      env=dict(os.environ, TMPDIR=str(scratch), TF_CPP_MIN_LOG_LEVEL="2"))
+  for line in trainer.stdout:
+    if line.startswith("  Measuring the costs of the"):  # (the child is measuring)
+      assert [p.name for p in scratch.glob("lingvo_gpipe_costs_*")]
+      trainer.send_signal(signal.SIGTERM)
+      break
+  assert trainer.wait(timeout=60) == 143, trainer.stderr.read()[-2000:]
+  assert list(scratch.glob("lingvo_gpipe_costs_*")) == []
+  assert not (tmp_path / "run").exists()

@@ -125,6 +125,8 @@ class RunState:
   planned: Planned | None = None  # --plan: the prediction to compare the run with
   devices: tuple[str, ...] = ()
   measuring: subprocess.Popen | None = None  # --plan: the child measuring the costs
+  measuring_folder: str | None = None  # its temporary cache's (--cost_cache=''), if any
+  stopping: bool = False  # request_stop was called
   # --plan with evals between steps: the allocators' peaks of the training before each
   # eval (an eval's own peak is not the plan's), their most per allocator
   peaks_between_evals: tuple[list[str], list[float]] | None = None
@@ -134,8 +136,22 @@ class RunState:
     step, or steps_per_call of them), and stops the child measuring costs, if any."""
     if self.trainer is not None:
       self.trainer.stop_requested.set()
+    self.stopping = True
     if self.measuring is not None and self.measuring.poll() is None:
       self.measuring.terminate()  # (its cache is written whole or not at all)
+      try:
+        self.measuring.wait(timeout=5)
+      except subprocess.TimeoutExpired:
+        self.measuring.kill()
+        self.measuring.wait()
+    self.discard_measuring_folder()
+
+  def discard_measuring_folder(self) -> None:
+    """Removes the child's temporary cache folder, if there is one (the process may be
+    about to end without the trainer thread's cleanup)."""
+    if self.measuring_folder is not None:
+      shutil.rmtree(self.measuring_folder, ignore_errors=True)
+      self.measuring_folder = None
 
 
 @contextlib.contextmanager
@@ -349,13 +365,12 @@ def _planned_params(params, devices: list[str], state: RunState):
     try:
       if FLAGS.plan == "check":  # (before a child measures what this cannot use)
         planning.check_one_device_per_cell(params.task.pipeline, devices)
-      measured, found = _measured_apart(params, setting, state)
       try:
+        measured, found = _measured_apart(params, setting, state)
         state.planned = planning.plan_run(params, measured, auto=FLAGS.plan == "auto",
                                           found_in_cache=found)
       finally:
-        if measured.cost_cache != setting.cost_cache:  # (the child's temporary cache)
-          shutil.rmtree(os.path.dirname(measured.cost_cache), ignore_errors=True)
+        state.discard_measuring_folder()
     except (planner.PlanError, layer_profiler.CostCacheError) as e:  # (ParamsErrors too)
       raise UsageFailure(f"--plan={FLAGS.plan}: {e}") from None
   state.devices = tuple(devices)
@@ -384,8 +399,9 @@ def _measured_apart(params, setting, state: RunState):
   found = planning.from_cache(params, setting)
   if found is not None:
     return setting, found
-  cache = setting.cost_cache or os.path.join(tempfile.mkdtemp(prefix="lingvo_gpipe_costs_"),
-                                             "layer_costs.json")
+  if not setting.cost_cache:
+    state.measuring_folder = tempfile.mkdtemp(prefix="lingvo_gpipe_costs_")
+  cache = setting.cost_cache or os.path.join(state.measuring_folder, "layer_costs.json")
   given = {id(FLAGS[name]): FLAGS[name] for name in FLAGS
            if FLAGS[name].present and name not in ("mode", "plan", "cost_cache", "flagfile")}
   command = [sys.executable, os.path.abspath(__file__), "--mode=plan", "--plan=",
@@ -400,6 +416,8 @@ def _measured_apart(params, setting, state: RunState):
     if line.startswith(("Measuring", "Measured", "warning")):
       print("  " + line, end="", flush=True)
   child.wait()
+  if state.stopping:  # (the child was stopped with the run, which ends now)
+    raise UsageFailure("interrupted while the costs were measured")
   setting = dataclasses.replace(setting, cost_cache=cache)
   found = planning.from_cache(params, setting)
   if found is None:  # (then the run measures, as it did before)
